@@ -1,0 +1,27 @@
+# The two commands of the README's quick start. Each creates or refreshes .venv first, so both work
+# on a fresh machine. The constraints file pins the CPU build of torch (pyproject keeps a range).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONSTRAINTS ?= constraints/cpu.txt
+
+.PHONY: test verify venv clean bench
+
+venv: $(STAMP)
+
+# Re-install when the project's requirements or the pins change.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+verify: $(STAMP)
+	$(VENV)/bin/vcga verify
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The checks behind ``vcga verify`` (installed as ``vcga.conformance``)."""

@@ -1,0 +1,28 @@
+"""VCGA: one PyTorch training script on NVIDIA (NCCL), Ascend (HCCL), Cambricon MLU (CNCL) and CPU (gloo).
+
+Importing ``vcga`` is cheap and never imports torch; the parts that need torch load on first use.
+
+- :mod:`vcga.contract` -- the plugin contract (read it first);
+- :mod:`vcga.errors` -- every error VCGA raises;
+- :mod:`vcga.config` -- the unified configuration;
+- :mod:`vcga.plugin_manager` -- plugin discovery and backend selection;
+- :mod:`vcga.dtypes` -- the one dtype table.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "get_plugin_manager", "load_config"]
+
+
+def __getattr__(name: str):  # lazy re-exports keep `import vcga` light
+    if name == "get_plugin_manager":
+        from vcga.plugin_manager import get_plugin_manager
+
+        return get_plugin_manager
+    if name == "load_config":
+        from vcga.config import load_config
+
+        return load_config
+    raise AttributeError(f"module 'vcga' has no attribute {name!r}")

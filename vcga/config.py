@@ -1,0 +1,207 @@
+"""The unified configuration: one YAML file plus environment overrides, validated.
+
+Where values come from, lowest precedence first:
+
+1. defaults (below);
+2. the YAML file named by ``VCGA_CONFIG`` (or passed to :func:`load_config`);
+3. environment variables ``VCGA_<KEY>`` (see :data:`ENV`).
+
+Every backend translates the result into its vendor's variables (``Backend.vendor_env``), so a
+user sets the collective timeout once and NCCL, HCCL and CNCL each receive it in their own words.
+
+Example file::
+
+    backend: auto              # or a backend name: gloo, nccl, hccl, mlu, sim-hccl, ...
+    collective_timeout_s: 300
+    buffer_size_mb: 64
+    visible_devices: [0, 1]
+    deterministic: true
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from vcga.errors import VcgaConfigError
+
+__all__ = ["Config", "load_config", "ENV", "parse_sim_vendors", "SIM_VENDOR_NAMES"]
+
+#: Vendor keys accepted in ``sim_vendors`` (the collective library each simulated backend stands for).
+SIM_VENDOR_NAMES = ("nccl", "hccl", "cncl")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated configuration. Construct through :func:`load_config`."""
+
+    #: "auto" or a backend name. Auto picks the highest-priority available non-simulated backend.
+    backend: str = "auto"
+    #: One timeout for every collective and for group creation, in seconds.
+    collective_timeout_s: float = 300.0
+    #: Communication buffer size per peer in MiB, or None for each vendor's default.
+    buffer_size_mb: int | None = None
+    #: Device indices this process may use, or None for all.
+    visible_devices: tuple[int, ...] | None = None
+    #: Ask vendor libraries for reproducible reduction order (may cost speed).
+    deterministic: bool = False
+    #: Compare a fingerprint of every collective across ranks before running it.
+    debug: bool = False
+    #: Simulated vendor layout, e.g. "nccl:2,hccl:2" (ranks 0-1 sim-nccl, 2-3 sim-hccl).
+    sim_vendors: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.visible_devices is not None:
+            d["visible_devices"] = list(self.visible_devices)
+        return d
+
+
+#: Environment variable for each key.
+ENV: Mapping[str, str] = {
+    "backend": "VCGA_BACKEND",
+    "collective_timeout_s": "VCGA_TIMEOUT",
+    "buffer_size_mb": "VCGA_BUFFER_SIZE_MB",
+    "visible_devices": "VCGA_VISIBLE_DEVICES",
+    "deterministic": "VCGA_DETERMINISTIC",
+    "debug": "VCGA_DEBUG",
+    "sim_vendors": "VCGA_SIM_VENDORS",
+}
+
+_ALLOWED = {
+    "backend": "'auto' or a backend name (see `vcga info`), e.g. gloo, nccl, hccl, mlu, sim-nccl",
+    "collective_timeout_s": "a number of seconds > 0",
+    "buffer_size_mb": "an integer number of MiB between 1 and 65536, or null",
+    "visible_devices": "a list of device indices >= 0 (YAML list or comma-separated), or null / 'all'",
+    "deterministic": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "debug": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "sim_vendors": "comma-separated vendor:count pairs with vendors from "
+    + "/".join(SIM_VENDOR_NAMES) + ", e.g. 'nccl:2,hccl:2', or null",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(key: str, v: Any, src: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise VcgaConfigError(key, v, _ALLOWED[key], src)
+
+
+def _validate(key: str, v: Any, src: str) -> Any:
+    if key == "backend":
+        if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", v.strip()):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return v.strip()
+    if key == "collective_timeout_s":
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src) from None
+        if isinstance(v, bool) or not (f > 0) or f == float("inf"):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return f
+    if key == "buffer_size_mb":
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "null", "none", "default")):
+            return None
+        try:
+            i = int(v)
+        except (TypeError, ValueError):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src) from None
+        if isinstance(v, bool) or isinstance(v, float) and v != i or not (1 <= i <= 65536):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return i
+    if key == "visible_devices":
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "all", "null", "none")):
+            return None
+        items = v.split(",") if isinstance(v, str) else v
+        if isinstance(items, int) and not isinstance(items, bool):
+            items = [items]
+        if not isinstance(items, (list, tuple)):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        out = []
+        for it in items:
+            try:
+                i = int(str(it).strip()) if not isinstance(it, bool) else -1
+            except ValueError:
+                raise VcgaConfigError(key, v, _ALLOWED[key], src) from None
+            if i < 0:
+                raise VcgaConfigError(key, v, _ALLOWED[key], src)
+            out.append(i)
+        if len(set(out)) != len(out):
+            raise VcgaConfigError(key, v, "a list of distinct device indices", src)
+        return tuple(out)
+    if key in ("deterministic", "debug"):
+        return _bool(key, v, src)
+    if key == "sim_vendors":
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        if not isinstance(v, str):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        parse_sim_vendors(v, src)
+        return v.replace(" ", "")
+    raise AssertionError(key)  # pragma: no cover - keys come from fields(Config)
+
+
+def parse_sim_vendors(spec: str, source: str = "") -> list[tuple[str, int]]:
+    """Parse ``"nccl:2,hccl:2"`` into ``[("nccl", 2), ("hccl", 2)]``, validating every part."""
+    out: list[tuple[str, int]] = []
+    for part in spec.replace(" ", "").split(","):
+        m = re.fullmatch(r"([a-z]+):(\d+)", part)
+        if not m or m.group(1) not in SIM_VENDOR_NAMES or int(m.group(2)) < 1:
+            raise VcgaConfigError("sim_vendors", spec, _ALLOWED["sim_vendors"], source)
+        out.append((m.group(1), int(m.group(2))))
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read defaults, then the YAML file, then environment overrides; validate every value.
+
+    :param path: a YAML file; default: ``$VCGA_CONFIG`` if set, else no file.
+    :param env: the environment to read (default ``os.environ``).
+    :raises VcgaConfigError: naming the key, the value, where it came from, and what is allowed.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    keys = [f.name for f in fields(Config)]
+    file = path if path is not None else env.get("VCGA_CONFIG") or None
+    if file is not None:
+        values.update(_read_yaml(Path(file), keys))
+    for key in keys:
+        var = ENV[key]
+        if var in env:
+            values[key] = _validate(key, env[var], f"env {var}")
+    return replace(Config(), **values)
+
+
+def _read_yaml(path: Path, keys: list[str]) -> dict[str, Any]:
+    import yaml  # only when a file is given
+
+    src = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise VcgaConfigError("VCGA_CONFIG", src, "a readable YAML file", f"{e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise VcgaConfigError("VCGA_CONFIG", src, f"valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise VcgaConfigError("VCGA_CONFIG", src, "a YAML mapping of config keys at the top level")
+    out = {}
+    for k, v in data.items():
+        if k not in keys:
+            raise VcgaConfigError(str(k), v, "one of the keys " + ", ".join(keys), src)
+        out[k] = _validate(k, v, src)
+    return out

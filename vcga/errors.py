@@ -1,0 +1,197 @@
+"""Every error VCGA raises on purpose, in one place.
+
+Each error says what was wrong, which object, and what to do about it. All derive from
+:class:`VcgaError`, so ``except vcga.errors.VcgaError`` catches everything VCGA raises
+deliberately; each also derives from the builtin that fits (``ValueError``, ``TimeoutError``, ...)
+so code written against torch.distributed's exceptions keeps working.
+
+This module imports nothing heavy: the CLI imports it to turn errors into one-line messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "VcgaError",
+    "VcgaConfigError",
+    "VcgaPluginError",
+    "VcgaBackendNotFound",
+    "VcgaBackendUnavailable",
+    "VcgaUnsupportedError",
+    "VcgaCollectiveError",
+    "VcgaTimeoutError",
+    "VcgaMismatchError",
+    "VcgaFormatError",
+    "VcgaChecksumError",
+    "VcgaConversionError",
+]
+
+
+class VcgaError(Exception):
+    """Base of every error VCGA raises deliberately."""
+
+
+class VcgaConfigError(VcgaError, ValueError):
+    """A configuration value (YAML file or environment variable) is invalid.
+
+    :param key: the configuration key, e.g. ``collective_timeout_s``.
+    :param value: the offending value as given.
+    :param allowed: a human description of the allowed values.
+    :param source: where the value came from (a file path or ``env VCGA_TIMEOUT``).
+    """
+
+    def __init__(self, key: str, value: Any, allowed: str, source: str = "") -> None:
+        self.key, self.value, self.allowed, self.source = key, value, allowed, source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"invalid config {key}={value!r}{where}: allowed values are {allowed}")
+
+
+class VcgaPluginError(VcgaError):
+    """A plugin could not be loaded or does not follow the contract."""
+
+    def __init__(self, plugin: str, message: str) -> None:
+        self.plugin = plugin
+        super().__init__(f"plugin {plugin!r}: {message}")
+
+
+class VcgaBackendNotFound(VcgaError, LookupError):
+    """No backend of that name is registered by any loaded plugin."""
+
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        self.name, self.known = name, tuple(known)
+        super().__init__(
+            f"no backend named {name!r}; registered backends: {', '.join(self.known) or '(none)'}. "
+            "Run `vcga info` to see every plugin and why a backend may be missing."
+        )
+
+
+class VcgaBackendUnavailable(VcgaError, RuntimeError):
+    """A backend exists but cannot run here (no device, vendor module missing, ...)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+        super().__init__(f"backend {name!r} is unavailable: {reason}")
+
+
+class VcgaUnsupportedError(VcgaError, ValueError):
+    """A (collective, dtype, reduce-op) combination the backend refuses.
+
+    Raised *before* the call reaches the vendor library, so no rank has started the collective.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        collective: str,
+        dtype: str,
+        op: str | None,
+        reason: str,
+        hint: str = "",
+    ) -> None:
+        self.backend, self.collective, self.dtype, self.op = backend, collective, dtype, op
+        self.reason, self.hint = reason, hint
+        what = f"{collective} on {dtype}" + (f" with {op}" if op else "")
+        msg = f"backend {backend!r} cannot run {what}: {reason}"
+        if hint:
+            msg += f". {hint}"
+        super().__init__(msg)
+
+
+class VcgaCollectiveError(VcgaError, RuntimeError):
+    """A collective failed inside the native library or while creating a group."""
+
+    def __init__(self, message: str, *, rank: int | None = None, backend: str | None = None) -> None:
+        self.rank, self.backend = rank, backend
+        prefix = ""
+        if backend is not None:
+            prefix += f"[{backend}] "
+        if rank is not None:
+            prefix += f"rank {rank}: "
+        super().__init__(prefix + message)
+
+
+class VcgaTimeoutError(VcgaError, TimeoutError):
+    """A collective did not complete within the configured timeout."""
+
+    def __init__(
+        self,
+        collective: str,
+        timeout_s: float,
+        *,
+        rank: int | None = None,
+        seq: int | None = None,
+        missing_ranks: Sequence[int] = (),
+        detail: str = "",
+    ) -> None:
+        self.collective, self.timeout_s, self.rank, self.seq = collective, timeout_s, rank, seq
+        self.missing_ranks = tuple(missing_ranks)
+        msg = f"{collective}"
+        if seq is not None:
+            msg += f" (#{seq})"
+        msg += f" did not complete within {timeout_s:g} s"
+        if rank is not None:
+            msg = f"rank {rank}: " + msg
+        if self.missing_ranks:
+            msg += f"; ranks that never joined: {list(self.missing_ranks)}"
+        if detail:
+            msg += f"; {detail}"
+        msg += ". Check that every rank calls the same collectives in the same order, or raise collective_timeout_s."
+        super().__init__(msg)
+
+
+class VcgaMismatchError(VcgaError, RuntimeError):
+    """Ranks called different collectives (debug mode compares fingerprints before each call).
+
+    :param differences: field -> {rank: value} for every field that differs.
+    """
+
+    def __init__(self, seq: int, differences: Mapping[str, Mapping[int, Any]], *, rank: int | None = None) -> None:
+        self.seq, self.rank = seq, rank
+        self.differences = {k: dict(v) for k, v in differences.items()}
+        parts = []
+        for field, by_rank in self.differences.items():
+            vals = ", ".join(f"rank {r}: {v}" for r, v in sorted(by_rank.items()))
+            parts.append(f"{field} differs ({vals})")
+        who = f"rank {rank}: " if rank is not None else ""
+        super().__init__(
+            f"{who}collective #{seq} mismatch across ranks: " + "; ".join(parts)
+            + ". Every rank must call the same collective with the same dtype, shape and op."
+        )
+
+
+class VcgaFormatError(VcgaError, ValueError):
+    """A checkpoint file is malformed, truncated or not of the expected format.
+
+    :param path: the file.
+    :param message: what is wrong.
+    :param offset: the byte offset where the problem was found, when known.
+    :param expected: what was expected there, when it helps.
+    """
+
+    def __init__(self, path: Any, message: str, *, offset: int | None = None, expected: str | None = None) -> None:
+        self.path, self.offset, self.expected = str(path), offset, expected
+        msg = f"{self.path}"
+        if offset is not None:
+            msg += f" @ byte {offset}"
+        msg += f": {message}"
+        if expected:
+            msg += f" (expected {expected})"
+        super().__init__(msg)
+
+
+class VcgaChecksumError(VcgaFormatError):
+    """Stored and computed checksums differ: the data was damaged after it was written."""
+
+
+class VcgaConversionError(VcgaError, ValueError):
+    """A conversion cannot be done losslessly (e.g. the target format lacks a dtype).
+
+    :param tensor: the tensor's name; :param dtype: its dtype; :param target: the target format.
+    """
+
+    def __init__(self, message: str, *, tensor: str | None = None, dtype: str | None = None,
+                 target: str | None = None) -> None:
+        self.tensor, self.dtype, self.target = tensor, dtype, target
+        super().__init__(message)
