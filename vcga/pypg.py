@@ -51,7 +51,7 @@ def reduce_op_of(torch_op: Any) -> tuple[ReduceOp, Any]:
     """
     kind = getattr(torch_op, "op", torch_op)
     op = _RED_OP_NAMES[kind]
-    factor = torch_op.factor if op is ReduceOp.PREMUL_SUM else None
+    factor = getattr(torch_op, "factor", None) if op is ReduceOp.PREMUL_SUM else None
     return op, factor
 
 
