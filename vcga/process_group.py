@@ -190,6 +190,35 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
 # ===================================================================================================
 
 
+class _CheckWork:
+    """A step that runs a check when waited on, in a work's native-work list."""
+
+    def __init__(self, check: Any) -> None:
+        self._check = check
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            self._done = True
+            self._check()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            self.wait()
+            fut.set_result([])
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+        return fut
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
@@ -604,9 +633,12 @@ class VcgaProcessGroup(dist.ProcessGroup):
             raise
         except Exception as e:
             raise self._translate(e, "recv", None) from e
-        if self._debug is not None:  # checked when the data arrived: a sender never waits on it
+        if self._debug is not None:
+            # Checked when the receiver waits, before the data is awaited: a sender never blocks on
+            # it (isend/irecv pairs in any order still work), and a mismatched send is named
+            # instead of delivering reinterpreted bytes or a library error.
             n = self._p2p_next(self._p2p_recv, srcRank)
-            steps.finish.append(partial(self._p2p_fingerprint_recv, t, srcRank, tag, n))
+            steps.works.insert(0, _CheckWork(partial(self._p2p_fingerprint_recv, t, srcRank, tag, n)))
         return self._wrap("recv", None, steps, tensors, True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
