@@ -236,6 +236,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
                  timeout: timedelta, group_name: str = "", global_ranks: Sequence[int] = ()) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self._group_name, self._group_desc = group_name, "undefined"
         self.transport = transport
         self.native = transport.group
         self.config = config
@@ -266,6 +267,20 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def getSize(self) -> int:  # noqa: N802
         return self._size
+
+    # torch keeps a C++ group's name on its backends; a Python group has none, so keep it here
+    # (DeviceMesh, FSDP2 and functional collectives look groups up by name).
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"VcgaProcessGroup(rank={self._rank}, size={self._size}, transport={self._backend})"
