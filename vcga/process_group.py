@@ -380,6 +380,11 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("allreduce")
         t = _one(tensors, "all_reduce")
         red = opts.reduceOp
+        if t.layout is not torch.strided:
+            # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
+            # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
+            return self._native_call("all_reduce", self._next("all_reduce"), self.native.allreduce, tensors, opts,
+                                     async_op=opts.asyncOp, result=tensors)
         if self._debug is None and self._fast_native(AR, t, red.op):
             return self._native_call("all_reduce", next(self._seqs), self.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
