@@ -2,21 +2,22 @@
 
 Two ranks (spawned here, or under torchrun) each hold two groups over the same ranks: the default
 group with backend ``vcga`` (on gloo: the comparison isolates what VCGA adds) and a plain
-``new_group(backend="gloo")``. For every collective and size, blocks of iterations alternate between
-the two groups -- gloo, vcga, gloo, vcga, ... -- so machine noise hits both alike; each block is
-timed on rank 0 after a barrier. Reported per size, nccl-tests style:
+``new_group(backend="gloo")``. For every collective and size, single calls alternate between the
+two groups, so machine noise hits both alike; each call is timed on rank 0. Reported per size,
+nccl-tests style:
 
 - ``size``: bytes of the largest buffer (all_gather: output, reduce_scatter: input), as nccl-tests;
-- ``time``: median time per call of each group's blocks;
+- ``time``: median time per call;
 - ``algbw`` = size / time; ``busbw`` = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
   reduce_scatter), 1 (broadcast) -- nccl-tests' doc/PERFORMANCE.md;
-- ``ratio``: the median over repetitions of (vcga block time / the adjacent gloo block time).
+- ``ratio``: the median over call pairs of (vcga call time / the adjacent gloo call time).
 
 Usage::
 
     python benchmarks/collectives.py                      # 4 B .. 64 MiB, all four collectives
     python benchmarks/collectives.py --min-bytes 4096 --max-bytes 1048576 --ops all_reduce
     python benchmarks/collectives.py --markdown           # the table for docs/benchmarks.md
+    python benchmarks/collectives.py --aa                 # gloo vs gloo: how far from 1.0 noise alone gets
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ def _call(op: str, bufs: tuple[Any, Any], group: Any) -> None:
         dist.reduce_scatter_tensor(a, b, group=group)
 
 
-def _iters(nbytes: int, budget_s: float) -> int:
-    """Iterations per block: about ``budget_s`` seconds at ~1 GB/s, at least 2, at most 200."""
-    return max(2, min(200, int(budget_s / (20e-6 + nbytes / 1e9))))
-
-
 def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Alternate single calls -- gloo, vcga, vcga, gloo, gloo, vcga, ... -- timing each one.
+
+    Per-call alternation puts the two groups under the same machine noise (this is a shared
+    2-core machine); the first call of each pair alternates so neither side always runs right
+    after the other. Each size gets about ``--seconds`` of calls (at least 10 pairs).
+    """
     import warnings
 
     import torch
@@ -86,35 +88,37 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     torch.set_num_threads(1)
     vcga_group = dist.group.WORLD
     gloo_group = dist.new_group(backend="gloo")
+    if args.aa:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
+        vcga_group = dist.new_group(backend="gloo")
+    clock = time.perf_counter
     rows = []
     for op in args.ops:
         for nbytes in sizes(args.min_bytes, args.max_bytes):
             bufs = _buffers(op, nbytes, world)
             if bufs is None:
                 continue
-            k = _iters(nbytes, args.block_s)
-            for g in (gloo_group, vcga_group):  # warm up both paths (and vcga's route cache)
-                for _ in range(2):
-                    _call(op, bufs, g)
+            t0 = clock()
+            for g in (gloo_group, vcga_group, gloo_group, vcga_group):  # warm up (and fill vcga's route cache)
+                _call(op, bufs, g)
+            est = (clock() - t0) / 4
+            # every rank must run the same number of pairs: rank 0 decides
+            n = torch.tensor([max(10, min(args.max_pairs, int(args.seconds / (2 * est))))], dtype=torch.int64)
+            dist.broadcast(n, 0, group=gloo_group)
             times: dict[str, list[float]] = {"gloo": [], "vcga": []}
             ratios = []
-            for rep in range(args.reps):
-                order = (("gloo", gloo_group), ("vcga", vcga_group))
-                if rep % 2:  # alternate who goes first, so neither always follows the barrier
-                    order = order[::-1]
-                block = {}
-                for name, g in order:
-                    dist.barrier(group=gloo_group)
-                    t0 = time.perf_counter()
-                    for _ in range(k):
-                        _call(op, bufs, g)
-                    block[name] = (time.perf_counter() - t0) / k
-                    times[name].append(block[name])
-                ratios.append(block["vcga"] / block["gloo"])
+            pair = (("gloo", gloo_group), ("vcga", vcga_group))
+            for i in range(int(n.item())):
+                one = {}
+                for name, g in (pair if i % 2 == 0 else pair[::-1]):
+                    t = clock()
+                    _call(op, bufs, g)
+                    one[name] = clock() - t
+                    times[name].append(one[name])
+                ratios.append(one["vcga"] / one["gloo"])
             if rank == 0:
                 tg, tv = statistics.median(times["gloo"]), statistics.median(times["vcga"])
                 f = BUS_FACTOR[op](world)
-                rows.append({"op": op, "bytes": nbytes, "iters": k, "reps": args.reps,
+                rows.append({"op": op, "bytes": nbytes, "pairs": len(ratios),
                              "gloo_us": tg * 1e6, "vcga_us": tv * 1e6,
                              "gloo_algbw": nbytes / tg / 1e9, "vcga_algbw": nbytes / tv / 1e9,
                              "gloo_busbw": nbytes / tg / 1e9 * f, "vcga_busbw": nbytes / tv / 1e9 * f,
@@ -170,16 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     p.add_argument("--min-bytes", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
-    p.add_argument("--reps", type=int, default=15, help="interleaved gloo/vcga block pairs per size")
-    p.add_argument("--block-s", type=float, default=0.02, help="target seconds per timed block")
+    p.add_argument("--seconds", type=float, default=2.0, help="time budget per size (both groups)")
+    p.add_argument("--max-pairs", type=int, default=3000, help="most gloo/vcga call pairs per size")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--json", help="also write the rows as JSON to this file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--aa", action="store_true",
+                   help="A/A check: compare gloo with a second gloo group (the ratio's noise floor)")
     args = p.parse_args(argv)
 
     if not args.quiet:
-        print(f"vcga vs gloo, {args.world_size} ranks, float32, {args.reps} interleaved block pairs per size")
+        print(f"vcga vs {'a second gloo group (A/A)' if args.aa else 'gloo'}, {args.world_size} ranks, float32, "
+              f"alternating single calls, ~{args.seconds:g} s per size")
         print(HEADER, flush=True)
     if "RANK" in os.environ:  # under torchrun
         import torch.distributed as dist

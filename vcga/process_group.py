@@ -219,6 +219,11 @@ class _CheckWork:
         pass
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as 1-D (gloo's *_base collectives compare shapes chunk by chunk)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
@@ -298,10 +303,12 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _next(self, name: str, fp: dict[str, Any] | None = None) -> int:
+    def _next(self, name: str, tensors: Any = None, op: ReduceOp | None = None, root: int | None = None) -> int:
+        """The next sequence number; in debug mode, first compare this call's fingerprint
+        (built only then: the hot path pays one counter increment)."""
         seq = next(self._seqs)
         if self._debug is not None:
-            self._debug.check(seq, fp or {"collective": name})
+            self._debug.check(seq, fingerprint(name, tensors, op.value if op is not None else None, root))
         return seq
 
     def _translate(self, e: BaseException, name: str, seq: int | None) -> BaseException:
@@ -389,14 +396,14 @@ class VcgaProcessGroup(dist.ProcessGroup):
             return self._native_call("all_reduce", next(self._seqs), self.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
         op, factor = reduce_op_of(red)
-        seq = self._next("all_reduce", fingerprint("all_reduce", t, op.value))
+        seq = self._next("all_reduce", t, op)
         return self._issue("all_reduce", seq, lambda s: self._d.all_reduce(t, op, factor, opts, s), tensors,
                            opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce_coalesced")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("all_reduce_coalesced", fingerprint("all_reduce_coalesced", list(tensors), op.value))
+        seq = self._next("all_reduce_coalesced", list(tensors), op)
         same = len({t.dtype for t in tensors}) == 1
         if same and tensors and all(self._fast_native(AR, t, opts.reduceOp.op) for t in tensors):
             return self._native_call("all_reduce_coalesced", seq, self.native.allreduce_coalesced, tensors, opts,
@@ -412,7 +419,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("reduce")
         t = _one(tensors, "reduce")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce", fingerprint("reduce", t, op.value, opts.rootRank))
+        seq = self._next("reduce", t, op, opts.rootRank)
         if self._rank == opts.rootRank and self._fast_native(RD, t, opts.reduceOp.op):
             return self._native_call("reduce", seq, self.native.reduce, tensors, opts, async_op=opts.asyncOp,
                                      result=tensors)
@@ -426,7 +433,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         ins = _one(input_tensors, "reduce_scatter")
         self._check_count(ins, "reduce_scatter input list")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter", fingerprint("reduce_scatter", out, op.value))
+        seq = self._next("reduce_scatter", out, op)
         if all(x.dtype == out.dtype for x in ins) and self._fast_native(RS, out, opts.reduceOp.op) and all(
                 x.is_contiguous() for x in ins):
             return self._native_call("reduce_scatter", seq, self.native.reduce_scatter, output_tensors,
@@ -439,11 +446,12 @@ class VcgaProcessGroup(dist.ProcessGroup):
         if input.numel() != output.numel() * self._size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
                              f"{output.numel()} times the group size {self._size}")
+        if (self._debug is None and input.dtype == output.dtype and input.is_contiguous()
+                and self._fast_native(RS, output, opts.reduceOp.op)):
+            return self._native_call("reduce_scatter_tensor", next(self._seqs), self.native._reduce_scatter_base,
+                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter_tensor", fingerprint("reduce_scatter_tensor", output, op.value))
-        if input.dtype == output.dtype and self._fast_native(RS, output, opts.reduceOp.op) and input.is_contiguous():
-            return self._native_call("reduce_scatter_tensor", seq, self.native._reduce_scatter_base,
-                                     output.view(-1), input.view(-1), opts, async_op=opts.asyncOp, result=[output])
+        seq = self._next("reduce_scatter_tensor", output, op)
 
         def build(s: Steps) -> None:
             chunks = list(input.reshape(self._size, *output.shape).unbind(0)) if self._size else []
@@ -457,8 +465,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce_scatter")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter_tensor_coalesced",
-                         fingerprint("reduce_scatter_tensor_coalesced", list(outputs), op.value))
+        seq = self._next("reduce_scatter_tensor_coalesced", list(outputs), op)
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -482,7 +489,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         if self._debug is None and self._fast_native(BC, t):
             return self._native_call("broadcast", next(self._seqs), self.native.broadcast, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
-        seq = self._next("broadcast", fingerprint("broadcast", t, root=root))
+        seq = self._next("broadcast", t, root=root)
         return self._issue("broadcast", seq, lambda s: self._d.broadcast(t, root, opts, s), tensors, opts.asyncOp)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
@@ -491,7 +498,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         inp = _one(input_tensors, "all_gather")
         outs = _one(output_tensors, "all_gather")
         self._check_count(outs, "all_gather output list")
-        seq = self._next("all_gather", fingerprint("all_gather", inp))
+        seq = self._next("all_gather", inp)
         if self._fast_native(AG, inp) and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs):
             return self._native_call("all_gather", seq, self.native.allgather, output_tensors, input_tensors, opts,
                                      async_op=opts.asyncOp, result=outs)
@@ -503,10 +510,11 @@ class VcgaProcessGroup(dist.ProcessGroup):
         if output.numel() != input.numel() * self._size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, expected the input's "
                              f"{input.numel()} times the group size {self._size}")
-        if self._debug is None and self._fast_native(AG, input) and output.is_contiguous() and output.dtype == input.dtype:
+        if (self._debug is None and output.dtype == input.dtype and output.is_contiguous()
+                and self._fast_native(AG, input)):
             return self._native_call("all_gather_into_tensor", next(self._seqs), self.native._allgather_base,
-                                     output.view(-1), input.reshape(-1), opts, async_op=opts.asyncOp, result=[output])
-        seq = self._next("all_gather_into_tensor", fingerprint("all_gather_into_tensor", input))
+                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
+        seq = self._next("all_gather_into_tensor", input)
 
         def build(s: Steps) -> None:
             buf = output if output.is_contiguous() else output.contiguous()
@@ -521,7 +529,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
-        seq = self._next("all_gather_coalesced", fingerprint("all_gather_coalesced", list(input_list)))
+        seq = self._next("all_gather_coalesced", list(input_list))
         for outs in output_lists:
             if len(outs) != len(input_list):
                 raise ValueError("all_gather_coalesced: every output list needs one tensor per input tensor")
@@ -537,8 +545,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
-        seq = self._next("all_gather_into_tensor_coalesced",
-                         fingerprint("all_gather_into_tensor_coalesced", list(inputs)))
+        seq = self._next("all_gather_into_tensor_coalesced", list(inputs))
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -566,7 +573,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             if output_tensors and any(len(o) for o in output_tensors):
                 raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
             outs = []
-        seq = self._next("gather", fingerprint("gather", inp, root=root))
+        seq = self._next("gather", inp, root=root)
         return self._issue("gather", seq, lambda s: self._d.gather(list(outs), inp, root, opts, s), list(outs),
                            opts.asyncOp)
 
@@ -582,7 +589,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             if input_tensors and any(len(i) for i in input_tensors):
                 raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
             ins = []
-        seq = self._next("scatter", fingerprint("scatter", out, root=root))
+        seq = self._next("scatter", out, root=root)
         return self._issue("scatter", seq, lambda s: self._d.scatter(out, list(ins), root, opts, s), [out],
                            opts.asyncOp)
 
@@ -594,7 +601,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             if splits and (len(splits) != self._size or sum(splits) != (t.shape[0] if t.dim() else 1)):
                 raise ValueError(f"all_to_all_single: {what}_split_sizes {splits} must have one entry per rank "
                                  f"({self._size}) adding up to the {what}'s dim 0 ({t.shape[0] if t.dim() else 1})")
-        seq = self._next("all_to_all_single", fingerprint("all_to_all_single", None, None))
+        seq = self._next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
         return self._issue("all_to_all_single", seq,
@@ -607,7 +614,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("alltoall")
         self._check_count(output_tensors, "all_to_all output list")
         self._check_count(input_tensors, "all_to_all input list")
-        seq = self._next("all_to_all", fingerprint("all_to_all", None, None))
+        seq = self._next("all_to_all")
         dtypes_ = {t.dtype for t in [*output_tensors, *input_tensors]}
         if len(dtypes_) > 1:
             raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes_))}")
@@ -697,7 +704,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else options("barrier")
-        seq = self._next("barrier", fingerprint("barrier"))
+        seq = self._next("barrier")
         return self._native_call("barrier", seq, self.native.barrier, opts, async_op=opts.asyncOp, result=[])
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
@@ -709,7 +716,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         and the other ranks raise the same verdict.
         """
         limit = timeout_given(timeout) or self.timeout
-        self._next("monitored_barrier", fingerprint("monitored_barrier"))
+        self._next("monitored_barrier")
         self._mb_round += 1
         n, store = self._mb_round, self._mb_store
         store.set(f"{n}/arrive/{self._rank}", "1")
