@@ -102,12 +102,13 @@ def register() -> None:
 # ===================================================================================================
 
 
-def _effective_timeout(given: timedelta | None, config: Config, config_source: str) -> timedelta:
-    """One timeout governs every collective: an explicit ``init_process_group(timeout=...)`` wins,
-    otherwise the config's ``collective_timeout_s`` (default, file or ``VCGA_TIMEOUT``)."""
-    explicit = given is not None and given != c10d.default_pg_timeout and given > timedelta(0)
-    if explicit and config_source != "options":
-        return given  # type: ignore[return-value]
+def _effective_timeout(given: timedelta | None, config: Config) -> timedelta:
+    """One timeout governs every collective: an explicit ``init_process_group(timeout=...)`` /
+    ``new_group(timeout=...)`` wins; otherwise the config's ``collective_timeout_s`` (default,
+    file, ``VCGA_TIMEOUT`` or :class:`VcgaOptions`). torch passes its 30-minute default when the
+    caller gave none, which therefore counts as "not given"."""
+    if given is not None and given != c10d.default_pg_timeout and given > timedelta(0):
+        return given
     return timedelta(seconds=config.collective_timeout_s)
 
 
@@ -124,13 +125,13 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
     group_name = str(dist_opts.group_id)
     if isinstance(pg_options, VcgaOptions):
-        config, source = pg_options.resolve(), "options"
+        config = pg_options.resolve()
     elif pg_options is None:
-        config, source = load_config(), "config"
+        config = load_config()
     else:
         raise TypeError(f"pg_options for backend 'vcga' must be vcga.process_group.VcgaOptions, "
                         f"not {type(pg_options).__name__}")
-    timeout = _effective_timeout(dist_opts.timeout, config, source)
+    timeout = _effective_timeout(dist_opts.timeout, config)
     # The simulated vendor layout (and any per-rank choice) is by global rank in the whole job.
     world = dist.get_world_size() if dist.is_initialized() else size
     backend = get_plugin_manager().select_backend(config, rank=global_ranks[rank], world_size=world)
