@@ -12,8 +12,12 @@ import textwrap
 import pytest
 
 
+_WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BACKEND", "VCGA_BACKEND")
+
+
 def _py(code: str, **env: str) -> str:
-    e = {**os.environ, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
+    base = {k: v for k, v in os.environ.items() if k not in _WORLD_VARS}  # only what the test sets
+    e = {**base, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

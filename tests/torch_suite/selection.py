@@ -1,6 +1,6 @@
 """Which tests of torch's distributed_test.py run in ``make test``, and why the others do not.
 
-Two passes (see run_distributed_test.py):
+Two passes (see runner.py):
 
 - ``PASS_VCGA``: ``BACKEND=vcga``, the way a plugin backend joins the suite. Skip gates see
   "vcga"; tests gated on another backend's name skip.

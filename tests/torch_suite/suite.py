@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNNER = HERE / "run_distributed_test.py"
+RUNNER = HERE / "runner.py"
 CLASS = "TestDistBackendWithFork"
 
 

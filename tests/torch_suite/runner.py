@@ -4,8 +4,8 @@ for gloo and nccl.
 
 Usage::
 
-    python tests/torch_suite/run_distributed_test.py [unittest args, e.g. -k test_all_reduce_sum]
-    python tests/torch_suite/run_distributed_test.py --list      # every test name it would collect
+    python tests/torch_suite/runner.py [unittest args, e.g. -k test_all_reduce_sum]
+    python tests/torch_suite/runner.py --list      # every test name it would collect
 
 A plugin backend takes part by being named in ``DistTestCases.backend_feature["plugin"]`` (and in
 the feature sets whose tests it should run: "ddp", "subgroup"); BACKEND, WORLD_SIZE and TEMP_DIR
