@@ -259,8 +259,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._p2p_sent: dict[int, int] = {}
         self._p2p_recv: dict[int, int] = {}
         self._coalescing: list[Any] | None = None
-        # (collective, torch dtype, RedOpType or None) -> native? ; the hot path's only lookup
-        self._fast: dict[tuple[Any, ...], bool] = {}
+        # collective -> (torch dtype, RedOpType or None) -> native? : the hot path's only lookup
+        self._fast: dict[Collective, dict[tuple[Any, Any], bool]] = {c: {} for c in Collective}
         log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
 
     # -- identity --------------------------------------------------------------------------------
@@ -325,11 +325,12 @@ class VcgaProcessGroup(dist.ProcessGroup):
                                    backend=self._backend)
 
     def _fast_native(self, coll: Collective, t: torch.Tensor, red: Any = None) -> bool:
-        key = (coll, t.dtype, red)
-        ok = self._fast.get(key)
+        """Native cell and nothing to stage: the call can go straight to the library."""
+        key = (t.dtype, red)
+        ok = self._fast[coll].get(key)
         if ok is None:
             op = reduce_op_of(red)[0] if red is not None else None
-            ok = self._fast[key] = self._d.is_native(coll, t.dtype, op)
+            ok = self._fast[coll][key] = self._d.is_native(coll, t.dtype, op)
         return ok and t.is_contiguous()
 
     def _issue(self, name: str, seq: int | None, build: Any, result: Sequence[torch.Tensor],
