@@ -53,6 +53,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "vcga.plugins.hccl",
     "vcga.plugins.mlu",
     "vcga.conformance.checks",
+    "vcga.formats.vbin",
 )
 
 _TRUE = {"1", "true", "yes", "on"}
