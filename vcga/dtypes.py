@@ -148,7 +148,8 @@ MINDSPORE_CKPT: frozenset[str] = frozenset(
 #: {FALSE=0, TRUE=1} over H5T_STD_I8LE (so ``DType.hdf5`` is None for bool).
 HDF5: frozenset[str] = frozenset(ALL)
 #: Dtypes h5py 3.16 maps to a real HDF5 type from the numpy dtype alone. h5py writes bfloat16 and
-#: the fp8 types as opaque ``|V2``/``|V1`` data, so an HDF5 writer needs a documented convention.
+#: float8_e4m3fn as opaque ``|V2``/``|V1`` data and refuses float8_e5m2, so an HDF5 writer needs a
+#: documented convention for those three.
 H5PY_NATIVE: frozenset[str] = frozenset(d for d in ALL if d not in ML_DTYPES)
 
 _BY_SAFETENSORS = {d.safetensors: d.name for d in _TABLE if d.safetensors}

@@ -186,8 +186,21 @@ def _host_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     # Lazy conjugate/negative views carry a bit instead of the values: materialise them.
     t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
-        t = t.contiguous()
+        t = _pack(t)
     return t
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy made by copying integers of the same width, so no float kernel can touch
+    a NaN payload and every dtype (fp8 included) has a copy kernel."""
+    import torch
+
+    if t.is_complex():
+        parts = torch.view_as_real(t)  # (..., 2) of the real dtype, a view
+        ints = parts.view(torch.int32 if parts.dtype == torch.float32 else torch.int64)
+        return torch.view_as_complex(ints.contiguous().view(parts.dtype))
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(width).contiguous().view(t.dtype)
 
 
 def from_torch(name: str, tensor: torch.Tensor, metadata: Mapping[str, str] | None = None, *,
@@ -205,10 +218,15 @@ def from_torch(name: str, tensor: torch.Tensor, metadata: Mapping[str, str] | No
     if sys.byteorder != "little":  # pragma: no cover - no big-endian torch host to test on
         raise VcgaError("the torch bridge assumes a little-endian host; convert through numpy "
                         "(vcga.tensors.from_numpy) on this machine")
-    dtype = dtypes.from_torch(tensor.dtype)
     t = _host_tensor(name, tensor)
-    raw = t.reshape(-1).view(torch.uint8).numpy()
-    data = memoryview(raw)
+    dtype = dtypes.from_torch(t.dtype)
+    if t.numel() == 0:
+        data = memoryview(b"")  # an empty tensor's strides can be anything; it has no bytes
+    else:
+        # as_strided, not reshape: a contiguous tensor's size-1 dims may carry any stride, which
+        # reshape(-1) keeps and view(uint8) refuses. Contiguous means the bytes are consecutive.
+        flat = t.as_strided((t.numel(),), (1,))
+        data = memoryview(flat.view(torch.uint8).numpy())
     return TensorEntry(name=name, dtype=dtype, shape=tuple(t.shape), data=data,
                        metadata=_check_metadata(name, metadata),
                        checksum=checksum(data) if with_checksum else None)
