@@ -412,9 +412,11 @@ class _VbinFile:
         self.size = size
         self._mm = mm
         self.buf = memoryview(buffer)
-        if self.buf.nbytes != size:  # pragma: no cover - mmap and bytes always agree
-            raise VcgaFormatError(source, "mapping does not match the file size")
-        self._parse()
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
 
     # every check names the byte offset it looked at and what it expected
     def _err(self, message: str, offset: int | None = None, expected: str | None = None) -> VcgaFormatError:
@@ -675,11 +677,7 @@ def _map_file(path: Path) -> _VbinFile:
             # Strict overcommit can refuse a writable private mapping: fall back to read-only
             # (torch tensors are then copied, see vcga.tensors.to_torch).
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        return _VbinFile(path, mm, len(mm), mm)
-    except BaseException:
-        mm.close()
-        raise
+    return _VbinFile(path, mm, len(mm), mm)  # closes the mapping itself if the file is bad
 
 
 class VbinReader:
