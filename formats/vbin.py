@@ -25,11 +25,13 @@ This module never imports torch: torch tensors are made by :func:`vcga.tensors.t
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -88,6 +90,25 @@ _PREAMBLE = struct.Struct("<8sHHI16s24sQ")
 _TRAILER = struct.Struct("<8sHHIQQQ16sQ")
 assert _PREAMBLE.size == PREAMBLE_SIZE and _TRAILER.size == TRAILER_SIZE
 _ZEROS = bytes(1 << 16)
+_WRITEBACK_CHUNK = 8 << 20  # start the disk on every 8 MiB written
+_PARALLEL_HASH = 1 << 20  # tensors this large are hashed on a helper thread while being written
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _advise_writeback(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # only a hint: a filesystem that refuses it is fine
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vcga-vbin-hash")
+        return _POOL
 
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "checksum"}
 _ENTRY_OPTIONAL = {"metadata", "shard"}
@@ -168,6 +189,12 @@ class _FileWriter:
         self.file_id = os.urandom(16)
         self.records: list[_Record] = []
         self.pos = 0
+        self._flushed = 0  # bytes already handed to the kernel's writeback
+        self._pending: list[concurrent.futures.Future[None]] = []
+        try:
+            self._fd: int | None = out.fileno() if hasattr(os, "posix_fadvise") else None
+        except (OSError, AttributeError, io.UnsupportedOperation):
+            self._fd = None  # an in-memory stream
         self._write(_preamble(alignment, self.file_id))
 
     def _write(self, data: Any) -> None:
@@ -181,18 +208,45 @@ class _FileWriter:
         while self.pos < offset:
             self._write(_ZEROS[: min(len(_ZEROS), offset - self.pos)])
 
-    def add(self, entry: TensorEntry, data: memoryview, digest: int, shard: int | None) -> _Record:
+    def put(self, data: memoryview) -> int:
+        """Write one tensor's bytes at its aligned offset; returns the offset (0 for no bytes)."""
         nbytes = data.nbytes
-        if nbytes:
-            offset = _roundup(self.pos, _required_alignment(nbytes, self.alignment))
-            self._pad_to(offset)
-            self._write(data)
-        else:
-            offset = 0  # empty tensors occupy no bytes and have no place in the file
+        if not nbytes:
+            return 0  # empty tensors occupy no bytes and have no place in the file
+        offset = _roundup(self.pos, _required_alignment(nbytes, self.alignment))
+        self._pad_to(offset)
+        self._write(data)
+        self._start_writeback()
+        return offset
+
+    def record(self, entry: TensorEntry, offset: int, nbytes: int, digest: int, shard: int | None) -> _Record:
         rec = _Record(entry.name, entry.dtype, tuple(entry.shape), offset, nbytes, digest,
                       dict(entry.metadata), shard)
         self.records.append(rec)
         return rec
+
+    def add(self, entry: TensorEntry, data: memoryview, digest: int, shard: int | None) -> _Record:
+        return self.record(entry, self.put(data), data.nbytes, digest, shard)
+
+    def _start_writeback(self) -> None:
+        """Ask the kernel to start writing what we wrote so far, without waiting.
+
+        The commit's fsync then waits only for the tail instead of the whole file, so the disk
+        works while we hash and copy the next tensors. POSIX_FADV_DONTNEED starts writeback of
+        dirty pages (and drops only pages already clean), the portable cousin of Linux's
+        sync_file_range(SYNC_FILE_RANGE_WRITE)."""
+        if self._fd is None or self.pos - self._flushed < _WRITEBACK_CHUNK:
+            return
+        self.out.flush()
+        # The helper thread issues the hint, so building the disk requests overlaps our next copy.
+        self._pending.append(_hash_pool().submit(_advise_writeback, self._fd, self._flushed, self.pos - self._flushed))
+        self._flushed = self.pos
+
+    def drain(self) -> None:
+        """Wait for the writeback hints (before the file, and so its descriptor, is closed)."""
+        for f in self._pending:
+            f.result()
+        self._pending.clear()
 
     def finish(self, metadata: Mapping[str, str], extra: Mapping[str, Any] | None = None,
                records: Sequence[_Record] | None = None, with_shard: bool = False) -> int:
@@ -211,6 +265,7 @@ class _FileWriter:
         index_offset = self.pos
         self._write(index)
         self._write(_trailer(index_offset, index, self.file_id))
+        self.drain()
         return self.pos
 
 
@@ -301,13 +356,25 @@ class VbinWriter:
                                       f"(at most {MAX_NDIM})", tensor=entry.name, target=FORMAT_NAME)
         _check_metadata(entry.metadata, f"{self.path}: tensor {entry.name!r}")
         data = tensors.check_entry(entry, self.path)
-        digest = xxhash.xxh3_64_intdigest(data)
+        # Hash on a helper thread while this one copies the bytes into the file: the write syscall
+        # releases the GIL, so the two overlap. Both finish before write() returns, so the caller
+        # may free the tensor right after (memory stays bounded by one tensor).
+        pending = _hash_pool().submit(xxhash.xxh3_64_intdigest, data) if data.nbytes >= _PARALLEL_HASH else None
+        digest = None if pending is not None else xxhash.xxh3_64_intdigest(data)
+        try:
+            writer = self._writer_for(data.nbytes)
+            offset = writer.put(data)
+        finally:
+            if pending is not None:
+                digest = pending.result()
+        assert digest is not None
         if entry.checksum is not None and tensors.format_checksum(digest) != entry.checksum:
+            self.abort()  # the bytes are in the file already: this checkpoint cannot be finished
             raise VcgaChecksumError(self.path, f"tensor {entry.name!r} does not match the checksum its source "
-                                    f"stored (computed {tensors.format_checksum(digest)}); the source is damaged",
-                                    expected=entry.checksum)
-        writer = self._writer_for(data.nbytes)
-        rec = writer.add(entry, data, digest, len(self._shards) if self.shard_size is not None else None)
+                                    f"stored (computed {tensors.format_checksum(digest)}); the source is damaged. "
+                                    "Nothing was written to the destination.", expected=entry.checksum)
+        rec = writer.record(entry, offset, data.nbytes, digest,
+                            len(self._shards) if self.shard_size is not None else None)
         self._names.add(entry.name)
         if self.shard_size is not None:
             self._shard_records.append(rec)
@@ -338,6 +405,8 @@ class VbinWriter:
 
     def abort(self) -> None:
         """Remove every temporary; nothing at the destination changes."""
+        if self._current is not None:
+            self._current.drain()
         self._group.abort()
         self._done = True
 

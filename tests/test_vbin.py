@@ -287,7 +287,7 @@ def test_writer_keeps_no_tensor_alive(tmp_path):
     with vbin.VbinWriter(tmp_path / "s.vbin") as w:
         refs = []
         for i in range(5):
-            a = np.full(100_000, i, dtype=np.float32)
+            a = np.full(100_000 if i % 2 else 400_000, i, dtype=np.float32)  # both hashing paths
             refs.append(weakref.ref(a))
             w.add(f"t{i}", a)
             del a
@@ -296,11 +296,22 @@ def test_writer_keeps_no_tensor_alive(tmp_path):
     assert vbin.load_file(tmp_path / "s.vbin", "np")["t4"][0] == 4
 
 
+def test_a_damaged_source_aborts_the_write(tmp_path):
+    """An entry whose bytes do not match the checksum its source stored: the checkpoint cannot be
+    trusted, so the writer aborts and nothing appears."""
+    w = vbin.VbinWriter(tmp_path / "c.vbin")
+    e = tensors.from_numpy("x", np.arange(2**20, dtype=np.int32))  # large: hashed in parallel with the write
+    w.write(tensors.from_numpy("ok", np.arange(3)))
+    with pytest.raises(VcgaChecksumError, match="does not match the checksum its source stored"):
+        w.write(TensorEntry("x", "int32", e.shape, e.data, {}, "xxh3_64:" + "f" * 16))
+    with pytest.raises(ValueError, match="already committed or aborted"):
+        w.commit()
+    assert os.listdir(tmp_path) == []
+
+
 def test_writer_checks_entries(tmp_path):
     w = vbin.VbinWriter(tmp_path / "c.vbin")
     e = tensors.from_numpy("x", np.arange(4, dtype=np.int32))
-    with pytest.raises(VcgaChecksumError, match="does not match the checksum its source stored"):
-        w.write(TensorEntry("x", "int32", (4,), e.data, {}, "xxh3_64:" + "f" * 16))
     with pytest.raises(VcgaFormatError, match="data bytes"):
         w.write(TensorEntry("y", "int32", (5,), e.data))
     with pytest.raises(VcgaConversionError, match="surrogate"):
