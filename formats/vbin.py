@@ -92,7 +92,7 @@ assert _PREAMBLE.size == PREAMBLE_SIZE and _TRAILER.size == TRAILER_SIZE
 _ZEROS = bytes(1 << 16)
 _WRITEBACK_CHUNK = 8 << 20  # start the disk on every 8 MiB written
 _PARALLEL_HASH = 1 << 20  # tensors this large are hashed on a helper thread while being written
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (owner pid, pool)
 _POOL_LOCK = threading.Lock()
 
 
@@ -104,11 +104,14 @@ def _advise_writeback(fd: int, offset: int, length: int) -> None:
 
 
 def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One helper thread per process. A pool inherited through fork has no thread in the child
+    (its work would never run), so a forked child makes its own."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vcga-vbin-hash")
-        return _POOL
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="vcga-vbin-hash"))
+        return _POOL[1]
 
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "checksum"}
 _ENTRY_OPTIONAL = {"metadata", "shard"}
@@ -321,6 +324,8 @@ class VbinWriter:
             raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
         self.shard_size = shard_size
         self.overwrite = overwrite
+        if not overwrite and self.path.exists():  # fail before writing gigabytes, not at the rename
+            raise FileExistsError(f"{self.path} exists; refusing to overwrite")
         self._metadata = _check_metadata(metadata, self.path)
         self._names: set[str] = set()
         self._group = AtomicGroup()
@@ -453,11 +458,14 @@ class VbinWriter:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a repeated key is an error (plain json keeps the last one silently)."""
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup!r}")
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r}")
+            seen.add(k)
     return d
 
 

@@ -278,7 +278,7 @@ def test_writes_are_atomic(tmp_path):
             w.add("x", np.ones(3))
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["a.vbin"]
     with pytest.raises(FileExistsError):
-        vbin.VbinWriter(path, overwrite=False).commit()
+        vbin.VbinWriter(path, overwrite=False)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["a.vbin"]
 
 
@@ -428,3 +428,24 @@ def test_preamble_checksum_covers_reserved_bytes():
     with pytest.raises(VcgaChecksumError, match="preamble checksum"):
         vbin.VbinReader(bytes(data))
     assert struct.unpack_from("<I", data, 12)[0] == 64
+
+
+def _child_writes(path: str) -> None:  # runs in a forked child
+    vbin.save_file({"child": np.ones(1 << 21, np.uint8)}, path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_writing_in_a_forked_child(tmp_path):
+    """The helper thread does not survive fork; a child that writes must not wait on it forever."""
+    import multiprocessing
+
+    vbin.save_file({"parent": np.zeros(1 << 20, np.uint8)}, tmp_path / "parent.vbin")  # starts the pool
+    child = multiprocessing.get_context("fork").Process(target=_child_writes, args=(str(tmp_path / "c.vbin"),))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child hung writing a vendor-bin file")
+    assert child.exitcode == 0
+    assert vbin.load_file(tmp_path / "c.vbin", "np")["child"].sum() == 1 << 21
