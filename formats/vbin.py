@@ -860,10 +860,20 @@ class VbinReader:
         """safetensors' verb: ``framework`` ("pt"/"torch" or "np"/"numpy") defaults to the reader's."""
         return _convert(self.entry(name), framework or self.framework)
 
-    def verify(self) -> None:
-        """Check every tensor's checksum and that all padding is zero (every file of the set).
+    def verify(self, names: Sequence[str] | None = None) -> None:
+        """Check every tensor's checksum and that all padding is zero (every file of the set),
+        or, given ``names``, just those tensors' checksums (``vcga inspect --verify`` per row).
 
-        :raises VcgaChecksumError: the first damaged tensor or padding byte found."""
+        :raises VcgaChecksumError: the first damaged tensor or padding byte found.
+        :raises KeyError: a name that is not in the checkpoint."""
+        if names is not None:
+            for name in names:
+                if name not in self._by_name:
+                    raise KeyError(f"{self._root.source}: no tensor named {name!r}")
+                rec = self._by_name[name]
+                f = self._file_of(rec)
+                self._check(rec, f.view(rec), f)
+            return
         for rec in self._records:
             f = self._file_of(rec)
             self._check(rec, f.view(rec), f)

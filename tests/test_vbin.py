@@ -125,8 +125,13 @@ def test_access_is_lazy_and_verification_on_demand(tmp_path):
         assert info.value.offset == big["offset"]
     with vbin.VbinReader(path, verify=False) as r:
         assert r.numpy("big").shape == (300,)  # unverified access is the caller's choice
+        r.verify(["small", "scalar"])  # per tensor, as `vcga inspect --verify` reports them
+        with pytest.raises(VcgaChecksumError):
+            r.verify(["big"])
         with pytest.raises(VcgaChecksumError):
             r.verify()
+        with pytest.raises(KeyError):
+            r.verify(["nope"])
     with pytest.raises(VcgaChecksumError):
         vbin.load_file(path)
 
