@@ -489,6 +489,7 @@ class _VbinFile:
         self.size = size
         self._mm = mm
         self.buf = memoryview(buffer)
+        self._raw: dict[str, Any] = {}
         try:
             self._parse()
         except BaseException:
@@ -703,6 +704,14 @@ class _VbinFile:
     def view(self, rec: _Record) -> memoryview:
         return self.buf[rec.offset:rec.offset + rec.nbytes]
 
+    def raw(self, framework: str) -> Any:
+        """The whole file as one uint8 array/tensor to cut tensors from; None when torch cannot
+        share it (a read-only buffer)."""
+        if framework not in self._raw:
+            self._raw[framework] = (None if framework == "pt" and self.buf.readonly
+                                    else tensors.raw_bytes(self.buf, framework))
+        return self._raw[framework]
+
     def check_padding(self) -> None:
         """Every byte between tensors is zero (flips there are caught here)."""
         pos = PREAMBLE_SIZE
@@ -727,6 +736,7 @@ class _VbinFile:
                 pass
 
     def close(self) -> None:
+        self._raw.clear()
         try:
             self.buf.release()
         except BufferError:
@@ -850,15 +860,25 @@ class VbinReader:
 
     def numpy(self, name: str) -> Any:
         """One tensor as a numpy array viewing the mapping."""
-        return tensors.to_numpy(self.entry(name))
+        return self.get_tensor(name, "np")
 
     def torch(self, name: str) -> Any:
         """One tensor as a torch tensor sharing the mapping (copy-on-write: the file never changes)."""
-        return tensors.to_torch(self.entry(name))
+        return self.get_tensor(name, "pt")
 
     def get_tensor(self, name: str, framework: str | None = None) -> Any:
         """safetensors' verb: ``framework`` ("pt"/"torch" or "np"/"numpy") defaults to the reader's."""
-        return _convert(self.entry(name), framework or self.framework)
+        try:
+            rec = self._by_name[name]
+        except KeyError:
+            raise KeyError(f"{self._root.source}: no tensor named {name!r}") from None
+        return self._tensor(rec, _framework(framework or self.framework))
+
+    def tensors(self, framework: str | None = None) -> Iterator[tuple[str, Any]]:
+        """``(name, tensor)`` for every tensor, in file order (what :func:`load_file` collects)."""
+        fw = _framework(framework or self.framework)
+        for rec in self._records:
+            yield rec.name, self._tensor(rec, fw)
 
     def verify(self, names: Sequence[str] | None = None) -> None:
         """Check every tensor's checksum and that all padding is zero (every file of the set),
@@ -891,6 +911,16 @@ class VbinReader:
         if self.verify_on_access and rec.name not in self._verified:
             self._check(rec, data, f)
         return rec.entry(data)
+
+    def _tensor(self, rec: _Record, framework: str) -> Any:
+        """A tensor cut from one shared view of its file (cheaper than a buffer export per tensor)."""
+        f = self._file_of(rec)
+        if self.verify_on_access and rec.name not in self._verified:
+            self._check(rec, f.view(rec), f)
+        raw = f.raw(framework)
+        if raw is None:  # a read-only buffer: torch gets a copy of this tensor only
+            return tensors.to_torch(rec.entry(f.view(rec)))
+        return tensors.typed_view(raw, rec.offset, rec.nbytes, rec.dtype, rec.shape)
 
     def _check(self, rec: _Record, data: memoryview, f: _VbinFile) -> None:
         got = xxhash.xxh3_64_intdigest(data)
@@ -931,11 +961,11 @@ class VbinReader:
         return f
 
 
-def _convert(entry: TensorEntry, framework: str) -> Any:
+def _framework(framework: str) -> str:
     if framework in ("pt", "torch"):
-        return tensors.to_torch(entry)
+        return "pt"
     if framework in ("np", "numpy"):
-        return tensors.to_numpy(entry)
+        return "np"
     raise ValueError(f"framework must be 'pt' or 'np', got {framework!r}")
 
 
@@ -981,7 +1011,7 @@ def load_file(filename: str | os.PathLike[str], framework: str = "pt", *, verify
     with VbinReader(filename, verify=verify) as r:
         for f in [r._root, *(r._shard(i) for i in range(len(r._shards)))]:
             f.advise(mmap.MADV_WILLNEED)  # everything will be read: start the readahead now
-        return {e.name: _convert(e, framework) for e in r.entries()}
+        return dict(r.tensors(framework))
 
 
 def save(tensors_: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *,
@@ -1005,7 +1035,7 @@ def save(tensors_: Mapping[str, Any], metadata: Mapping[str, str] | None = None,
 def load(data: bytes | bytearray | memoryview, framework: str = "np", *, verify: bool = True) -> dict[str, Any]:
     """Load every tensor from the bytes of a vendor-bin file (views of ``data``)."""
     with VbinReader(data, verify=verify) as r:
-        return {e.name: _convert(e, framework) for e in r.entries()}
+        return dict(r.tensors(framework))
 
 
 def safe_open(filename: str | os.PathLike[str], framework: str = "pt", *, verify: bool = True) -> VbinReader:

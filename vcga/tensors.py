@@ -46,6 +46,8 @@ __all__ = [
     "from_any",
     "to_numpy",
     "to_torch",
+    "raw_bytes",
+    "typed_view",
     "check_entry",
     "verify_checksum",
     "bits_equal",
@@ -327,8 +329,43 @@ def to_torch(entry: TensorEntry, *, copy: bool = False) -> torch.Tensor:
         raw = torch.empty(mv.nbytes, dtype=torch.uint8)
         raw.numpy()[:] = np.frombuffer(mv, dtype=np.uint8)
     else:
-        raw = torch.frombuffer(mv, dtype=torch.uint8)
+        raw = torch.frombuffer(_private_view(mv), dtype=torch.uint8)
     return raw.view(tdt).reshape(entry.shape)
+
+
+def _private_view(mv: memoryview) -> memoryview:
+    """A memoryview only the tensor holds. torch.frombuffer keeps the object alive but gives its
+    buffer export back at once; a view nobody else can ``release()`` keeps the export -- and so
+    the memory, e.g. a file mapping -- alive as long as the tensor."""
+    return memoryview(mv)
+
+
+def raw_bytes(buffer: Any, framework: str) -> Any:
+    """A flat uint8 torch tensor (``"pt"``) or numpy array (``"np"``) sharing a writable buffer,
+    to cut many tensors from with :func:`typed_view` (a file mapping: one export, many cheap slices)."""
+    mv = byte_view(buffer)
+    if framework == "np":
+        import numpy as np
+
+        return np.frombuffer(mv, dtype=np.uint8)
+    import torch
+
+    if mv.readonly:
+        raise ValueError("torch cannot share a read-only buffer")
+    if mv.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(_private_view(mv), dtype=torch.uint8)
+
+
+def typed_view(raw: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    """The tensor of ``dtype`` and ``shape`` stored at ``raw[offset:offset + nbytes]`` (no copy).
+
+    ``raw`` comes from :func:`raw_bytes`; the caller guarantees ``offset`` is aligned for ``dtype``
+    and ``nbytes`` matches the shape (vendor-bin's reader has checked both)."""
+    piece = raw[offset:offset + nbytes]
+    if type(raw).__module__ == "numpy":
+        return piece.view(dtypes.to_numpy(dtype)).reshape(shape)
+    return piece.view(dtypes.to_torch(dtype)).reshape(shape)
 
 
 def bits_equal(a: Any, b: Any) -> bool:
