@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import warnings
@@ -182,3 +183,20 @@ def test_byte_view_of_empty_and_zero_d():
     assert bytes(tensors.byte_view(np.float32(1.0))) == np.float32(1.0).tobytes()
     with pytest.raises(VcgaConversionError, match="non-contiguous"):
         tensors.byte_view(memoryview(np.zeros((4, 4)))[::2])
+
+
+def test_torch_tensors_keep_their_buffer_exported():
+    """torch.frombuffer gives the buffer export back at once; ours hold a private view so the
+    memory (a file mapping, a bytearray) cannot be freed or moved under the tensor."""
+    buf = bytearray(np.arange(1024, dtype=np.float32).tobytes())
+    mv = memoryview(buf)
+    t = tensors.to_torch(TensorEntry("x", "float32", (1024,), mv))
+    mv.release()  # the caller's view is gone ...
+    with pytest.raises(BufferError):
+        buf.extend(b"0")  # ... but the tensor's export still pins the memory
+    assert t[1023].item() == 1023
+    raw = tensors.raw_bytes(memoryview(buf), "pt")
+    assert tensors.typed_view(raw, 4, 8, "float32", (2,)).tolist() == [1.0, 2.0]
+    del t, raw
+    gc.collect()
+    buf.extend(b"0")  # nothing exported any more
