@@ -149,7 +149,9 @@ def bench_throughput(tensors: dict[str, torch.Tensor], reps: int, workdir: Path)
             timed(read(loader, False))  # warm: page cache holds the file
             res[f"read {name}"].append(timed(read(loader, False)))
         for name, loader in order:
-            drop_cache(vb if "vbin" in name else st)
+            gc.collect()  # no mapping of either file may survive: mapped pages cannot be dropped
+            drop_cache(vb)
+            drop_cache(st)
             res[f"cold read {name}"].append(timed(read(loader, True)))
         print(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in res.items()), flush=True)
     return res
