@@ -345,8 +345,11 @@ class VbinWriter:
         self._metadata = _check_metadata(metadata, self.path)
 
     def write(self, entry: TensorEntry) -> None:
-        """Append one tensor entry. Its data is written straight from its buffer and hashed; if the
-        entry carries a checksum, a mismatch raises :class:`~vcga.errors.VcgaChecksumError`."""
+        """Append one tensor entry. Its data is written straight from its buffer and hashed.
+
+        A bad entry (duplicate name, wrong length, ...) is refused before anything is written and
+        the writer stays usable. If writing fails, or the entry carries a checksum its bytes do not
+        match (:class:`~vcga.errors.VcgaChecksumError`: the source is damaged), the writer aborts."""
         if self._done:
             raise ValueError(f"{self.path}: writer already committed or aborted")
         if not isinstance(entry.name, str):
@@ -369,9 +372,15 @@ class VbinWriter:
         try:
             writer = self._writer_for(data.nbytes)
             offset = writer.put(data)
-        finally:
+        except BaseException:
+            # A failed write (disk full, interrupted) leaves a partial tensor in the file: the
+            # checkpoint cannot be completed, so remove the temporaries now.
             if pending is not None:
-                digest = pending.result()
+                pending.result()
+            self.abort()
+            raise
+        if pending is not None:
+            digest = pending.result()
         assert digest is not None
         if entry.checksum is not None and tensors.format_checksum(digest) != entry.checksum:
             self.abort()  # the bytes are in the file already: this checkpoint cannot be finished

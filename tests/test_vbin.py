@@ -454,3 +454,24 @@ def test_writing_in_a_forked_child(tmp_path):
         pytest.fail("the forked child hung writing a vendor-bin file")
     assert child.exitcode == 0
     assert vbin.load_file(tmp_path / "c.vbin", "np")["child"].sum() == 1 << 21
+
+
+def test_a_failed_write_aborts(tmp_path, monkeypatch):
+    """Disk full in the middle of a tensor: the temporaries go, nothing appears."""
+    w = vbin.VbinWriter(tmp_path / "full.vbin")
+    w.add("a", np.ones(10))
+    calls = {"n": 0}
+    real = vbin._FileWriter._write
+
+    def failing(self, data):
+        calls["n"] += 1
+        if memoryview(data).nbytes > 1000:
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(vbin._FileWriter, "_write", failing)
+    with pytest.raises(OSError, match="No space left"):
+        w.add("b", np.ones(1 << 18))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="aborted"):
+        w.add("c", np.ones(3))
