@@ -30,6 +30,7 @@ import io
 import json
 import mmap
 import os
+import reprlib
 import struct
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -482,6 +483,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of an untrusted index value for an error message: a value can be a
+    megabyte string or a list nested hundreds deep, and the message must stay one short line."""
+    return _REPR.repr(value)
+
+
 def _is_int(x: Any) -> bool:
     return type(x) is int
 
@@ -580,15 +591,15 @@ class _VbinFile:
         if strict and doc.keys() - _DOC_KEYS - _DOC_OPTIONAL:
             raise self._err(f"index has unknown keys {sorted(doc.keys() - _DOC_KEYS - _DOC_OPTIONAL)}", at)
         if doc["format"] != FORMAT_NAME:
-            raise self._err(f"index format is {doc['format']!r}", at, repr(FORMAT_NAME))
+            raise self._err(f"index format is {_short(doc['format'])}", at, repr(FORMAT_NAME))
         if not (isinstance(doc["version"], list) and all(_is_int(v) for v in doc["version"])
                 and doc["version"] == list(self.version)):
-            raise self._err(f"index version {doc['version']!r} differs from the preamble's", at,
+            raise self._err(f"index version {_short(doc['version'])} differs from the preamble's", at,
                             str(list(self.version)))
         if doc["file_id"] != self.file_id.hex():
             raise self._err("index belongs to a different file", at, f"file id {self.file_id.hex()}")
         if not _is_int(doc["alignment"]) or doc["alignment"] != self.alignment:
-            raise self._err(f"index alignment {doc['alignment']!r} differs from the preamble's", at,
+            raise self._err(f"index alignment {_short(doc['alignment'])} differs from the preamble's", at,
                             str(self.alignment))
         if not _is_str_map(doc["metadata"]):
             raise self._err("file metadata is not an object of strings", at, "a JSON object of strings")
@@ -597,7 +608,7 @@ class _VbinFile:
         if self.shard_info is not None and not (
                 isinstance(self.shard_info, dict) and set(self.shard_info) == {"number"}
                 and _is_int(self.shard_info["number"]) and self.shard_info["number"] >= 0):
-            raise self._err(f"bad shard description {self.shard_info!r}", at, '{"number": <int >= 0>}')
+            raise self._err(f"bad shard description {_short(self.shard_info)}", at, '{"number": <int >= 0>}')
         self.shards = doc.get("shards")
         if self.shards is not None:
             self._check_shards(self.shards, at)
@@ -611,19 +622,19 @@ class _VbinFile:
         seen: set[str] = set()
         for i, s in enumerate(shards):
             if not (isinstance(s, dict) and set(s) == {"file", "file_id", "size", "tensors"}):
-                raise self._err(f"shard {i}: bad description {str(s)[:200]}", at,
+                raise self._err(f"shard {i}: bad description {_short(s)}", at,
                                 "keys file, file_id, size, tensors")
             name = s["file"]
             # A shard name is a plain file name in the index's directory: no path can escape it.
             if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
                     or "\0" in name or os.sep in name or (os.altsep and os.altsep in name)
                     or Path(name).name != name or name in seen):
-                raise self._err(f"shard {i}: file name {name!r} is not a plain file name in the index's "
+                raise self._err(f"shard {i}: file name {_short(name)} is not a plain file name in the index's "
                                 "directory", at, "a unique base name without path separators or '..'")
             seen.add(name)
             fid = s["file_id"]
             if not (isinstance(fid, str) and len(fid) == 32 and all(c in "0123456789abcdef" for c in fid)):
-                raise self._err(f"shard {i}: bad file id {fid!r}", at, "32 lowercase hex digits")
+                raise self._err(f"shard {i}: bad file id {_short(fid)}", at, "32 lowercase hex digits")
             if not (_is_int(s["size"]) and s["size"] >= PREAMBLE_SIZE + TRAILER_SIZE
                     and _is_int(s["tensors"]) and s["tensors"] >= 0):
                 raise self._err(f"shard {i}: bad size or tensor count", at, "non-negative integers")
@@ -645,18 +656,18 @@ class _VbinFile:
                 raise self._err(f"tensor #{i} has unknown keys {sorted(t.keys() - allowed)}", at)
             name = t["name"]
             if not isinstance(name, str):
-                raise self._err(f"tensor #{i}: name {name!r} is not a string", at, "a string")
+                raise self._err(f"tensor #{i}: name {_short(name)} is not a string", at, "a string")
             if name in names:
-                raise self._err(f"duplicate tensor name {name!r}", at, "unique names")
+                raise self._err(f"duplicate tensor name {_short(name)}", at, "unique names")
             names.add(name)
-            what = f"tensor {name!r}"
+            what = f"tensor {_short(name)}"
             dtype = t["dtype"]
             if not isinstance(dtype, str) or dtype not in dtypes.DTYPES:
-                raise self._err(f"{what}: unknown dtype {dtype!r}", at, f"one of {', '.join(dtypes.ALL)}")
+                raise self._err(f"{what}: unknown dtype {_short(dtype)}", at, f"one of {', '.join(dtypes.ALL)}")
             shape = t["shape"]
             if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
                     and all(_is_int(d) and 0 <= d <= _MAX_INDEX for d in shape)):
-                raise self._err(f"{what}: bad shape {str(shape)[:200]}", at,
+                raise self._err(f"{what}: bad shape {_short(shape)}", at,
                                 f"a list of at most {MAX_NDIM} non-negative int64 values")
             numel, nonzero = 1, 1
             for d in shape:
@@ -667,16 +678,16 @@ class _VbinFile:
             nbytes, offset = t["nbytes"], t["offset"]
             itemsize = dtypes.DTYPES[dtype].itemsize
             if not _is_int(nbytes) or nbytes != numel * itemsize:
-                raise self._err(f"{what}: nbytes {nbytes!r} does not match shape {shape} of {dtype}", at,
+                raise self._err(f"{what}: nbytes {_short(nbytes)} does not match shape {shape} of {dtype}", at,
                                 str(numel * itemsize))
             if not _is_int(offset):
-                raise self._err(f"{what}: offset {offset!r} is not an integer", at, "an integer")
+                raise self._err(f"{what}: offset {_short(offset)} is not an integer", at, "an integer")
             if nbytes == 0 and offset != 0:
                 raise self._err(f"{what}: an empty tensor has offset {offset}", at, "0")
             shard = t.get("shard")
             if sharded:
                 if not (_is_int(shard) and current_shard <= shard < nshards):
-                    raise self._err(f"{what}: shard {shard!r} is not one of the {nshards} shards in order", at,
+                    raise self._err(f"{what}: shard {_short(shard)} is not one of the {nshards} shards in order", at,
                                     f"an integer in [{current_shard}, {nshards})")
                 if shard != current_shard:
                     current_shard, end = shard, PREAMBLE_SIZE  # offsets restart in the next shard

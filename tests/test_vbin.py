@@ -232,6 +232,14 @@ def test_lying_fields_with_valid_checksums_are_format_errors():
         with pytest.raises(VcgaFormatError) as info:
             _read_all(crafted(edit))
         assert info.value.offset is not None, what
+    text = json.dumps(doc, separators=(",", ":"))
+    for field in ('"shape":[3]', '"name":"small"', '"metadata":{"producer":"test"}'):
+        key = field.split(":")[0]
+        for depth in (500, 900, 5000):  # up to and past json's recursion limit
+            deep = text.replace(field, f"{key}:" + "[" * depth + "]" * depth, 1)
+            assert deep != text
+            with pytest.raises(VcgaFormatError):
+                _read_all(with_index_bytes(data, deep.encode()))
     for raw in (b"[" * 100000, b'{"a":1,"a":2}', b'{"x":NaN}', b"\xff\xfe", b"1" * 5000, b""):
         with pytest.raises(VcgaFormatError):
             _read_all(with_index_bytes(data, raw))

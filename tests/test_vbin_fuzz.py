@@ -97,16 +97,22 @@ def json_mutation(draw):
         parent = doc
         for k in path[:-1]:
             parent = parent[k]
-        op = draw(st.sampled_from(["replace", "delete", "duplicate", "nudge"]))
+        op = draw(st.sampled_from(["replace", "delete", "duplicate", "nudge", "deep"]))
         key = path[-1]
         if op == "replace":
             parent[key] = draw(json_values)
+        elif op == "deep":  # a value nested deeper than repr() and json can recurse (patched in below)
+            parent[key] = "\u0000DEEP\u0000"
         elif op == "delete":
             del parent[key]
         elif op == "duplicate" and isinstance(parent, list):
             parent.insert(draw(st.integers(0, len(parent))), json.loads(json.dumps(parent[key])))
         elif isinstance(parent[key], int) and not isinstance(parent[key], bool):
             parent[key] += draw(st.sampled_from([-4096, -64, -8, -1, 1, 8, 64, 4096, 2**40]))
+    if "\u0000DEEP\u0000" in json.dumps(doc):
+        depth = draw(st.sampled_from([50, 500, 900, 5000]))
+        text = json.dumps(doc).replace('"\\u0000DEEP\\u0000"', "[" * depth + "]" * depth)
+        return seed, with_index_bytes(data, text.encode())
     return seed, with_doc(data, doc, ascii_only=draw(st.booleans()))
 
 
