@@ -32,6 +32,7 @@ from vcga.contract import (
     REDUCING,
     Backend,
     CapabilityTable,
+    Collective,
     ProbeResult,
     ReduceOp,
     Topology,
@@ -76,6 +77,10 @@ def hccl_capabilities(name: str = "hccl") -> CapabilityTable:
     """What ProcessGroupHCCL does with each (collective, dtype, op); each statement cites its source."""
     return (
         CapabilityTable.builder(name)
+        # Everything not stated below: outside ProcessGroupHCCL's dtype and op maps (a later
+        # statement overrides an earlier one; build() still derives VCGA's emulations here).
+        .refuse(list(Collective), dtypes.ALL, None, final=False,
+                note="not in HCCLUtils.cpp kScalarTypeToHcclDataType / ProcessGroupHCCL.cpp hcclOp")
         # HCCLUtils.cpp kScalarTypeToHcclDataType / getHcclDataType; ProcessGroupHCCL.cpp:
         # "AllGather & Broadcast support all data type, no need do more check".
         .native(MOVING, HCCL_NATIVE,

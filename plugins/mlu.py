@@ -31,6 +31,7 @@ from vcga.contract import (
     REDUCING,
     Backend,
     CapabilityTable,
+    Collective,
     ProbeResult,
     ReduceOp,
     Topology,
@@ -73,6 +74,10 @@ def cncl_capabilities(name: str = "mlu") -> CapabilityTable:
     """What ProcessGroupCNCL does with each (collective, dtype, op); each statement cites its source."""
     return (
         CapabilityTable.builder(name)
+        # Everything not stated below: outside ProcessGroupCNCL's dtype and op maps (a later
+        # statement overrides an earlier one; build() still derives VCGA's emulations here).
+        .refuse(list(Collective), dtypes.ALL, None, final=False,
+                note="not in process_group_cncl.cpp cncl_data_type / cncl_op")
         # process_group_cncl.cpp cncl_data_type / getCnclDataType (bool as cnclUint8).
         .native(MOVING, CNCL_NATIVE, note="process_group_cncl.cpp getCnclDataType (bool as cnclUint8)")
         # process_group_cncl.cpp cncl_op: MIN/MAX/SUM/PRODUCT -> cnclMin/cnclMax/cnclSum/cnclProd;

@@ -28,6 +28,7 @@ from vcga.contract import (
     REDUCING,
     Backend,
     CapabilityTable,
+    Collective,
     ProbeResult,
     ReduceOp,
     Topology,
@@ -72,6 +73,10 @@ def nccl_capabilities(name: str = "nccl") -> CapabilityTable:
     """What ProcessGroupNCCL does with each (collective, dtype, op); each statement cites its source."""
     return (
         CapabilityTable.builder(name)
+        # Everything not stated below: outside ProcessGroupNCCL's dtype and op maps (a later
+        # statement overrides an earlier one; build() still derives VCGA's emulations here).
+        .refuse(list(Collective), dtypes.ALL, None, final=False,
+                note="not in torch NCCLUtils.hpp ncclDataType / ProcessGroupNCCL.cpp ncclOp")
         # NCCLUtils.hpp ncclDataType: every collective moves these dtypes natively.
         .native(MOVING, NCCL_MOVED, note=_SRC_DTYPES)
         # ProcessGroupNCCL.cpp ncclOp: MIN/MAX/SUM/PRODUCT -> ncclMin/ncclMax/ncclSum/ncclProd.
@@ -89,15 +94,18 @@ def nccl_capabilities(name: str = "nccl") -> CapabilityTable:
         # derives the recipe; the library's reason stays in the cell's note):
         # getNcclDataType: "Input tensor data type is not supported for NCCL process group".
         .refuse(MOVING + REDUCING, ["int16", "uint16", "uint32", "uint64"], None, final=False,
-                note="getNcclDataType: 'Input tensor data type is not supported for NCCL process group'")
+                note="ProcessGroupNCCL.cpp getNcclDataType: 'Input tensor data type is not supported for NCCL process group'")
         # ProcessGroupNCCL::allreduce: fp8 reductions raise; VCGA reduces them in float32.
         .refuse(REDUCING, dtypes.FP8, None, final=False,
-                note="ProcessGroupNCCL::allreduce: 'Float8 dtypes are not currenlty supported for NCCL reductions'")
+                note="ProcessGroupNCCL.cpp allreduce: 'Float8 dtypes are not currenlty supported for NCCL reductions'")
         # getNcclReduceOp: PREMUL_SUM only for floating types; ncclAvg on integers truncates, and
         # VCGA keeps AVG to floating dtypes as torch.distributed's other backends do.
         .refuse(REDUCING, dtypes.INTEGER, [ReduceOp.AVG, ReduceOp.PREMUL_SUM], final=False,
-                note="getNcclReduceOp: 'PreMulSum Data type must be half, float, bfloat16 or double'; "
+                note="ProcessGroupNCCL.cpp getNcclReduceOp: 'PreMulSum Data type must be half, float, bfloat16 or double'; "
                      "integer AVG would truncate")
+        # getNcclReduceOp: bool AVG is a TypeError; PREMUL_SUM needs a floating type.
+        .refuse(REDUCING, ["bool"], [ReduceOp.AVG, ReduceOp.PREMUL_SUM], final=False,
+                note="ProcessGroupNCCL.cpp getNcclReduceOp: 'Cannot use ReduceOp.AVG with boolean inputs'")
         # getNcclReduceOp: "Cannot use ReduceOp.BAND with NCCL" (and BOR, BXOR). Stays refused.
         .refuse(REDUCING, dtypes.ALL, BITWISE,
                 note="NCCL has no bitwise reduce ops (ProcessGroupNCCL.cpp getNcclReduceOp: "
