@@ -191,7 +191,8 @@ class HcclBackend(Backend):
                            n, versions)
 
     def accelerator(self) -> DeviceModuleAccelerator:
-        import torch_npu  # noqa: F401 - registers torch.npu
+        if import_vendor_module("torch_npu", INSTALL_HINT)[0] is None:  # importing it registers torch.npu
+            raise VcgaBackendUnavailable(self.name, self.probe().reason)
 
         # torch_npu CalcuOpUtil.cpp ACL_TYPE_TO_SCALAR_TYPE_MAP: every canonical dtype has an ACL type.
         return DeviceModuleAccelerator("npu", VISIBLE_DEVICES_ENV, dtypes.ALL)

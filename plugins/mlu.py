@@ -154,7 +154,8 @@ class MluBackend(Backend):
                            n, versions)
 
     def accelerator(self) -> DeviceModuleAccelerator:
-        import torch_mlu  # noqa: F401 - registers torch.mlu
+        if import_vendor_module("torch_mlu", INSTALL_HINT)[0] is None:  # importing it registers torch.mlu
+            raise VcgaBackendUnavailable(self.name, self.probe().reason)
 
         return DeviceModuleAccelerator("mlu", VISIBLE_DEVICES_ENV, MLU_DTYPES)
 

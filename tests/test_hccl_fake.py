@@ -295,3 +295,8 @@ def test_fake_warning_free_probe_logs_nothing(fake_npu, caplog):
 def test_timedelta_passes_through_unchanged(fake_npu):
     pg = hccl.HcclBackend().create_process_group(a_store(), 0, 1, timedelta(milliseconds=1500))
     assert pg.options._timeout == timedelta(milliseconds=1500)
+
+
+def test_accelerator_without_torch_npu_says_why():
+    with pytest.raises(VcgaBackendUnavailable, match="module torch_npu is not installed"):
+        hccl.HcclBackend().accelerator()

@@ -195,3 +195,8 @@ def test_fake_two_vendor_modules_in_one_process_isolate_the_second():
     assert not b["mlu"]["available"]
     assert b["mlu"]["reason"].startswith("import torch_mlu failed: RuntimeError: ")
     assert "npu" in b["mlu"]["reason"]
+
+
+def test_accelerator_without_torch_mlu_says_why():
+    with pytest.raises(VcgaBackendUnavailable, match="module torch_mlu is not installed"):
+        mlu.MluBackend().accelerator()
