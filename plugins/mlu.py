@@ -97,6 +97,9 @@ def cncl_capabilities(name: str = "mlu") -> CapabilityTable:
                 final=False, note="process_group_cncl.cpp getCnclDataType: 'Unsupported data type for CNCL process group'")
         # cncl_data_type {at::kDouble, cnclFloat}: CNCL would move and reduce fp64 as fp32 without a
         # word. VCGA never hands fp64 to CNCL: it moves the bytes as int64 and reduces fp64 itself.
+        # On a real MLU the values are already fp32-rounded on upload (types.cpp), and any fp64
+        # arithmetic on the chip runs as fp32 -- so gather_then_reduce must reduce on the host
+        # (through vcga_tensor_to_host) to add no further rounding.
         .emulate(MOVING, ["float64"], via="bitcast:int64",
                  note="process_group_cncl.cpp cncl_data_type maps kDouble to cnclFloat; VCGA moves fp64 bytes as int64")
         .emulate(REDUCING, ["float64"], _FP64_OPS, via="gather_then_reduce",
