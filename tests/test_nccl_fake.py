@@ -215,3 +215,14 @@ def test_table_cells_the_library_rejects_are_never_native():
         assert t.support_of("all_gather", dt) is not Support.NATIVE
         assert t.support_of("all_reduce", dt, "SUM") is not Support.NATIVE
     assert t.lookup("all_reduce", "float8_e4m3fn", "SUM").via == "upcast:float32"
+
+
+def test_fake_vcga_info_shows_nccl_available_with_devices_and_versions(fake_cuda):
+    """`vcga info` (its collect()) on the FAKE CUDA torch: nccl available and selected."""
+    from vcga.cli.info import collect
+
+    data = collect()
+    b = {x["name"]: x for x in data["backends"]}["nccl"]
+    assert (b["available"], b["device_count"]) == (True, 2)
+    assert b["versions"] == {"torch": torch.__version__, "cuda": "12.8", "nccl": "2.27.5"}
+    assert data["selected_backend"] == "nccl"
