@@ -62,9 +62,9 @@ def hccl_table(name: str = "sim-hccl") -> CapabilityTable:
     native_dt = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32")
     return (
         CapabilityTable.builder(name)
-        .native(MOVING, native_dt, note="HCCLUtils getHcclDataType (bool as HCCL_DATA_TYPE_UINT8)")
+        .native(MOVING, native_dt, note="ProcessGroupHCCL getHcclDataType (bool/uint8 cast to int32)")
         .native(REDUCING, native_dt, [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX],
-                note="HcclReduceOp SUM/PROD/MIN/MAX; bool/uint8 reduced as int32; bool SUM mapped to MAX")
+                note="HcclReduceOp SUM/PROD/MIN/MAX; bool SUM mapped to MAX")
         .refuse(REDUCING, dtypes.ALL, BITWISE, note="HCCL has no bitwise reduce ops "
                 "(ProcessGroupHCCL rejects BAND/BOR/BXOR); use gloo, or MAX/MIN for bool")
         .build()
