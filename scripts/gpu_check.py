@@ -319,7 +319,12 @@ def worker(spec: dict) -> None:
             dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001
-            report.update(error=f"{type(e).__name__}: {e}", typed=isinstance(e, (VcgaError, NotImplementedError)))
+            chain, cur = [], e
+            while cur is not None and len(chain) < 8:  # torch may wrap the creator's error
+                chain.append(cur)
+                cur = cur.__cause__ or cur.__context__
+            typed = next((x for x in chain if isinstance(x, (VcgaError, NotImplementedError))), None)
+            report.update(error=f"{type(typed or e).__name__}: {typed or e}", typed=typed is not None)
             raise
         report["stage"] = "collectives"
         total = world_size * (world_size + 1) // 2
