@@ -62,12 +62,12 @@ INSTALL_HINT = "install torch-npu matching your torch and your Ascend CANN toolk
 #: ProcessGroupHCCL.cpp checkSupportedDataType: the HcclDataTypes every SoC reduces --
 #: INT8, INT16, INT32, FP16, FP32, BFP16, INT64 -- plus bool and uint8, which allreduce/reduce/
 #: reduce_scatter cast to int32 in their pre-hook (``_npu_dtype_cast(tensor, at::kInt)``) and copy
-#: back in the post-hook. The same set is what every torch_npu release moves natively
-#: (HCCLUtils.cpp kScalarTypeToHcclDataType; bool travels as HCCL_DATA_TYPE_UINT8).
+#: back in the post-hook. The same set is what every torch_npu release (v1.11 to master) moves
+#: natively (HCCLUtils.cpp kScalarTypeToHcclDataType; bool travels as HCCL_DATA_TYPE_UINT8).
 HCCL_NATIVE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32")
-#: Mapped by newer torch_npu (uint16/32/64, fp64, fp8) but reduced only on Ascend950 or not at all,
-#: and moved only where the installed CANN's HCCL accepts them: VCGA moves them as same-width
-#: integers, which is bit-exact on every SoC and CANN version.
+#: fp64 is mapped (HCCL_DATA_TYPE_FP64) by every release, fp8 and uint16/32/64 only by recent
+#: ones; checkSupportedDataType reduces uint64/fp64 only on Ascend950 and the others never. VCGA
+#: moves all of them as same-width integers, bit-exact whatever the torch_npu, CANN or SoC.
 HCCL_VERSION_DEPENDENT = ("uint16", "uint32", "uint64", "float64", "float8_e4m3fn", "float8_e5m2")
 FLOATS = ("float16", "bfloat16", "float32")
 _ARITH_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
@@ -98,9 +98,10 @@ def hccl_capabilities(name: str = "hccl") -> CapabilityTable:
         # VCGA's mul_then_sum.
         .refuse(REDUCING, FLOATS, [ReduceOp.PREMUL_SUM], final=False,
                 note="ProcessGroupHCCL.cpp getHcclReduceOp: PREMUL_SUM runs as mul_ then HCCL_REDUCE_SUM")
-        # HCCLUtils.cpp kScalarTypeToHcclDataType maps these only in newer torch_npu releases.
+        # HCCLUtils.cpp kScalarTypeToHcclDataType: fp64 in every release, the rest in recent ones.
         .refuse(MOVING, HCCL_VERSION_DEPENDENT, None, final=False,
-                note="HCCLUtils.cpp kScalarTypeToHcclDataType: mapped by newer torch_npu releases only")
+                note="HCCLUtils.cpp kScalarTypeToHcclDataType: fp8/uint16/uint32/uint64 only in recent "
+                     "torch_npu; support depends on torch_npu, CANN and SoC")
         # checkSupportedDataType: uint64/fp64 reductions only on Ascend950 (Atlas A5); fp8 and
         # uint16/uint32 never: "HCCL allreduce: Unsupported data type".
         .refuse(REDUCING, HCCL_VERSION_DEPENDENT, None, final=False,
