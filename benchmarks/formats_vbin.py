@@ -7,9 +7,8 @@ Measures, with interleaved repetitions (the order alternates every repetition):
   durability as vendor-bin);
 - read: ``load_file`` then every byte of every tensor touched (XXH3 over each tensor's bytes, the
   cheapest full read there is), page cache warm and cold (pages dropped with POSIX_FADV_DONTNEED
-  after an fsync, so both files come from the disk -- or from the hypervisor's cache on a VM, which
-  makes the cold rows order-dependent there); vendor-bin with its default per-tensor checksum
-  verification and with ``verify=False`` (the same work safetensors does);
+  after an fsync, so both files come from the disk); vendor-bin with its default per-tensor
+  checksum verification and with ``verify=False`` (the same work safetensors does);
 - streaming-write peak RSS: a child process writes a 2 GiB checkpoint tensor by tensor (each
   tensor made, written, dropped) and reports its peak resident set; safetensors, which needs every
   tensor in memory at once, is measured the same way for comparison.
@@ -102,7 +101,7 @@ def timed(fn) -> float:
 def bench_throughput(tensors: dict[str, torch.Tensor], reps: int, workdir: Path) -> dict[str, list[float]]:
     vb, st = workdir / "mix.vbin", workdir / "mix.safetensors"
     res: dict[str, list[float]] = {k: [] for k in (
-        "write vbin", "write safetensors", "write safetensors+fsync", "write vbin without fsync",
+        "write vbin", "write safetensors", "write safetensors+fsync",
         "read vbin", "read vbin verify=False", "read safetensors",
         "cold read vbin", "cold read vbin verify=False", "cold read safetensors")}
     expect = touch(tensors)
@@ -112,16 +111,6 @@ def bench_throughput(tensors: dict[str, torch.Tensor], reps: int, workdir: Path)
 
     def write_st():
         st_save_file(tensors, str(st))
-
-    def write_vbin_nosync():
-        # Diagnostic only (no such option exists): how much of the gap to safetensors' save_file is
-        # the fsync that makes vendor-bin's writes durable.
-        real = os.fsync
-        os.fsync = lambda fd: None
-        try:
-            vbin.save_file(tensors, vb)
-        finally:
-            os.fsync = real
 
     def write_st_sync():
         st_save_file(tensors, str(st))
@@ -140,7 +129,7 @@ def bench_throughput(tensors: dict[str, torch.Tensor], reps: int, workdir: Path)
     }
     for rep in range(reps):
         writes = [("write vbin", write_vbin), ("write safetensors", write_st),
-                  ("write safetensors+fsync", write_st_sync), ("write vbin without fsync", write_vbin_nosync)]
+                  ("write safetensors+fsync", write_st_sync)]
         if rep % 2:
             writes.reverse()
         for key, fn in writes:
@@ -264,8 +253,6 @@ def main() -> None:
         "|---|---|---|---|---|",
         row("write (vbin durable; safetensors save_file)", "write vbin", "write safetensors"),
         row("write (both durable: safetensors + fsync)", "write vbin", "write safetensors+fsync"),
-        row("write, diagnostic: vbin with fsync patched out vs save_file", "write vbin without fsync",
-            "write safetensors"),
         row("read, warm cache (vbin verifies checksums)", "read vbin", "read safetensors"),
         row("read, warm cache (vbin verify=False)", "read vbin verify=False", "read safetensors"),
         row("read, cold cache (vbin verifies checksums)", "cold read vbin", "cold read safetensors"),
