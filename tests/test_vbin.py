@@ -295,7 +295,14 @@ def test_writes_are_atomic(tmp_path):
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["a.vbin"]
 
 
-def test_writer_keeps_no_tensor_alive(tmp_path):
+@pytest.fixture(params=["inline", "helper-thread"])
+def hashing(request, monkeypatch):
+    """Both ways the writer hashes: inline, or on the helper thread while writing (used with >= 4 CPUs)."""
+    monkeypatch.setattr(vbin, "_PARALLEL_HASH", 1 << 62 if request.param == "inline" else 1 << 20)
+    return request.param
+
+
+def test_writer_keeps_no_tensor_alive(tmp_path, hashing):
     """Memory is bounded by one tensor: after write() the writer holds no reference to its data."""
     with vbin.VbinWriter(tmp_path / "s.vbin") as w:
         refs = []
@@ -309,7 +316,7 @@ def test_writer_keeps_no_tensor_alive(tmp_path):
     assert vbin.load_file(tmp_path / "s.vbin", "np")["t4"][0] == 4
 
 
-def test_a_damaged_source_aborts_the_write(tmp_path):
+def test_a_damaged_source_aborts_the_write(tmp_path, hashing):
     """An entry whose bytes do not match the checksum its source stored: the checkpoint cannot be
     trusted, so the writer aborts and nothing appears."""
     w = vbin.VbinWriter(tmp_path / "c.vbin")
@@ -448,9 +455,11 @@ def _child_writes(path: str) -> None:  # runs in a forked child
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_writing_in_a_forked_child(tmp_path):
+def test_writing_in_a_forked_child(tmp_path, monkeypatch):
     """The helper thread does not survive fork; a child that writes must not wait on it forever."""
     import multiprocessing
+
+    monkeypatch.setattr(vbin, "_PARALLEL_HASH", 1 << 20)  # use the helper thread in parent and child
 
     vbin.save_file({"parent": np.zeros(1 << 20, np.uint8)}, tmp_path / "parent.vbin")  # starts the pool
     child = multiprocessing.get_context("fork").Process(target=_child_writes, args=(str(tmp_path / "c.vbin"),))
@@ -464,7 +473,7 @@ def test_writing_in_a_forked_child(tmp_path):
     assert vbin.load_file(tmp_path / "c.vbin", "np")["child"].sum() == 1 << 21
 
 
-def test_a_failed_write_aborts(tmp_path, monkeypatch):
+def test_a_failed_write_aborts(tmp_path, monkeypatch, hashing):
     """Disk full in the middle of a tensor: the temporaries go, nothing appears."""
     w = vbin.VbinWriter(tmp_path / "full.vbin")
     w.add("a", np.ones(10))
