@@ -170,7 +170,7 @@ def from_numpy(name: str, array: np.ndarray, metadata: Mapping[str, str] | None 
 def _host_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     if t.layout is not torch.strided:
         raise VcgaConversionError(
             f"tensor {name!r} has layout {t.layout}; only dense tensors are stored. Call .to_dense() first.",
@@ -225,10 +225,13 @@ def from_torch(name: str, tensor: torch.Tensor, metadata: Mapping[str, str] | No
     if t.numel() == 0:
         data = memoryview(b"")  # an empty tensor's strides can be anything; it has no bytes
     else:
-        # as_strided, not reshape: a contiguous tensor's size-1 dims may carry any stride, which
-        # reshape(-1) keeps and view(uint8) refuses. Contiguous means the bytes are consecutive.
-        flat = t.as_strided((t.numel(),), (1,))
-        data = memoryview(flat.view(torch.uint8).numpy())
+        if t.dim() and t.stride(-1) == 1:
+            raw = t.view(torch.uint8)  # (..., last * itemsize), still C-contiguous
+        else:
+            # 0-d, or a size-1 last dim with an odd stride (contiguity ignores size-1 strides,
+            # view(uint8) does not): the bytes are consecutive, so view them flat.
+            raw = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+        data = byte_view(raw.numpy())
     return TensorEntry(name=name, dtype=dtype, shape=tuple(t.shape), data=data,
                        metadata=_check_metadata(name, metadata),
                        checksum=checksum(data) if with_checksum else None)
