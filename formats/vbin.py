@@ -33,7 +33,6 @@ import os
 import reprlib
 import struct
 import sys
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -100,18 +99,6 @@ _WRITEBACK_CHUNK = 8 << 20  # start the disk on every 8 MiB written
 _HASH_PIECE = 2 << 20
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-# Tensors this large are hashed on a helper thread while the main thread copies them into the file.
-# Only with cores to spare: on a 2-core machine the thread handoff cost more than it saved (measured).
-_PARALLEL_HASH = 1 << 20 if _cpus() >= 4 else 1 << 62
-_POOL: tuple[int, Any] | None = None  # (owner pid, ThreadPoolExecutor); made on first use
-_POOL_LOCK = threading.Lock()
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
 
 
@@ -146,18 +133,6 @@ def _start_writeback_of(fd: int, offset: int, length: int) -> None:
         except OSError:
             pass
 
-
-def _hash_pool() -> Any:
-    """One helper thread per process. A pool inherited through fork has no thread in the child
-    (its work would never run), so a forked child makes its own."""
-    import concurrent.futures
-
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="vcga-vbin-hash"))
-        return _POOL[1]
 
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "checksum"}
 _ENTRY_OPTIONAL = {"metadata", "shard"}
@@ -410,23 +385,19 @@ class VbinWriter:
                                       f"(at most {MAX_NDIM})", tensor=entry.name, target=FORMAT_NAME)
         _check_metadata(entry.metadata, f"{self.path}: tensor {entry.name!r}")
         data = tensors.check_entry(entry, self.path)
-        # Hash on a helper thread while this one copies the bytes into the file: the write syscall
-        # releases the GIL, so the two overlap. Both finish before write() returns, so the caller
-        # may free the tensor right after (memory stays bounded by one tensor).
-        # Without cores to spare, hash each piece as it is written instead (see _FileWriter.put).
-        pending = _hash_pool().submit(xxhash.xxh3_64_intdigest, data) if data.nbytes >= _PARALLEL_HASH else None
-        hasher = None if pending is not None else xxhash.xxh3_64()
+        # The checksum is computed piece by piece as the bytes are written (see _FileWriter.put).
+        # A helper thread hashing while this one writes gained nothing on the 2-core machine this
+        # was measured on (memory bandwidth, not the CPU, is the limit), so there is none.
+        hasher = xxhash.xxh3_64()
         try:
             writer = self._writer_for(data.nbytes)
             offset = writer.put(data, hasher)
         except BaseException:
             # A failed write (disk full, interrupted) leaves a partial tensor in the file: the
             # checkpoint cannot be completed, so remove the temporaries now.
-            if pending is not None:
-                pending.result()
             self.abort()
             raise
-        digest = pending.result() if pending is not None else hasher.intdigest()
+        digest = hasher.intdigest()
         if entry.checksum is not None and tensors.format_checksum(digest) != entry.checksum:
             self.abort()  # the bytes are in the file already: this checkpoint cannot be finished
             raise VcgaChecksumError(self.path, f"tensor {entry.name!r} does not match the checksum its source "
