@@ -53,6 +53,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "vcga.plugins.hccl",
     "vcga.plugins.mlu",
     "vcga.conformance.checks",
+    "vcga.formats.mindrecord",
+    "vcga.formats.mindspore_ckpt",
 )
 
 _TRUE = {"1", "true", "yes", "on"}
