@@ -112,7 +112,7 @@ def read_index(db_path: Path, data_path: Path, header: Header, file_size: int) -
                 raise VcgaFormatError(db_path, f"the MindRecord index lists {n_rows} rows but the data file "
                                                f"holds {expected}; the index is stale or corrupt")
             rows = con.execute(f"SELECT {','.join(_LOCATION_COLUMNS)} FROM INDEXES ORDER BY ROW_ID").fetchall()
-        except sqlite3.Error as e:
+        except (sqlite3.Error, UnicodeDecodeError) as e:  # a damaged TEXT value fails to decode
             raise VcgaFormatError(db_path, f"the MindRecord index is corrupt ({e})") from None
     finally:
         con.close()
