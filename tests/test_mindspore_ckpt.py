@@ -165,3 +165,19 @@ def test_sniff_our_output(tmp_path):
     write(tmp_path / "m.ckpt", tensors())
     write(tmp_path / "only_hidden.ckpt", [TensorEntry("e", "int8", (0,), b"")])
     assert ck.sniff(tmp_path / "m.ckpt") and ck.sniff(tmp_path / "only_hidden.ckpt")
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 300, 16383, 16384, 70000])
+@pytest.mark.parametrize("field", [1, 1001])
+def test_value_prefix_equals_protobuf_serialization(n, field):
+    """The writer frames the content itself (no copies); the bytes must be protobuf's own."""
+    checkpoint, _ = ck.message_classes()
+    content = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    for tag, dims, tensor_type in (("w", [n], "UInt8"), ("a.b" * 50, [], "Float32"), ("é", [0, 3, 1 << 40], "Int8")):
+        msg = checkpoint()
+        value = (msg.vcga_extra if field == 1001 else msg.value).add()
+        value.tag = tag
+        value.tensor.dims.extend(dims)
+        value.tensor.tensor_type = tensor_type
+        value.tensor.tensor_content = content
+        assert ck.value_prefix(field, tag, dims, tensor_type, n) + content == msg.SerializeToString()

@@ -1,0 +1,270 @@
+"""VCGA's MindRecord and .ckpt readers and writers against MindSpore's own, same data, same run.
+
+The data: 128 float32 tensors of 4 MiB (512 MiB), stored as ``{name, dtype, shape, data}`` records
+(MindRecord) and as Parameters (.ckpt). MindSpore runs in its own interpreter (it is never a VCGA
+dependency): each repetition starts ``<mindspore python> benchmarks/formats_mindspore.py --anchor``,
+which times
+
+- ``FileWriter.write_raw_data`` (16 records per call) + ``commit``, and ``FileReader.get_next`` over every row;
+- ``save_checkpoint`` of prebuilt Tensors, and ``load_checkpoint``;
+
+and leaves its files. VCGA then, in this process, times its writers on the same tensors and its readers
+on MindSpore's files (so both readers read the very same bytes). Repetitions alternate, medians are
+reported as GB/s (1e9 bytes) and as ratios VCGA / MindSpore.
+
+Writes: VCGA's writers are atomic (temporary, fsync, rename); MindSpore's do not fsync. Both are
+reported: against MindSpore as it is, and against MindSpore followed by an fsync of its files (the same
+durability). Reads: page cache warm (right after writing) and cold (pages dropped with
+POSIX_FADV_DONTNEED after an fsync, before each reader runs).
+
+    .venv/bin/python benchmarks/formats_mindspore.py                      # the run in docs/benchmarks.md
+    .venv/bin/python benchmarks/formats_mindspore.py --reps 1 --mib 64    # a quick look
+    VCGA_MINDSPORE_PYTHON=/path/to/python ...                             # where MindSpore 2.10 lives
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+TENSOR_BYTES = 4 * MiB
+DEFAULT_MINDSPORE_PYTHON = "/work/venvs/mindspore/bin/python"
+
+
+def make_tensors(total_mib: int) -> list[tuple[str, np.ndarray]]:
+    """Deterministic float32 tensors of 4 MiB (both interpreters build the same bytes)."""
+    n = TENSOR_BYTES // 4
+    base = np.arange(n, dtype=np.float32)
+    return [(f"layers.{i}.weight", (base * np.float32(1.0 + i / 128)).reshape(1024, n // 1024))
+            for i in range(total_mib * MiB // TENSOR_BYTES)]
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_files(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def mindrecord_files(d: Path, stem: str) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.name.startswith(stem))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The anchor: MindSpore 2.10 (runs under MindSpore's interpreter; imports no VCGA code)
+# ---------------------------------------------------------------------------------------------------
+
+
+def anchor(work: Path, total_mib: int, cold: bool) -> dict[str, float]:
+    os.environ.setdefault("GLOG_v", "3")
+    import mindspore as ms
+    from mindspore.mindrecord import FileReader, FileWriter
+
+    tensors = make_tensors(total_mib)
+    rows = [{"name": n, "dtype": "float32", "shape": np.array(a.shape, dtype=np.int64), "data": a.tobytes()}
+            for n, a in tensors]
+    out: dict[str, float] = {}
+
+    mr = work / "ms.mindrecord"
+    t0 = time.perf_counter()
+    w = FileWriter(str(mr), shard_num=1, overwrite=True)
+    w.add_schema({"name": {"type": "string"}, "dtype": {"type": "string"},
+                  "shape": {"type": "int64", "shape": [-1]}, "data": {"type": "bytes"}}, "bench")
+    for i in range(0, len(rows), 16):
+        w.write_raw_data(rows[i:i + 16])
+    w.commit()
+    out["mindrecord_write"] = time.perf_counter() - t0
+    files = mindrecord_files(work, "ms.mindrecord")
+    t0 = time.perf_counter()
+    fsync_files(files)
+    out["mindrecord_fsync"] = time.perf_counter() - t0
+    del rows
+
+    def read_mr() -> float:
+        t0 = time.perf_counter()
+        r = FileReader(str(mr))
+        n = sum(len(row["data"]) for row in r.get_next())
+        r.close()
+        dt = time.perf_counter() - t0
+        assert n == total_mib * MiB, n
+        return dt
+
+    out["mindrecord_read_warm"] = read_mr()
+    if cold:
+        drop_cache(files)
+        out["mindrecord_read_cold"] = read_mr()
+
+    params = [{"name": n, "data": ms.Tensor(a)} for n, a in tensors]
+    ck = work / "ms.ckpt"
+    t0 = time.perf_counter()
+    ms.save_checkpoint(params, str(ck))
+    out["ckpt_write"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fsync_files([ck])
+    out["ckpt_fsync"] = time.perf_counter() - t0
+    del params
+
+    def read_ck() -> float:
+        t0 = time.perf_counter()
+        d = ms.load_checkpoint(str(ck))
+        n = sum(p.asnumpy().nbytes for p in d.values())
+        dt = time.perf_counter() - t0
+        assert n == total_mib * MiB, n
+        return dt
+
+    out["ckpt_read_warm"] = read_ck()
+    if cold:
+        drop_cache([ck])
+        out["ckpt_read_cold"] = read_ck()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# VCGA
+# ---------------------------------------------------------------------------------------------------
+
+
+def ours(work: Path, total_mib: int, cold: bool, tensors) -> dict[str, float]:
+    from vcga.contract import TensorEntry
+    from vcga.formats import mindrecord, mindspore_ckpt
+
+    entries = [TensorEntry(n, "float32", a.shape, memoryview(a).cast("B")) for n, a in tensors]
+    out: dict[str, float] = {}
+
+    def write(open_writer, path) -> float:
+        t0 = time.perf_counter()
+        with open_writer(path) as w:
+            for e in entries:
+                w.write(e)
+        return time.perf_counter() - t0
+
+    def read(open_reader, path, files) -> float:
+        if cold:
+            drop_cache(files)
+        t0 = time.perf_counter()
+        with open_reader(path) as r:
+            n = sum(len(e.data) for e in r.entries())
+        dt = time.perf_counter() - t0
+        assert n == total_mib * MiB, n
+        return dt
+
+    out["mindrecord_write"] = write(mindrecord.open_writer, work / "vcga.mindrecord")
+    ms_mr = mindrecord_files(work, "ms.mindrecord")
+    cold_flag, cold = cold, False
+    out["mindrecord_read_warm"] = read(mindrecord.open_reader, work / "ms.mindrecord", ms_mr)
+    cold = cold_flag
+    if cold:
+        out["mindrecord_read_cold"] = read(mindrecord.open_reader, work / "ms.mindrecord", ms_mr)
+    out["ckpt_write"] = write(mindspore_ckpt.open_writer, work / "vcga.ckpt")
+    cold = False
+    out["ckpt_read_warm"] = read(mindspore_ckpt.open_reader, work / "ms.ckpt", [work / "ms.ckpt"])
+    cold = cold_flag
+    if cold:
+        out["ckpt_read_cold"] = read(mindspore_ckpt.open_reader, work / "ms.ckpt", [work / "ms.ckpt"])
+    return out
+
+
+def check_same_bytes(work: Path, tensors) -> None:
+    """VCGA reads MindSpore's files back as exactly the tensors both sides wrote."""
+    from vcga.formats import mindrecord, mindspore_ckpt
+
+    want = {n: a.tobytes() for n, a in tensors}
+    for open_reader, path in ((mindrecord.open_reader, work / "ms.mindrecord"),
+                              (mindspore_ckpt.open_reader, work / "ms.ckpt"),
+                              (mindrecord.open_reader, work / "vcga.mindrecord"),
+                              (mindspore_ckpt.open_reader, work / "vcga.ckpt")):
+        with open_reader(path) as r:
+            got = {e.name: bytes(e.data) for e in r.entries()}
+        assert got == want, f"{path.name} does not hold the benchmark tensors"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--mib", type=int, default=512, help="total tensor data (multiple of 4 MiB)")
+    ap.add_argument("--dir", type=Path, default=None, help="where files go (default: a temporary directory)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache reads")
+    ap.add_argument("--mindspore-python", default=os.environ.get("VCGA_MINDSPORE_PYTHON", DEFAULT_MINDSPORE_PYTHON))
+    ap.add_argument("--json", type=Path, help="also write the raw timings here")
+    ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cold = not args.no_cold
+
+    if args.anchor:
+        json.dump(anchor(args.dir, args.mib, cold), sys.stdout)
+        return 0
+
+    if not os.path.exists(args.mindspore_python):
+        print(f"MindSpore's interpreter {args.mindspore_python} not found: set VCGA_MINDSPORE_PYTHON", file=sys.stderr)
+        return 2
+    tensors = make_tensors(args.mib)
+    total = args.mib * MiB
+    runs: dict[str, dict[str, list[float]]] = {"mindspore": {}, "vcga": {}}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="vcga-bench-ms-") as tmp:
+        work = Path(tmp)
+        for rep in range(args.reps):
+            for p in work.iterdir():
+                p.unlink()
+            proc = subprocess.run([args.mindspore_python, __file__, "--anchor", "--dir", str(work), "--mib",
+                                   str(args.mib)] + (["--no-cold"] if not cold else []),
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+                runs["mindspore"].setdefault(k, []).append(v)
+            for k, v in ours(work, args.mib, cold, tensors).items():
+                runs["vcga"].setdefault(k, []).append(v)
+            if rep == 0:
+                check_same_bytes(work, tensors)
+            print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
+
+    med = {side: {k: statistics.median(v) for k, v in d.items()} for side, d in runs.items()}
+    ms, vc = med["mindspore"], med["vcga"]
+    gbs = lambda s: total / s / 1e9  # noqa: E731
+    rows = [
+        ("MindRecord write (MindSpore without fsync)", ms["mindrecord_write"], vc["mindrecord_write"]),
+        ("MindRecord write (MindSpore + fsync)", ms["mindrecord_write"] + ms["mindrecord_fsync"],
+         vc["mindrecord_write"]),
+        ("MindRecord read, page cache warm", ms["mindrecord_read_warm"], vc["mindrecord_read_warm"]),
+        (".ckpt write (MindSpore without fsync)", ms["ckpt_write"], vc["ckpt_write"]),
+        (".ckpt write (MindSpore + fsync)", ms["ckpt_write"] + ms["ckpt_fsync"], vc["ckpt_write"]),
+        (".ckpt read, page cache warm", ms["ckpt_read_warm"], vc["ckpt_read_warm"]),
+    ]
+    if cold:
+        rows.insert(3, ("MindRecord read, page cache cold", ms["mindrecord_read_cold"], vc["mindrecord_read_cold"]))
+        rows.append((".ckpt read, page cache cold", ms["ckpt_read_cold"], vc["ckpt_read_cold"]))
+    print(f"\n{args.mib} MiB of 4 MiB float32 tensors, median of {args.reps} repetitions\n")
+    print("| operation | MindSpore 2.10 GB/s | VCGA GB/s | VCGA / MindSpore |")
+    print("|---|---:|---:|---:|")
+    for label, t_ms, t_vc in rows:
+        print(f"| {label} | {gbs(t_ms):.2f} | {gbs(t_vc):.2f} | {t_ms / t_vc:.1f}x |")
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
