@@ -91,6 +91,8 @@ CKPT_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "uint16", "int32", "u
 
 #: MindSpore splits a tensor into Values of at most 512 MiB (serialization.py SLICE_SIZE, in KiB).
 DEFAULT_SLICE_SIZE = 512 * 1024 * 1024
+#: Start writing to disk in the background after this many bytes (vcga.atomic.AtomicFile.writeback).
+WRITEBACK_BYTES = 64 << 20
 CRC_MARK = b"crc_num"
 CRC_TRAILER = len(CRC_MARK) + 10
 
@@ -547,6 +549,7 @@ class MindSporeCkptWriter:
         self.metadata: dict[str, str] = {}
         self.names: set[str] = set()
         self.crc = 0
+        self.unsynced = 0
         self.out = AtomicFile(self.path)
         self.done = False
 
@@ -564,6 +567,10 @@ class MindSporeCkptWriter:
             if self.crc_enabled:
                 self.crc = zlib.crc32(part, self.crc)
             self.out.write(part)
+            self.unsynced += len(part)
+        if self.unsynced >= WRITEBACK_BYTES:  # let the disk work while the next tensors arrive
+            self.out.writeback()
+            self.unsynced = 0
 
     def write(self, entry: TensorEntry) -> None:
         if self.done:

@@ -62,6 +62,8 @@ _INDEX_FIELDS = (("name", "string"),)
 # Blob layout with two blob fields (data, shape), sorted by name as MindSpore sorts them:
 #   u64 LE row length | u64 BE len(data) | data | u64 BE len(shape) | compressed shape
 _ROW_OVERHEAD = 8 + 8 + 8
+#: Start writing a shard to disk in the background after this many bytes (AtomicFile.writeback).
+WRITEBACK_BYTES = 64 << 20
 
 
 @dataclass
@@ -91,6 +93,7 @@ class _ShardState:
     data_bytes: int = 0
     file_end: int = 0
     finished: bool = False
+    unsynced: int = 0
 
     @property
     def row_count(self) -> int:
@@ -280,6 +283,10 @@ class MindRecordWriter:
         prefix = _U64LE.pack(blob_len) + _U64BE.pack(len(piece))
         suffix = _U64BE.pack(len(shape_blob)) + shape_blob
         _pwritev_all(shard.data.file.fileno(), [prefix, piece, suffix], pos)
+        shard.unsynced += row_len
+        if shard.unsynced >= WRITEBACK_BYTES:  # let the disk work while the next tensors arrive
+            shard.data.writeback()
+            shard.unsynced = 0
         shard.file_end = max(shard.file_end, pos + row_len)
         shard.page_used += row_len
         shard.group_raw += raw_len
