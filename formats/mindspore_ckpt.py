@@ -255,35 +255,45 @@ class MindSporeCkptReader:
         return [TensorEntry(p.name, p.dtype, p.shape, None) for p in self.params]
 
     def entries(self) -> Iterator[TensorEntry]:
-        crc = 0
+        state = {"crc": 0, "done": 0}
         checking = self.verify_crc and self.stored_crc is not None
-        done_until = 0
-        _, value_cls = message_classes()
         for p in self.params:
-            buf = bytearray(p.nbytes) if len(p.frames) > 1 else None
-            pos = 0
-            data: bytes | bytearray = b""
-            for fr in p.frames:
-                if checking:  # bytes between Values (metadata, unknown fields) count too
-                    crc = self._crc_range(crc, done_until, fr.start)
-                raw = self._pread(fr.end - fr.start, fr.start)
-                if checking:
-                    crc = zlib.crc32(raw, crc)
-                done_until = fr.end
-                value = self._parse(value_cls, memoryview(raw)[fr.payload - fr.start:], fr)
-                content = self._check_value(value, p, fr)
-                if buf is None:
-                    data = content
-                else:
-                    buf[pos:pos + len(content)] = content
+            if len(p.frames) == 1:
+                data: bytes | bytearray = self._content(p, p.frames[0], checking, state)
+            else:  # a split tensor: one buffer for the whole tensor, one slice in flight
+                data = bytearray(p.nbytes)
+                pos = 0
+                for fr in p.frames:
+                    content = self._content(p, fr, checking, state)
+                    data[pos:pos + len(content)] = content
                     pos += len(content)
-            yield TensorEntry(p.name, p.dtype, p.shape, buf if buf is not None else data)
+                    del content
+            entry = TensorEntry(p.name, p.dtype, p.shape, data)
+            del data  # the consumer holds the only reference: it may drop the tensor before the next
+            yield entry
+            del entry
         if checking:
-            crc = self._crc_range(crc, done_until, self.body_end)
+            crc = self._crc_range(state["crc"], state["done"], self.body_end)
             if crc != self.stored_crc:
                 raise VcgaChecksumError(self.path, f"CRC-32 of the checkpoint is {crc:#010x}, its trailer says "
                                                    f"{self.stored_crc:#010x}; the file was damaged after it was "
                                                    "written")
+
+    def _content(self, p: _Param, fr: _Frame, checking: bool, state: dict[str, int]) -> bytes:
+        """Read one Value, feed the CRC, parse it with protobuf and return its tensor content.
+        References are dropped as soon as possible: at most the raw Value and its parse are alive."""
+        if checking:  # bytes between Values (metadata, unknown fields) count too
+            state["crc"] = self._crc_range(state["crc"], state["done"], fr.start)
+        raw = self._pread(fr.end - fr.start, fr.start)
+        if checking:
+            state["crc"] = zlib.crc32(raw, state["crc"])
+        state["done"] = fr.end
+        _, value_cls = message_classes()
+        view = memoryview(raw)
+        value = self._parse(value_cls, view[fr.payload - fr.start:], fr)
+        view.release()
+        del view, raw
+        return self._check_value(value, p, fr)
 
     def close(self) -> None:
         if self.fd >= 0:
