@@ -17,6 +17,8 @@ Fixtures:
   several records -- written by FileWriter in two ``write_raw_data`` calls;
 - ``minimal.mindrecord``: just {name, dtype, shape, data};
 - ``sharded.mindrecord0..2``: ``FileWriter(shard_num=3)``, two calls, a split tensor across shards;
+- ``typed_int.mindrecord`` / ``typed_float.mindrecord``: tensors whose ``data`` is a typed array field
+  (compressed int64 with an int32 ``shape`` field; float64 without a ``shape`` field);
 - ``generic.mindrecord``: an ordinary dataset (strings, scalars, bytes, int/float arrays);
 - ``params.ckpt`` / ``params_crc.ckpt``: ``save_checkpoint`` without / with ``crc_check``, every
   dtype load_checkpoint knows, a 0-d tensor, an empty tensor (dropped by MindSpore), append_dict;
@@ -86,6 +88,14 @@ def make_mindrecord(out: Path, E) -> list[str]:
     w = writer("sharded.mindrecord", 3, E.TENSOR_SCHEMA, E.TENSORS_DESC)
     w.write_raw_data(rows[: len(rows) // 2])
     w.write_raw_data(rows[len(rows) // 2:])
+    w.commit()
+
+    w = writer("typed_int.mindrecord", 1, E.TYPED_INT_SCHEMA, "int64 tensors as typed arrays")
+    w.write_raw_data(E.typed_int_rows())
+    w.commit()
+
+    w = writer("typed_float.mindrecord", 1, E.TYPED_FLOAT_SCHEMA, "float64 tensors as typed arrays")
+    w.write_raw_data(E.typed_float_rows())
     w.commit()
 
     w = writer("generic.mindrecord", 1, E.GENERIC_SCHEMA, "an ordinary dataset")

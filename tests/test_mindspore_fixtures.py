@@ -134,6 +134,18 @@ def test_sharded_fixture_split_tensor_spans_shards():
     assert any(len(s) > 1 for s in shards_of.values())
 
 
+def test_typed_array_fixtures():
+    """data stored as an int64 array (compressed) or float64 array: the field type is the dtype."""
+    got = read_all(mindrecord.open_reader(FIX / "typed_int.mindrecord"))
+    want = {r["name"]: ("int64", tuple(int(d) for d in r["shape"]), r["data"].astype("<i8").tobytes(), {})
+            for r in E.typed_int_rows()}
+    assert got == want
+    assert got["step"][1] == () and got["none"][1] == (0, 2)
+    got = read_all(mindrecord.open_reader(FIX / "typed_float.mindrecord"))
+    assert got == {r["name"]: ("float64", r["data"].shape, r["data"].astype("<f8").tobytes(), {})
+                   for r in E.typed_float_rows()}
+
+
 def test_generic_fixture_every_field_type():
     got = read_all(mindrecord.open_reader(FIX / "generic.mindrecord"))
     rows = E.generic_rows()

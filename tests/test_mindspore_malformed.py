@@ -364,6 +364,7 @@ def _mindrecord_seeds(tmp_path: Path) -> list[tuple[Path, list[str]]]:
     seeds.append((sharded_dir / "m.mindrecord0", sorted(os.listdir(sharded_dir))))
     for name, files in (("tensors.mindrecord", ["tensors.mindrecord", "tensors.mindrecord.db"]),
                         ("generic.mindrecord", ["generic.mindrecord", "generic.mindrecord.db"]),
+                        ("typed_int.mindrecord", ["typed_int.mindrecord", "typed_int.mindrecord.db"]),
                         ("sharded.mindrecord0", [f"sharded.mindrecord{i}{s}" for i in range(3) for s in ("", ".db")])):
         d = tmp_path / name.replace(".", "_")
         d.mkdir()

@@ -209,9 +209,9 @@ class MindRecordDataset:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         first_path = resolve_dataset_path(path)
+        first = _Shard(first_path)
         self.shards: list[_Shard] = []
         try:
-            first = _Shard(first_path)
             h = first.header
             if h.shard_addresses[h.shard_id] != first_path.name:
                 raise VcgaFormatError(first_path, f"its header names this shard {h.shard_addresses[h.shard_id]!r}; "
@@ -222,8 +222,7 @@ class MindRecordDataset:
                 self._check_consistent(first, shard, i)
         except BaseException:
             self.close()
-            if "first" in locals() and first not in self.shards:
-                first.close()
+            first.close()  # closing twice is harmless
             raise
         self.header = first.header
         self.schema = first.header.schema
