@@ -99,6 +99,7 @@ CRC_TRAILER = len(CRC_MARK) + 10
 _FIELD_VALUE = 1
 _FIELD_EXTRA = 1001
 _MAX_NAME = 1 << 20  # longest tag or tensor_type VCGA reads: a name is not a megabyte
+_MAX_DIMS = 64  # more dims than any framework allows
 _MAX_MESSAGE = (1 << 31) - 1  # protobuf cannot parse a message of 2 GiB or more
 
 _classes: tuple[Any, Any] | None = None
@@ -443,10 +444,16 @@ class MindSporeCkptReader:
                     continue
                 s.dims, s.tensor_type, s.content = [], "", (off, 0)
                 for tn, tw, toff, tlen in self._walk(off, off + n):
+                    if len(s.dims) > _MAX_DIMS:  # before a crafted Value turns into millions of ints
+                        raise VcgaFormatError(self.path, f"tensor {s.tag!r} has more than {_MAX_DIMS} dims",
+                                              offset=toff)
                     if tn == 1 and tw == 0:
                         s.dims.append(tlen - (1 << 64) if tlen >= 1 << 63 else tlen)
                     elif tn == 1 and tw == 2:  # packed dims (proto3 writers)
-                        packed = self._pread(tlen, toff)
+                        packed = self._pread(min(tlen, 10 * (_MAX_DIMS + 1)), toff)
+                        if tlen > len(packed):
+                            raise VcgaFormatError(self.path, f"tensor {s.tag!r} has more than {_MAX_DIMS} dims",
+                                                  offset=toff)
                         p = 0
                         while p < len(packed):
                             v = _varint(packed, p)
@@ -488,7 +495,7 @@ class MindSporeCkptReader:
                 raise VcgaFormatError(self.path, f"{where} has tensor_type {s.tensor_type!r}{extra}",
                                       expected="a MindSpore tensor type VCGA knows: " + ", ".join(
                                           sorted(d.mindspore for d in _dtypes.DTYPES.values() if d.mindspore)))
-            if any(d < 0 for d in s.dims) or len(s.dims) > 64:
+            if any(d < 0 for d in s.dims) or len(s.dims) > _MAX_DIMS:
                 raise VcgaFormatError(self.path, f"{where} has invalid dims {s.dims}", offset=fr.start)
             itemsize = _dtypes.get(dtype).itemsize
             shape = tuple(s.dims)

@@ -454,10 +454,11 @@ def pack_raw_row(row: Mapping[str, Any]) -> bytes:
     return msgpack.packb({k: row[k] for k in sorted(row)}, use_bin_type=True)
 
 
-def unpack_raw_row(buf: bytes, path: Any, what: str) -> dict[str, Any]:
+def unpack_raw_row(buf: bytes, path: Any, what: str, max_fields: int = 64) -> dict[str, Any]:
+    """One raw row: a map of at most ``max_fields`` scalars. unpackb derives its byte limits from
+    len(buf); the map and array limits keep a crafted row from becoming millions of Python objects."""
     try:
-        # unpackb derives its max_*_len limits from len(buf): no claimed length can allocate more.
-        row = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+        row = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_map_len=max_fields, max_array_len=0)
     except Exception as e:  # msgpack reports malformed input with several exception types
         raise VcgaFormatError(path, f"{what}: raw row is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(row, dict):

@@ -151,7 +151,7 @@ class _Shard:
         if n != len(buf) - 8:
             raise VcgaFormatError(self.path, f"raw row {loc.row_id} says {n} bytes, its index says {len(buf) - 8}",
                                   offset=start)
-        return F.unpack_raw_row(buf[8:], self.path, f"row {loc.row_id}")
+        return F.unpack_raw_row(buf[8:], self.path, f"row {loc.row_id}", max_fields=len(self.header.schema.fields) + 1)
 
     def blob_fields(self, loc: RowLocation) -> dict[str, tuple[int, int]]:
         """``{field: (absolute offset, length)}`` of each blob field of a row, without reading them."""
