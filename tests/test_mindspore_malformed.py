@@ -411,3 +411,21 @@ def test_fuzz_ckpt_reader(tmp_path):
         outcomes[_check_outcome(ck.open_reader, target, 4 * len(data) + (4 << 20), f"iteration {it}")] += 1
     print(f"ckpt fuzz: {outcomes}")
     assert outcomes["refused"] > FUZZ_ITERATIONS // 4
+
+
+def test_compressed_data_claiming_billions_of_elements(tmp_path):
+    """A typed int64 data field says 2**32-1 elements in a few bytes: refused before any allocation."""
+    for f in ("typed_int.mindrecord", "typed_int.mindrecord.db"):
+        shutil.copy(FIX / f, tmp_path / f)
+    p = tmp_path / "typed_int.mindrecord"
+    raw = bytearray(p.read_bytes())
+    body = (1 << 14) + 8  # first blob row: u64 BE len(data), then the compressed array's u32 BE count
+    raw[body + 8:body + 12] = b"\xff\xff\xff\xff"
+    p.write_bytes(raw)
+    tracemalloc.start()
+    try:
+        _mr_error(p, "claims 4294967295 elements")
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 16 << 20

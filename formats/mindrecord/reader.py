@@ -395,6 +395,10 @@ class MindRecordReader:
                                       f"row {rec.row_id}: compressed field {name!r} is shorter than its count",
                                       offset=off)
             (count,) = struct.unpack(">I", self.dataset.shards[rec.shard].pread(4, off))
+            if 4 + -(-count // 4) + count > n:  # every element takes a byte at least, plus its bitmap bits
+                raise VcgaFormatError(self.dataset.shards[rec.shard].path,
+                                      f"row {rec.row_id}: compressed field {name!r} claims {count} elements in "
+                                      f"{n} bytes", offset=off)
             return count * f.numpy_dtype.itemsize
         return n
 
