@@ -162,11 +162,12 @@ class MindRecordWriter:
         if data.nbytes != entry.nbytes:
             raise VcgaConversionError(f"tensor {name!r}: {data.nbytes} bytes of data, but {dtype} "
                                       f"{list(shape)} needs {entry.nbytes}", tensor=name, dtype=dtype)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
+            raise VcgaConversionError(f"tensor {name!r}: metadata must map strings to strings", tensor=name)
         self.names.add(name)
         meta = json.dumps(dict(entry.metadata), ensure_ascii=False, sort_keys=True,
-                                                separators=(",", ":")) if entry.metadata else ""
+                          separators=(",", ":")) if entry.metadata else ""
         shape_blob = F.compress_int_array(np.array(shape, dtype=np.int64))
-        self.compression_size += 8 * len(shape) - len(shape_blob)
 
         # Largest slice of data one record can hold: the row must fit a page, slices stay whole elements.
         capacity = self.page_size - _ROW_OVERHEAD - len(shape_blob)
@@ -181,6 +182,7 @@ class MindRecordWriter:
             piece = data[offset:offset + capacity]
             raw = F.pack_raw_row({"dtype": dtype, "metadata": meta, "name": name, "offset": offset})
             self._append_row(piece, shape_blob, raw, name)
+            self.compression_size += 8 * len(shape) - len(shape_blob)  # per record, as MindSpore counts
             offset += len(piece)
             if offset >= data.nbytes:
                 break
