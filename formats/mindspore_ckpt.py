@@ -100,6 +100,7 @@ _FIELD_VALUE = 1
 _FIELD_EXTRA = 1001
 _MAX_NAME = 1 << 20  # longest tag or tensor_type VCGA reads: a name is not a megabyte
 _MAX_DIMS = 64  # more dims than any framework allows
+_MAX_PREFIX = 1 << 16  # a Value's bytes before its content: tag, dims, type and a few lengths
 _MAX_MESSAGE = (1 << 31) - 1  # protobuf cannot parse a message of 2 GiB or more
 
 _classes: tuple[Any, Any] | None = None
@@ -210,6 +211,7 @@ class _Param:
     shape: tuple[int, ...]
     frames: list[_Frame]
     lengths: list[int]
+    skims: list[_Skim]
 
     @property
     def nbytes(self) -> int:
@@ -260,12 +262,12 @@ class MindSporeCkptReader:
         checking = self.verify_crc and self.stored_crc is not None
         for p in self.params:
             if len(p.frames) == 1:
-                data: bytes | bytearray = self._content(p, p.frames[0], checking, state)
+                data: bytes | bytearray = self._content(p, 0, checking, state)
             else:  # a split tensor: one buffer for the whole tensor, one slice in flight
                 data = bytearray(p.nbytes)
                 pos = 0
-                for fr in p.frames:
-                    content = self._content(p, fr, checking, state)
+                for i in range(len(p.frames)):
+                    content = self._content(p, i, checking, state)
                     data[pos:pos + len(content)] = content
                     pos += len(content)
                     del content
@@ -280,15 +282,29 @@ class MindSporeCkptReader:
                                                    f"{self.stored_crc:#010x}; the file was damaged after it was "
                                                    "written")
 
-    def _content(self, p: _Param, fr: _Frame, checking: bool, state: dict[str, int]) -> bytes:
-        """Read one Value, feed the CRC, parse it with protobuf and return its tensor content.
-        References are dropped as soon as possible: at most the raw Value and its parse are alive."""
+    def _content(self, p: _Param, i: int, checking: bool, state: dict[str, int]) -> bytes:
+        """The tensor content of the ``i``-th Value of ``p``, feeding the CRC on the way.
+
+        Fast path: when the bytes before the content are exactly what protobuf serializes for this
+        tag, dims and type (:func:`value_prefix`, built by protobuf) and the content ends the Value,
+        the Value *is* the canonical serialization of those fields, so the content is read straight
+        into its bytes object -- one copy. Any other encoding (fields reordered, packed dims, unknown
+        fields) is parsed by protobuf in full."""
+        fr, sk = p.frames[i], p.skims[i]
         if checking:  # bytes between Values (metadata, unknown fields) count too
             state["crc"] = self._crc_range(state["crc"], state["done"], fr.start)
+        state["done"] = fr.end
+        off, n = sk.content
+        if off + n == fr.end and off - fr.start <= _MAX_PREFIX:
+            head = self._pread(off - fr.start, fr.start)
+            if head == value_prefix(fr.field, sk.tag, sk.dims, sk.tensor_type, n):
+                content = self._pread(n, off)
+                if checking:
+                    state["crc"] = zlib.crc32(content, zlib.crc32(head, state["crc"]))
+                return content
         raw = self._pread(fr.end - fr.start, fr.start)
         if checking:
             state["crc"] = zlib.crc32(raw, state["crc"])
-        state["done"] = fr.end
         _, value_cls = message_classes()
         view = memoryview(raw)
         value = self._parse(value_cls, view[fr.payload - fr.start:], fr)
@@ -508,12 +524,13 @@ class MindSporeCkptReader:
                                                      f"({last.dtype} {list(last.shape)} vs {dtype} {list(shape)})")
                 last.frames.append(fr)
                 last.lengths.append(s.content[1])
+                last.skims.append(s)
             else:
                 if s.tag in seen:
                     raise VcgaFormatError(self.path, f"{where} appears twice (not as consecutive slices)",
                                           offset=fr.start)
                 seen.add(s.tag)
-                params.append(_Param(s.tag, dtype, shape, [fr], [s.content[1]]))
+                params.append(_Param(s.tag, dtype, shape, [fr], [s.content[1]], [s]))
             prev = (s.tag, fr.field)
         for p in params:
             if sum(p.lengths) != p.nbytes:

@@ -181,3 +181,38 @@ def test_value_prefix_equals_protobuf_serialization(n, field):
         value.tensor.tensor_type = tensor_type
         value.tensor.tensor_content = content
         assert ck.value_prefix(field, tag, dims, tensor_type, n) + content == msg.SerializeToString()
+
+
+def _ld(field: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (test helper; lengths < 128)."""
+    assert len(payload) < 128
+    return bytes([field << 3 | 2, len(payload)]) + payload
+
+
+def test_canonical_values_take_the_one_copy_path(tmp_path, monkeypatch):
+    write(tmp_path / "m.ckpt", tensors(), slice_size=1000, crc=True)
+    monkeypatch.setattr(ck.MindSporeCkptReader, "_parse", lambda *a: pytest.fail("full parse not expected"))
+    assert read(tmp_path / "m.ckpt")[1] == rows(tensors())
+    for name in ("params_crc.ckpt", "split.ckpt"):  # MindSpore's own output is canonical too
+        with ck.open_reader(ck_fixture(name)) as r:
+            assert all(len(bytes(e.data)) == e.nbytes for e in r.entries())
+
+
+def ck_fixture(name):
+    from pathlib import Path
+
+    return Path(__file__).parent / "fixtures" / "mindspore" / name
+
+
+def test_noncanonical_encodings_are_parsed_by_protobuf(tmp_path, monkeypatch):
+    """Fields in another order, packed dims and an unknown field: valid protobuf, parsed in full."""
+    content = bytes(range(8))
+    reordered = _ld(3, content) + _ld(2, b"Int16") + b"\x08\x02\x08\x02"  # content, type, dims 2, 2
+    packed = _ld(1, b"\x04") + _ld(2, b"UInt8") + _ld(3, content[:4]) + b"\x78\x05"  # packed dims; field 15
+    data = _ld(1, _ld(1, b"r") + _ld(2, reordered)) + _ld(1, _ld(1, b"p") + _ld(2, packed))
+    (tmp_path / "odd.ckpt").write_bytes(data)
+    calls = []
+    real = ck.MindSporeCkptReader._parse
+    monkeypatch.setattr(ck.MindSporeCkptReader, "_parse", lambda self, *a: calls.append(1) or real(self, *a))
+    assert read(tmp_path / "odd.ckpt")[1] == [("r", "int16", (2, 2), content), ("p", "uint8", (4,), content[:4])]
+    assert len(calls) == 2
