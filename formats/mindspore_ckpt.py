@@ -597,11 +597,21 @@ class MindSporeCkptWriter:
         self.metadata = dict(metadata)
 
     def _emit(self, *parts: Any) -> None:
-        for part in parts:
+        """Append ``parts`` with one ``writev`` (the tensor's bytes go from the caller's buffer to the
+        file; every write of this writer goes this way, so the buffered file object stays empty)."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        for v in views:
             if self.crc_enabled:
-                self.crc = zlib.crc32(part, self.crc)
-            self.out.write(part)
-            self.unsynced += len(part)
+                self.crc = zlib.crc32(v, self.crc)
+            self.unsynced += len(v)
+        fd = self.out.file.fileno()
+        while views:
+            n = os.writev(fd, views[:512])
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views.pop(0))
+                else:
+                    views[0], n = views[0][n:], 0
         if self.unsynced >= WRITEBACK_BYTES:  # let the disk work while the next tensors arrive
             self.out.writeback()
             self.unsynced = 0
@@ -659,7 +669,9 @@ class MindSporeCkptWriter:
                 value.tensor.tensor_content = text.encode("utf-32-le") or b"\x00" * 4
                 self._emit(msg.SerializeToString())
             if self.crc_enabled:
-                self.out.write(CRC_MARK + self.crc.to_bytes(10, "big"))
+                trailer = CRC_MARK + self.crc.to_bytes(10, "big")
+                self.crc_enabled = False  # the trailer is not part of the checksum
+                self._emit(trailer)
             self.out.commit()
         except BaseException:
             self.abort()
