@@ -8,9 +8,9 @@ which times
 - ``FileWriter.write_raw_data`` (16 records per call) + ``commit``, and ``FileReader.get_next`` over every row;
 - ``save_checkpoint`` of prebuilt Tensors, and ``load_checkpoint``;
 
-and leaves its files. VCGA then, in this process, times its writers on the same tensors and its readers
-on MindSpore's files (so both readers read the very same bytes). Repetitions alternate, medians are
-reported as GB/s (1e9 bytes) and as ratios VCGA / MindSpore.
+and leaves its files. VCGA, in this process, times its writers on the same tensors (before the anchor
+in odd repetitions, after it in even ones) and its readers on MindSpore's files (so both readers read
+the very same bytes). Medians are reported as GB/s (1e9 bytes) and as ratios VCGA / MindSpore.
 
 Writes: VCGA's writers are atomic (temporary, fsync, rename); MindSpore's do not fsync. Both are
 reported: against MindSpore as it is, and against MindSpore followed by an fsync of its files (the same
@@ -146,43 +146,38 @@ def anchor(work: Path, total_mib: int, cold: bool) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def ours(work: Path, total_mib: int, cold: bool, tensors) -> dict[str, float]:
+def ours_write(work: Path, tensors) -> dict[str, float]:
     from vcga.contract import TensorEntry
     from vcga.formats import mindrecord, mindspore_ckpt
 
     entries = [TensorEntry(n, "float32", a.shape, memoryview(a).cast("B")) for n, a in tensors]
     out: dict[str, float] = {}
-
-    def write(open_writer, path) -> float:
+    for key, open_writer, path in (("mindrecord_write", mindrecord.open_writer, work / "vcga.mindrecord"),
+                                   ("ckpt_write", mindspore_ckpt.open_writer, work / "vcga.ckpt")):
         t0 = time.perf_counter()
         with open_writer(path) as w:
             for e in entries:
                 w.write(e)
-        return time.perf_counter() - t0
+        out[key] = time.perf_counter() - t0
+    return out
 
-    def read(open_reader, path, files) -> float:
-        if cold:
-            drop_cache(files)
-        t0 = time.perf_counter()
-        with open_reader(path) as r:
-            n = sum(len(e.data) for e in r.entries())
-        dt = time.perf_counter() - t0
-        assert n == total_mib * MiB, n
-        return dt
 
-    out["mindrecord_write"] = write(mindrecord.open_writer, work / "vcga.mindrecord")
-    ms_mr = mindrecord_files(work, "ms.mindrecord")
-    cold_flag, cold = cold, False
-    out["mindrecord_read_warm"] = read(mindrecord.open_reader, work / "ms.mindrecord", ms_mr)
-    cold = cold_flag
-    if cold:
-        out["mindrecord_read_cold"] = read(mindrecord.open_reader, work / "ms.mindrecord", ms_mr)
-    out["ckpt_write"] = write(mindspore_ckpt.open_writer, work / "vcga.ckpt")
-    cold = False
-    out["ckpt_read_warm"] = read(mindspore_ckpt.open_reader, work / "ms.ckpt", [work / "ms.ckpt"])
-    cold = cold_flag
-    if cold:
-        out["ckpt_read_cold"] = read(mindspore_ckpt.open_reader, work / "ms.ckpt", [work / "ms.ckpt"])
+def ours_read(work: Path, total_mib: int, cold: bool) -> dict[str, float]:
+    """VCGA's readers on MindSpore's files: the very bytes MindSpore's readers read."""
+    from vcga.formats import mindrecord, mindspore_ckpt
+
+    out: dict[str, float] = {}
+    for key, open_reader, path, files in (
+            ("mindrecord_read", mindrecord.open_reader, work / "ms.mindrecord", mindrecord_files(work, "ms.mindrecord")),
+            ("ckpt_read", mindspore_ckpt.open_reader, work / "ms.ckpt", [work / "ms.ckpt"])):
+        for state in ("warm", "cold") if cold else ("warm",):
+            if state == "cold":
+                drop_cache(files)
+            t0 = time.perf_counter()
+            with open_reader(path) as r:
+                n = sum(len(e.data) for e in r.entries())
+            out[f"{key}_{state}"] = time.perf_counter() - t0
+            assert n == total_mib * MiB, n
     return out
 
 
@@ -202,7 +197,7 @@ def check_same_bytes(work: Path, tensors) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--mib", type=int, default=512, help="total tensor data (multiple of 4 MiB)")
     ap.add_argument("--dir", type=Path, default=None, help="where files go (default: a temporary directory)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache reads")
@@ -227,6 +222,8 @@ def main() -> int:
         for rep in range(args.reps):
             for p in work.iterdir():
                 p.unlink()
+            # Alternate who writes first, so neither side always inherits the other's dirty pages.
+            timings = ours_write(work, tensors) if rep % 2 else {}
             proc = subprocess.run([args.mindspore_python, __file__, "--anchor", "--dir", str(work), "--mib",
                                    str(args.mib)] + (["--no-cold"] if not cold else []),
                                   capture_output=True, text=True, timeout=1800)
@@ -235,7 +232,10 @@ def main() -> int:
                 return 1
             for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items():
                 runs["mindspore"].setdefault(k, []).append(v)
-            for k, v in ours(work, args.mib, cold, tensors).items():
+            if not rep % 2:
+                timings = ours_write(work, tensors)
+            timings.update(ours_read(work, args.mib, cold))
+            for k, v in timings.items():
                 runs["vcga"].setdefault(k, []).append(v)
             if rep == 0:
                 check_same_bytes(work, tensors)
