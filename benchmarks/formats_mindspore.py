@@ -10,7 +10,8 @@ which times
 
 and leaves its files. VCGA, in this process, times its writers on the same tensors (before the anchor
 in odd repetitions, after it in even ones) and its readers on MindSpore's files (so both readers read
-the very same bytes). Medians are reported as GB/s (1e9 bytes) and as ratios VCGA / MindSpore.
+the very same bytes). Throughputs are medians in GB/s (1e9 bytes); each ratio is the median over repetitions of
+that repetition's MindSpore time / VCGA time, with its range.
 
 Writes: VCGA's writers are atomic (temporary, fsync, rename); MindSpore's do not fsync. Both are
 reported: against MindSpore as it is, and against MindSpore followed by an fsync of its files (the same
@@ -195,6 +196,37 @@ def check_same_bytes(work: Path, tensors) -> None:
         assert got == want, f"{path.name} does not hold the benchmark tensors"
 
 
+def report(runs: dict[str, dict[str, list[float]]], mib: int, cold: bool) -> None:
+    """Print the table. Throughputs are medians; a ratio is the median over repetitions of that
+    repetition's MindSpore time / VCGA time (the two sides of a repetition run back to back, so
+    load that comes and goes on the machine affects both), with its smallest and largest value."""
+    ms, vc = runs["mindspore"], runs["vcga"]
+    n = len(vc["ckpt_write"])
+
+    def ms_time(key: str, fsync: bool = False) -> list[float]:
+        return [a + b for a, b in zip(ms[key], ms[key.replace("write", "fsync")])] if fsync else ms[key]
+
+    rows = [
+        ("MindRecord write (MindSpore without fsync)", ms_time("mindrecord_write"), vc["mindrecord_write"]),
+        ("MindRecord write (MindSpore + fsync)", ms_time("mindrecord_write", True), vc["mindrecord_write"]),
+        ("MindRecord read, page cache warm", ms["mindrecord_read_warm"], vc["mindrecord_read_warm"]),
+        (".ckpt write (MindSpore without fsync)", ms_time("ckpt_write"), vc["ckpt_write"]),
+        (".ckpt write (MindSpore + fsync)", ms_time("ckpt_write", True), vc["ckpt_write"]),
+        (".ckpt read, page cache warm", ms["ckpt_read_warm"], vc["ckpt_read_warm"]),
+    ]
+    if cold:
+        rows.insert(3, ("MindRecord read, page cache cold", ms["mindrecord_read_cold"], vc["mindrecord_read_cold"]))
+        rows.append((".ckpt read, page cache cold", ms["ckpt_read_cold"], vc["ckpt_read_cold"]))
+    total = mib * MiB
+    print(f"\n{mib} MiB of 4 MiB float32 tensors, {n} repetitions\n")
+    print("| operation | MindSpore 2.10 GB/s | VCGA GB/s | VCGA / MindSpore (min-max) |")
+    print("|---|---:|---:|---:|")
+    for label, t_ms, t_vc in rows:
+        ratios = [a / b for a, b in zip(t_ms, t_vc)]
+        print(f"| {label} | {total / statistics.median(t_ms) / 1e9:.2f} | {total / statistics.median(t_vc) / 1e9:.2f}"
+              f" | {statistics.median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f}) |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -203,12 +235,17 @@ def main() -> int:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache reads")
     ap.add_argument("--mindspore-python", default=os.environ.get("VCGA_MINDSPORE_PYTHON", DEFAULT_MINDSPORE_PYTHON))
     ap.add_argument("--json", type=Path, help="also write the raw timings here")
+    ap.add_argument("--report", type=Path, help="only print the table for timings saved with --json")
     ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     cold = not args.no_cold
 
     if args.anchor:
         json.dump(anchor(args.dir, args.mib, cold), sys.stdout)
+        return 0
+    if args.report:
+        runs = json.loads(args.report.read_text())
+        report(runs, args.mib, "mindrecord_read_cold" in runs["vcga"])
         return 0
 
     if not os.path.exists(args.mindspore_python):
@@ -241,26 +278,7 @@ def main() -> int:
                 check_same_bytes(work, tensors)
             print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
 
-    med = {side: {k: statistics.median(v) for k, v in d.items()} for side, d in runs.items()}
-    ms, vc = med["mindspore"], med["vcga"]
-    gbs = lambda s: total / s / 1e9  # noqa: E731
-    rows = [
-        ("MindRecord write (MindSpore without fsync)", ms["mindrecord_write"], vc["mindrecord_write"]),
-        ("MindRecord write (MindSpore + fsync)", ms["mindrecord_write"] + ms["mindrecord_fsync"],
-         vc["mindrecord_write"]),
-        ("MindRecord read, page cache warm", ms["mindrecord_read_warm"], vc["mindrecord_read_warm"]),
-        (".ckpt write (MindSpore without fsync)", ms["ckpt_write"], vc["ckpt_write"]),
-        (".ckpt write (MindSpore + fsync)", ms["ckpt_write"] + ms["ckpt_fsync"], vc["ckpt_write"]),
-        (".ckpt read, page cache warm", ms["ckpt_read_warm"], vc["ckpt_read_warm"]),
-    ]
-    if cold:
-        rows.insert(3, ("MindRecord read, page cache cold", ms["mindrecord_read_cold"], vc["mindrecord_read_cold"]))
-        rows.append((".ckpt read, page cache cold", ms["ckpt_read_cold"], vc["ckpt_read_cold"]))
-    print(f"\n{args.mib} MiB of 4 MiB float32 tensors, median of {args.reps} repetitions\n")
-    print("| operation | MindSpore 2.10 GB/s | VCGA GB/s | VCGA / MindSpore |")
-    print("|---|---:|---:|---:|")
-    for label, t_ms, t_vc in rows:
-        print(f"| {label} | {gbs(t_ms):.2f} | {gbs(t_vc):.2f} | {t_ms / t_vc:.1f}x |")
+    report(runs, args.mib, cold)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     return 0
