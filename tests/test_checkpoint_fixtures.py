@@ -73,7 +73,7 @@ def test_keras3_legacy_h5_model_file():
     # Keras writes model_config as a variable-length ASCII string: kept with its HDF5 type
     value, _ = hdf5_format.decode_attr(meta["model_config"])
     assert meta["model_config"].startswith('h5attr:{"dtype":"vlen-ascii"')
-    assert b'"class_name": "Sequential"' in value
+    assert b'"class_name": "Sequential"' in value.item()
 
 
 @pytest.mark.parametrize("fixture,dtype", [("keras3.weights.h5", None), ("keras3_bf16.weights.h5", "bfloat16")])
