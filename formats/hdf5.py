@@ -427,25 +427,13 @@ class Hdf5Writer:
         shape = tuple(entry.shape)
         filters = self._filters if (self._filters and shape and entry.numel) else {}
         if entry.dtype in OPAQUE_DTYPES:
+            # Exactly what Keras 3 writes for bf16: h5py's untagged OPAQUE type for numpy's void dtype
+            # plus attrs["dtype"]. (A tag would make HDF5 refuse Keras' opaque-to-opaque read.)
             size = dtypes.get(entry.dtype).itemsize
-            tid = h5py.h5t.create(h5py.h5t.OPAQUE, size)
-            tid.set_tag(entry.dtype.encode())
-            space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            if filters:
-                dcpl.set_chunk(tuple(max(1, c) for c in h5py.filters.guess_chunk(shape, None, size)))
-                if filters.get("shuffle"):
-                    dcpl.set_shuffle()
-                if filters["compression"] == "gzip":
-                    dcpl.set_deflate(filters.get("compression_opts", 4))
-                else:
-                    dcpl.set_filter(h5py.h5z.FILTER_LZF, h5py.h5z.FLAG_OPTIONAL)
-            dsid = h5py.h5d.create(group.id, leaf.encode("utf-8"), tid, space, dcpl=dcpl)
+            ds = group.create_dataset(leaf, shape=shape, dtype=np.dtype(f"V{size}"), **filters)
             if entry.numel:
-                raw = np.frombuffer(buf, dtype=np.dtype(f"<u{size}")).reshape(shape)
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=tid)
-            ds = h5py.Dataset(dsid)
-            ds.attrs[DTYPE_ATTR] = entry.dtype  # Keras 3's label: its loader reads bf16 back from it
+                ds.write_direct(np.frombuffer(buf, dtype=np.dtype(f"V{size}")).reshape(shape))
+            ds.attrs[DTYPE_ATTR] = entry.dtype
         else:
             arr = entry_array(entry, target=NAME)
             ds = group.create_dataset(leaf, shape=shape, dtype=arr.dtype, **filters)
