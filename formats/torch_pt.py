@@ -436,6 +436,7 @@ class TorchWriter:
                 layout = [(n, *self._names[n]) for n in self._order]
                 self._write_pickle(layout)
             self._zip.write_end_of_file()
+            self._zip = None
             dropped = [k for k in self._metadata if k != STATE_DICT_METADATA_KEY]
             if dropped:
                 self.notes.append(f"torch .pt has no place for file metadata; dropped keys: {', '.join(dropped)}")
@@ -450,6 +451,16 @@ class TorchWriter:
 
     def abort(self) -> None:
         self._done = True
+        # Finish the zip writer while its file is still open: its destructor would otherwise write
+        # the end of the archive into a closed file, which aborts the process. Then drop the temporary.
+        zip_writer = getattr(self, "_zip", None)
+        if zip_writer is not None:
+            try:
+                zip_writer.write_end_of_file()
+            except Exception:
+                pass
+            self._zip = None
+            del zip_writer
         self._af.abort()
 
     def __enter__(self) -> TorchWriter:
