@@ -158,20 +158,21 @@ def decode_attr(text: str) -> tuple[Any, Any]:
     return np.array(val, dtype=dt).reshape(shape), dt
 
 
-def _encode_attrs(obj: Any, path: str, skip: str | None = None) -> dict[str, str]:
+def _encode_attrs(obj: Any, path: str, skip: str | None = None, notes: list[str] | None = None) -> dict[str, str]:
     out: dict[str, str] = {}
+    notes = [] if notes is None else notes
     for name in obj.attrs:
         if name == skip:
             continue
         aid = obj.attrs.get_id(name)
         try:
             value = obj.attrs[name]
-        except Exception as e:  # an attribute h5py cannot read (unknown type)
-            log.warning("%s: attribute %r of %r is not readable (%s); not kept", NAME, name, path, e)
+        except Exception as e:  # an attribute h5py cannot read (unknown type, damaged heap)
+            notes.append(f"attribute {name!r} of {path!r} is not readable ({_one_line(e)}); not kept")
             continue
         enc = encode_attr(value, aid.dtype, aid.shape)
         if enc is None:
-            log.warning("%s: attribute %r of %r has type %s, which VCGA does not keep", NAME, name, path, aid.dtype)
+            notes.append(f"attribute {name!r} of {path!r} has type {aid.dtype}, which VCGA does not keep")
             continue
         out[name] = enc
     return out
@@ -180,6 +181,87 @@ def _encode_attrs(obj: Any, path: str, skip: str | None = None) -> dict[str, str
 # ---------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------
+
+
+#: How long the isolated structure scan may take before the file is declared unreadable.
+SCAN_TIMEOUT_S = 300.0
+
+
+def _scan_isolated(reader: Hdf5Reader) -> None:
+    """Run ``reader._scan()`` in a forked child and take its result.
+
+    libhdf5 is C code that trusts the file: fuzzing found damaged attribute heaps that make it
+    segfault, which no Python ``except`` can catch. The structure scan (groups, links, datatypes,
+    attributes: where the damage showed) therefore runs in a child process; a crash or a hang there
+    becomes a :class:`~vcga.errors.VcgaFormatError` here. Dataset reads, which follow the structure
+    the child already parsed, stay in this process. Where ``fork`` is unavailable the scan runs here.
+    """
+    import select
+    import signal
+    import time
+
+    if not hasattr(os, "fork"):
+        reader._scan()
+        return
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: scan, report as JSON, exit without running any cleanup of the parent's state
+        code = 0
+        try:
+            os.close(rfd)
+            try:
+                reader._scan()
+                out: dict[str, Any] = {
+                    "items": [[it.entry.name, it.entry.dtype, list(it.entry.shape), dict(it.entry.metadata), it.path,
+                               it.mode] for it in reader._items],
+                    "metadata": reader.metadata, "notes": reader.notes}
+            except VcgaFormatError as e:
+                out = {"error": str(e).removeprefix(f"{reader.path}: ")}
+            except BaseException as e:  # noqa: BLE001 - report anything; the parent decides
+                out = {"error": f"damaged HDF5 structure: {_one_line(e)}"}
+            data = json.dumps(out).encode("utf-8")
+            view = memoryview(data)
+            while view:
+                n = os.write(wfd, view)
+                view = view[n:]
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    chunks = []
+    deadline = time.monotonic() + SCAN_TIMEOUT_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                raise VcgaFormatError(reader.path, f"parsing the HDF5 structure did not finish within "
+                                      f"{SCAN_TIMEOUT_S:.0f} s; the file is damaged or hostile")
+            ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(rfd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(rfd)
+        _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        raise VcgaFormatError(reader.path, f"the HDF5 library crashed (signal {sig}) while parsing the file's "
+                              "structure; the file is damaged")
+    try:
+        out = json.loads(b"".join(chunks).decode("utf-8"))
+    except ValueError:
+        raise VcgaFormatError(reader.path, "the HDF5 structure scan ended without a result; the file is damaged") \
+            from None
+    if "error" in out:
+        raise VcgaFormatError(reader.path, out["error"])
+    reader.metadata = out["metadata"]
+    reader.notes = out["notes"]
+    reader._items = [_Item(TensorEntry(n, dt, tuple(shape), None, meta), path, mode)
+                     for n, dt, shape, meta, path, mode in out["items"]]
 
 
 class _Item:
@@ -202,23 +284,36 @@ class Hdf5Reader:
         h5py = _h5py()
         if not self.path.is_file():
             raise VcgaFormatError(self.path, "no such file" if not self.path.exists() else "not a regular file")
+        self.notes: list[str] = []
+        self._items: list[_Item] = []
+        self.metadata: dict[str, str] = {}
+        _scan_isolated(self)
+        for note in self.notes:
+            log.warning("%s: %s: %s", NAME, self.path, note)
         try:
             self._file = h5py.File(self.path, "r", locking=False)
         except Exception as e:
             raise VcgaFormatError(self.path, f"not a readable HDF5 file: {_one_line(e)}") from None
+
+    def _scan(self) -> None:
+        """Walk every group, dataset and attribute (fills ``_items``, ``metadata``, ``notes``)."""
+        h5py = _h5py()
         try:
-            self._items: list[_Item] = []
+            f = h5py.File(self.path, "r", locking=False)
+        except Exception as e:
+            raise VcgaFormatError(self.path, f"not a readable HDF5 file: {_one_line(e)}") from None
+        try:
             groups: dict[str, dict[str, str]] = {}
-            self._walk(self._file, "", groups, set())
-            self.metadata: dict[str, str] = _encode_attrs(self._file, "/")
+            self._walk(f, "", groups, set())
+            self.metadata = _encode_attrs(f, "/", notes=self.notes)
             if groups:
                 self.metadata[GROUPS_KEY] = json.dumps(groups, ensure_ascii=False, separators=(",", ":"))
         except VcgaFormatError:
-            self._file.close()
             raise
         except Exception as e:  # h5py raises OSError/KeyError/RuntimeError on a damaged tree
-            self._file.close()
             raise VcgaFormatError(self.path, f"damaged HDF5 structure: {_one_line(e)}") from None
+        finally:
+            f.close()
 
     def _walk(self, group: Any, prefix: str, groups: dict[str, dict[str, str]], seen: set[Any]) -> None:
         h5py = _h5py()
@@ -237,7 +332,7 @@ class Hdf5Reader:
                     log.info("%s: %s: group %r is a second link to a group already walked; skipped", NAME,
                              self.path, path)
                     continue
-                groups[path] = _encode_attrs(obj, path)
+                groups[path] = _encode_attrs(obj, path, notes=self.notes)
                 self._walk(obj, path + "/", groups, seen)
             elif isinstance(obj, h5py.Dataset):
                 self._items.append(self._describe(obj, path))
@@ -294,7 +389,7 @@ class Hdf5Reader:
                      h5py.h5t.REFERENCE: "references", h5py.h5t.ARRAY: "an array type",
                      h5py.h5t.BITFIELD: "a bitfield", h5py.h5t.TIME: "a time type"}
             raise self._unsupported(path, kinds.get(cls, f"HDF5 type class {cls}"))
-        meta = _encode_attrs(ds, path, skip=skip_attr)
+        meta = _encode_attrs(ds, path, skip=skip_attr, notes=self.notes)
         entry = TensorEntry(name=path, dtype=dt, shape=tuple(int(d) for d in ds.shape), data=None, metadata=meta)
         return _Item(entry, path, mode)
 

@@ -115,8 +115,8 @@ class TorchReader:
             raise VcgaFormatError(self.path, "no such file" if not self.path.exists() else "not a regular file")
         try:
             use_mmap = zipfile.is_zipfile(self.path)
-        except OSError as e:
-            raise VcgaFormatError(self.path, f"cannot read: {e}") from None
+        except (OSError, zipfile.BadZipFile, ValueError) as e:  # a damaged end-of-central-directory record
+            raise VcgaFormatError(self.path, f"damaged zip archive: {e}") from None
         self._mapped = use_mmap
         try:
             obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=use_mmap)
