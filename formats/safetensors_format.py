@@ -108,7 +108,7 @@ class SafetensorsReader:
         (n,) = struct.unpack("<Q", read_exact(self._f, 0, 8, path=self.path, what="header length"))
         raw = read_exact(self._f, 8, n, path=self.path, what="header")
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(bytes(raw).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise VcgaFormatError(self.path, f"header is not UTF-8 JSON: {e}", offset=8) from None
         if not isinstance(header, dict):

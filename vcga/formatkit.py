@@ -128,18 +128,21 @@ def file_size(f: BinaryIO) -> int:
     return os.fstat(f.fileno()).st_size
 
 
-def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> bytearray:
-    """Read ``size`` bytes at ``offset`` into a fresh buffer (one allocation, no intermediate copy).
+def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> memoryview:
+    """Read ``size`` bytes at ``offset`` into a fresh, writable buffer (one allocation, left
+    uninitialised until the read fills it, no intermediate copy).
 
-    :raises VcgaFormatError: the range runs past the end of the file.
+    :raises VcgaFormatError: the range runs past the end of the file (checked before allocating).
     """
+    import numpy as np
+
     total = file_size(f)
     if offset < 0 or size < 0 or offset + size > total:
         raise VcgaFormatError(path, f"{what}: {size} bytes at this offset run past the end of the file ({total} bytes)",
                               offset=offset)
-    buf = bytearray(size)
+    view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    buf = view
     f.seek(offset)
-    view = memoryview(buf)
     got = 0
     while got < size:
         n = f.readinto(view[got:])
