@@ -40,6 +40,9 @@ def mutate(raw: bytes, rng: random.Random) -> bytes:
 
 
 def main() -> None:
+    import os
+
+    os.environ.setdefault("VCGA_HDF5_SCAN_TIMEOUT_S", "15")  # a hang is reported as a format error sooner
     fmt, fixture, n, seed, workdir = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     from vcga.errors import VcgaFormatError
     from vcga.plugin_manager import get_plugin_manager
