@@ -512,10 +512,10 @@ class Hdf5Writer:
 
         name = entry.name
         parts = name.split("/")
-        if not name or any(p in ("", ".") for p in parts):
+        if not name or "\x00" in name or any(p in ("", ".") for p in parts):
             raise VcgaConversionError(
-                f"tensor name {name!r} is not a valid HDF5 path (empty or '.' components, leading, trailing or "
-                "doubled '/'); rename it before converting to hdf5", tensor=name, target=NAME)
+                f"tensor name {name!r} is not a valid HDF5 path (a NUL character, empty or '.' components, leading, "
+                "trailing or doubled '/'); rename it before converting to hdf5", tensor=name, target=NAME)
         buf = entry_buffer(entry, target=NAME)
         group = self._group(parts[:-1], name)
         leaf = parts[-1]
@@ -593,6 +593,13 @@ class Hdf5Writer:
 def _set_attr(obj: Any, key: str, text: Any, where: str) -> None:
     if not isinstance(text, str):
         raise VcgaConversionError(f"metadata {key!r} of {where!r} is not a string", target=NAME)
+    # HDF5 names and variable-length strings are C strings: a NUL would silently cut them short.
+    if not key or "\x00" in key:
+        raise VcgaConversionError(f"metadata key {key!r} of {where!r} cannot be an HDF5 attribute name "
+                                  "(empty or containing NUL)", target=NAME)
+    if "\x00" in text and not text.startswith(ATTR_PREFIX):
+        raise VcgaConversionError(f"metadata {key!r} of {where!r} contains a NUL character, which HDF5 strings "
+                                  "cannot hold", target=NAME)
     try:
         value, dt = decode_attr(text)
         if dt is None:

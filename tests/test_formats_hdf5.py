@@ -64,6 +64,7 @@ def test_attribute_encoding_round_trips_types():
     (["x//y"], "not a valid HDF5 path"),
     (["x/./y"], "not a valid HDF5 path"),
     (["trail/"], "not a valid HDF5 path"),
+    (["nul\x00name"], "not a valid HDF5 path"),
 ])
 def test_names_hdf5_cannot_hold_are_refused_and_nothing_is_left(tmp_path, names, match):
     with pytest.raises(VcgaConversionError, match=match):
@@ -103,3 +104,12 @@ def test_truncated_and_garbage_files(tmp_path):
     (tmp_path / "junk.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\xff" * 500)
     with pytest.raises(VcgaFormatError):
         read_all(h5f.SPEC, tmp_path / "junk.h5")
+
+
+@pytest.mark.parametrize("meta,match", [({"": "v"}, "cannot be an HDF5 attribute name"),
+                                        ({"k\x00": "v"}, "cannot be an HDF5 attribute name"),
+                                        ({"k": "a\x00b"}, "contains a NUL")])
+def test_metadata_hdf5_cannot_hold_is_refused(tmp_path, meta, match):
+    with pytest.raises(VcgaConversionError, match=match):
+        write_all(h5f.SPEC, tmp_path / "o.h5", [TensorEntry("t", "int8", (1,), b"\x01", meta)])
+    assert list(tmp_path.iterdir()) == []

@@ -40,8 +40,9 @@ def checkpoints(draw):
         raw = draw(st.binary(min_size=numel * dtypes.get(dt).itemsize, max_size=numel * dtypes.get(dt).itemsize))
         if dt == "bool":
             raw = bytes(b % 2 for b in raw)
-        meta = draw(st.dictionaries(st.text(min_size=1, max_size=5).filter(lambda k: not k.startswith("torch.")),
-                                    st.text(max_size=8), max_size=2))
+        text = st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))  # HDF5: C strings
+        meta = draw(st.dictionaries(st.text(text, min_size=1, max_size=5).filter(lambda k: not k.startswith("torch.")),
+                                    st.text(text, max_size=8), max_size=2))
         entries.append(TensorEntry(name, dt, shape, raw, meta))
     return entries
 
