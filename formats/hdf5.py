@@ -507,7 +507,6 @@ class Hdf5Writer:
         return g
 
     def write(self, entry: TensorEntry) -> None:
-        h5py = _h5py()
         import numpy as np
 
         name = entry.name

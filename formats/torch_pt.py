@@ -200,7 +200,7 @@ class TorchReader:
     def entries(self) -> Iterator[TensorEntry]:
         import torch
 
-        for (name, t), e in zip(self._tensors, self._index):
+        for (_, t), e in zip(self._tensors, self._index):
             src = t.detach()
             if t.is_conj():
                 src = src.resolve_conj()
