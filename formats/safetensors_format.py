@@ -39,7 +39,8 @@ from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formatkit import entry_buffer, pack_tensor_metadata, read_exact, unpack_tensor_metadata
 
-__all__ = ["SafetensorsReader", "SafetensorsWriter", "sniff", "SPEC", "LIBRARY_DTYPE_ORDER"]
+__all__ = ["SafetensorsReader", "SafetensorsWriter", "ShardedSafetensorsReader", "ShardedSafetensorsWriter",
+           "open_reader", "open_writer", "sniff", "SPEC", "LIBRARY_DTYPE_ORDER"]
 
 NAME = "safetensors"
 
@@ -58,13 +59,17 @@ MAX_HEADER_SIZE = 100_000_000
 
 
 def sniff(path: Any) -> bool:
-    """A u64 header length that fits the file, followed by a JSON object."""
+    """A u64 header length that fits the file, followed by a JSON object; or a sharded
+    checkpoint's index (JSON with a ``weight_map`` in its first 4 KiB)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(10)
+            head = f.read(4096)
             size = os.fstat(f.fileno()).st_size
     except OSError:
         return False
+    if head.lstrip()[:1] == b"{" and b'"weight_map"' in head and str(path).endswith(".json"):
+        return True
+    head = head[:10]
     if len(head) < 10:
         return False
     (n,) = struct.unpack("<Q", head[:8])
@@ -222,7 +227,8 @@ class SafetensorsWriter:
         reader's :meth:`index`. With it the file is written in one pass; without, tensors are spooled.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,
+                 _file: AtomicFile | None = None) -> None:
         self.path = Path(path)
         self._metadata: dict[str, str] = {}
         self._names: set[str] = set()
@@ -241,7 +247,8 @@ class SafetensorsWriter:
                 seen.add(e.name)
         self._header_written = False
         self._base = 0
-        self._file = AtomicFile(self.path, "w+b")
+        # A sharded writer passes files from one AtomicGroup so that all shards appear together.
+        self._file = _file if _file is not None else AtomicFile(self.path, "w+b")
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
         if self._header_written:
@@ -325,7 +332,8 @@ class SafetensorsWriter:
             dst_off += e.nbytes
         f.seek(dst_off)
 
-    def commit(self) -> None:
+    def finish(self) -> None:
+        """Complete the file's content (header, spooled data) without publishing it."""
         try:
             if self._plan_entries is not None:
                 if not self._header_written:
@@ -336,12 +344,16 @@ class SafetensorsWriter:
                                               f"{missing[0]!r}", tensor=missing[0], target=NAME)
             else:
                 self._assemble_from_spool()
+        finally:
+            self._close_spool()
+
+    def commit(self) -> None:
+        try:
+            self.finish()
             self._file.commit()
         except BaseException:
             self.abort()
             raise
-        finally:
-            self._close_spool()
 
     def _close_spool(self) -> None:
         if self._spool is not None:
@@ -363,14 +375,208 @@ class SafetensorsWriter:
             self.abort()
 
 
+# ---------------------------------------------------------------------------------------------------
+# Sharded checkpoints: Hugging Face's layout
+# ---------------------------------------------------------------------------------------------------
+
+#: Hugging Face's index of a sharded checkpoint: ``model.safetensors.index.json`` =
+#: ``{"metadata": {"total_size": N}, "weight_map": {tensor name: shard file name}}``, shards named
+#: ``model-00001-of-00003.safetensors`` (transformers' ``save_pretrained``).
+INDEX_SUFFIX = ".index.json"
+MAX_INDEX_BYTES = 100_000_000
+
+
+def _is_plain_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\x00" not in name
+
+
+class ShardedSafetensorsReader:
+    """Streams a sharded checkpoint through its ``*.safetensors.index.json``, shard after shard.
+
+    Every shard name in the index must be a plain file name in the index's directory (no path
+    separators, no ``..``), every listed tensor must be in its shard and every shard tensor listed.
+    """
+
+    def __init__(self, index_path: str | os.PathLike[str]) -> None:
+        self.path = Path(index_path)
+        try:
+            size = self.path.stat().st_size
+            if size > MAX_INDEX_BYTES:
+                raise VcgaFormatError(self.path, f"index of {size} bytes is larger than the {MAX_INDEX_BYTES} allowed")
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise VcgaFormatError(self.path, "no such file") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise VcgaFormatError(self.path, f"index is not UTF-8 JSON: {e}") from None
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+            raise VcgaFormatError(self.path, "index has no weight_map of tensor name -> shard file name")
+        shards: dict[str, list[str]] = {}
+        for name, shard in wmap.items():
+            if not _is_plain_name(shard):
+                raise VcgaFormatError(self.path, f"weight_map sends {name!r} to {shard!r}, which is not a plain file "
+                                      "name in the index's directory (path separators and '..' are refused)")
+            shards.setdefault(shard, []).append(name)
+        self._readers: list[SafetensorsReader] = []
+        try:
+            for shard in sorted(shards):
+                r = SafetensorsReader(self.path.parent / shard)
+                self._readers.append(r)
+                have = {e.name for e in r.index()}
+                want = set(shards[shard])
+                if have != want:
+                    odd = sorted(want - have)[:1] or sorted(have - want)[:1]
+                    where = "is not in" if want - have else "is in, but the index does not list it in"
+                    raise VcgaFormatError(self.path, f"tensor {odd[0]!r} {where} shard {shard!r}")
+        except BaseException:
+            self.close()
+            raise
+        self.metadata: dict[str, str] = dict(self._readers[0].metadata) if self._readers else {}
+        meta = doc.get("metadata")
+        if isinstance(meta, dict):
+            for k, v in meta.items():
+                if k != "total_size":
+                    self.metadata.setdefault(f"index.{k}", v if isinstance(v, str) else json.dumps(v))
+        self.notes = [f"read {len(self._readers)} shards through {self.path.name}"]
+
+    def index(self) -> Sequence[TensorEntry]:
+        return [e for r in self._readers for e in r.index()]
+
+    def entries(self) -> Iterator[TensorEntry]:
+        for r in self._readers:
+            yield from r.entries()
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+    def __enter__(self) -> ShardedSafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _index_path_for(path: Path) -> Path:
+    return path if path.name.endswith(INDEX_SUFFIX) else path.with_name(path.name + INDEX_SUFFIX)
+
+
+def open_reader(path: str | os.PathLike[str]) -> SafetensorsReader | ShardedSafetensorsReader:
+    """A single file, or a sharded checkpoint given by its index (or by the base name next to it)."""
+    p = Path(path)
+    if p.name.endswith(INDEX_SUFFIX):
+        return ShardedSafetensorsReader(p)
+    if not p.exists() and _index_path_for(p).is_file():
+        return ShardedSafetensorsReader(_index_path_for(p))
+    return SafetensorsReader(p)
+
+
+class ShardedSafetensorsWriter:
+    """Writes Hugging Face's sharded layout: ``<stem>-00001-of-0000N.safetensors`` + ``<name>.index.json``.
+
+    Tensors go to shards in plan order, a new shard starting when the next tensor would take the
+    current one over ``shard_size`` (a tensor larger than that gets a shard to itself) -- the
+    greedy split transformers uses. Every shard is a complete safetensors file carrying the
+    file metadata; all shards and the index appear together on :meth:`commit` (index last).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry], shard_size: int) -> None:
+        from vcga.atomic import AtomicGroup
+
+        base = Path(path)
+        if base.name.endswith(INDEX_SUFFIX):
+            base = base.with_name(base.name[: -len(INDEX_SUFFIX)])
+        stem = base.name[: -len(".safetensors")] if base.name.endswith(".safetensors") else base.name
+        groups: list[list[TensorEntry]] = [[]]
+        used = 0
+        for e in plan:
+            if groups[-1] and used + e.nbytes > shard_size:
+                groups.append([])
+                used = 0
+            groups[-1].append(e)
+            used += e.nbytes
+        n = len(groups)
+        self._group = AtomicGroup()
+        self._writers: list[SafetensorsWriter] = []
+        self._route: dict[str, SafetensorsWriter] = {}
+        self._weight_map: dict[str, str] = {}
+        self._total = sum(e.nbytes for e in plan)
+        try:
+            for i, entries in enumerate(groups, 1):
+                shard = base.with_name(f"{stem}-{i:05d}-of-{n:05d}.safetensors")
+                w = SafetensorsWriter(shard, plan=entries, _file=self._group.open(shard, "w+b"))
+                self._writers.append(w)
+                for e in entries:
+                    self._route[e.name] = w
+                    self._weight_map[e.name] = shard.name
+            self._index = self._group.open(_index_path_for(base), "wb")
+        except BaseException:
+            self._group.abort()
+            raise
+        self.notes = [f"wrote {n} shards of at most {shard_size} bytes (tensors larger than that: one per shard) "
+                      f"and {self._index.path.name}"]
+
+    def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        for w in self._writers:
+            w.set_metadata(metadata)
+
+    def write(self, entry: TensorEntry) -> None:
+        w = self._route.get(entry.name)
+        if w is None:
+            raise VcgaConversionError(f"tensor {entry.name!r} is not in the writer's plan", tensor=entry.name,
+                                      target=NAME)
+        w.write(entry)
+
+    def commit(self) -> None:
+        try:
+            for w in self._writers:
+                w.finish()
+            doc = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(self._weight_map.items()))}
+            self._index.write(json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+            self._group.commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for w in self._writers:
+            w._close_spool()
+        self._group.abort()
+
+    def __enter__(self) -> ShardedSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            if not self._group.done:
+                self.commit()
+        else:
+            self.abort()
+
+
+def open_writer(path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,
+                shard_size: int | None = None) -> SafetensorsWriter | ShardedSafetensorsWriter:
+    """One file; or, with ``shard_size`` and a checkpoint larger than it, Hugging Face's shards + index."""
+    p = Path(path)
+    if p.name.endswith(INDEX_SUFFIX):
+        p = p.with_name(p.name[: -len(INDEX_SUFFIX)])
+    if shard_size is not None:
+        if plan is None:
+            raise VcgaConversionError("sharded safetensors output needs the list of tensors up front (plan=)",
+                                      target=NAME)
+        if sum(e.nbytes for e in plan) > shard_size:
+            return ShardedSafetensorsWriter(p, plan=plan, shard_size=shard_size)
+    return SafetensorsWriter(p, plan=plan)
+
+
 SPEC = FormatSpec(
     name=NAME,
-    extensions=(".safetensors",),
+    extensions=(".safetensors", ".safetensors.index.json"),
     dtypes=frozenset(_FROM_CANON),
     sniff=sniff,
-    open_reader=SafetensorsReader,
-    open_writer=SafetensorsWriter,
-    description="Hugging Face safetensors: one file, validated by the safetensors library, streamed tensor by tensor",
+    open_reader=open_reader,
+    open_writer=open_writer,
+    description="Hugging Face safetensors, single or sharded (index.json); validated by the safetensors library",
 )
 
 

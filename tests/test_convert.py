@@ -204,7 +204,7 @@ def test_destination_rules(tmp_path):
     with pytest.raises(VcgaConversionError, match="cannot tell the target format"):
         convert(src, tmp_path / "o.unknown")
     with pytest.raises(VcgaConversionError, match="does not shard"):
-        convert(src, tmp_path / "o2.safetensors", shard_size="1MiB")
+        convert(src, tmp_path / "o2.pt", shard_size="1MiB")
     with pytest.raises(VcgaConversionError, match="no writer option 'bogus'"):
         convert(src, tmp_path / "o3.h5", writer_options={"bogus": 1})
     convert(src, tmp_path / "o4.h5", writer_options={"compression": "gzip"})

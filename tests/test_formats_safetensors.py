@@ -117,3 +117,75 @@ def test_malformed_files_give_format_errors(tmp_path, damage):
     p.write_bytes(bad)
     with pytest.raises(VcgaFormatError):
         read_all(st.SPEC, p)
+
+
+# --- sharded checkpoints (Hugging Face layout) -------------------------------------------------------
+
+
+def test_shard_size_writes_hugging_face_shards_and_index(tmp_path):
+    from vcga.convert import convert
+
+    entries = checkpoint_for(["float32", "int8", "bfloat16"])  # includes a 300 KiB tensor
+    write_all(st.SPEC, tmp_path / "src.safetensors", entries, {"format": "pt"})
+    out = tmp_path / "out"
+    out.mkdir()
+    rep = convert(tmp_path / "src.safetensors", out / "model.safetensors", shard_size="100KiB", verify=True)
+    names = sorted(p.name for p in out.iterdir())
+    n = len(names) - 1
+    assert n >= 2 and names[-1] == "model.safetensors.index.json"
+    assert names[:-1] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert rep.outputs[-1].endswith("model.safetensors.index.json")  # the index appears last
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(e.nbytes for e in entries)
+    # what transformers does to load it: safe_open the shard the weight_map names
+    import torch
+
+    for e in entries:
+        with safe_open(str(out / index["weight_map"][e.name]), framework="pt") as f:
+            t = f.get_tensor(e.name)
+            assert t.dtype == getattr(torch, e.dtype) and tuple(t.shape) == e.shape
+            assert (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"") == bytes(e.data)
+        with safe_open(str(out / index["weight_map"][e.name]), framework="pt") as f:
+            assert f.metadata()["format"] == "pt"
+    # and we read it back through the index, or through the base name
+    for src in (out / "model.safetensors.index.json", out / "model.safetensors"):
+        meta, got = read_all(st.SPEC, src)
+        assert meta == {"format": "pt"}
+        assert {k: v[:3] for k, v in got.items()} == {e.name: (e.dtype, e.shape, bytes(e.data)) for e in entries}
+
+
+def test_shard_size_larger_than_the_checkpoint_writes_one_file(tmp_path):
+    from vcga.convert import convert
+
+    write_all(st.SPEC, tmp_path / "src.safetensors", checkpoint_for(["int8"]))
+    (tmp_path / "o").mkdir()
+    convert(tmp_path / "src.safetensors", tmp_path / "o" / "m.safetensors", shard_size="1GiB")
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["m.safetensors"]
+
+
+def _drop_one_of_a_shared_shard(wm):
+    shard = next(v for v in wm.values() if list(wm.values()).count(v) > 1)
+    drop = next(k for k, v in wm.items() if v == shard)
+    return {k: v for k, v in wm.items() if k != drop}
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda wm, d: {**wm, "x": "../escape.safetensors"}, "not a plain file name"),
+    (lambda wm, d: {**wm, "x": "/etc/passwd"}, "not a plain file name"),
+    (lambda wm, d: {**wm, "x": "sub/dir.safetensors"}, "not a plain file name"),
+    (lambda wm, d: {**wm, "x": "missing.safetensors"}, "no such file"),
+    (lambda wm, d: {**wm, "ghost": next(iter(wm.values()))}, "'ghost' is not in shard"),
+    (lambda wm, d: _drop_one_of_a_shared_shard(wm), "does not list it"),
+    (lambda wm, d: "not a map", "no weight_map"),
+])
+def test_malformed_shard_index_is_refused(tmp_path, damage, match):
+    from vcga.convert import convert
+
+    write_all(st.SPEC, tmp_path / "src.safetensors", checkpoint_for(["float32", "int8"]))
+    convert(tmp_path / "src.safetensors", tmp_path / "m.safetensors", shard_size="64KiB")
+    idx = tmp_path / "m.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    doc["weight_map"] = damage(doc["weight_map"], tmp_path)
+    idx.write_text(json.dumps(doc))
+    with pytest.raises(VcgaFormatError, match=match):
+        read_all(st.SPEC, idx)

@@ -524,9 +524,8 @@ def _move_into_place(staging: Path, parent: Path, overwrite: bool, sources: Sequ
             raise VcgaConversionError(f"output {str(final)!r} would replace a source file; choose another name")
         if final.exists() and not overwrite:
             raise VcgaConversionError(f"output {str(final)!r} exists; pass --overwrite to replace it")
-    # Index-like files (the ones without a shard number) go last, so a reader never finds an index
-    # whose shards are not there yet.
-    files.sort(key=lambda f: (_SHARD_SUFFIX.match(f.name) is None, f.name))
+    # Index files go last, so a reader never finds an index whose shards are not there yet.
+    files.sort(key=lambda f: ("index" in f.name.lower(), f.name))
     out = []
     for f in files:
         final = parent / f.name
