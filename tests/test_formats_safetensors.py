@@ -147,7 +147,11 @@ def test_shard_size_writes_hugging_face_shards_and_index(tmp_path):
             assert (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"") == bytes(e.data)
         with safe_open(str(out / index["weight_map"][e.name]), framework="pt") as f:
             assert f.metadata()["format"] == "pt"
-    # and we read it back through the index, or through the base name
+    # and we read it back through the index, or through the base name (also what `vcga convert` finds)
+    from vcga.convert import detect_source
+
+    assert detect_source(out / "model.safetensors")[1].name == "model.safetensors.index.json"
+    assert detect_source(out / "model.safetensors.index.json")[0].name == "safetensors"
     for src in (out / "model.safetensors.index.json", out / "model.safetensors"):
         meta, got = read_all(st.SPEC, src)
         assert meta == {"format": "pt"}

@@ -128,17 +128,19 @@ def detect_source(path: str | os.PathLike[str], name: str | None = None,
     A name given (``--from``) wins. Otherwise the file's signature decides (every format's
     ``sniff``; when several claim it, the one whose extension also matches), then its extension.
     A path that does not exist but whose MindSpore shards do (``model.mindrecord`` ->
-    ``model.mindrecord0``) opens the first shard.
+    ``model.mindrecord0``) opens the first shard; one with a Hugging Face shard index beside it
+    (``model.safetensors`` -> ``model.safetensors.index.json``) opens the index.
 
     :raises VcgaFormatError: no such file, or no format recognises it.
     """
     specs = available_formats() if specs is None else specs
     p = Path(path)
     if not p.exists():
-        shard = _first_shard(p)
+        index = p.with_name(p.name + ".index.json")  # Hugging Face: model.safetensors -> its shard index
+        shard = index if index.is_file() else _first_shard(p)
         if shard is None:
             raise VcgaFormatError(p, "no such file (nor MindSpore shards named like it: "
-                                  f"{p.name}0, {p.name}00, ...)")
+                                  f"{p.name}0, {p.name}00, ..., nor a shard index {index.name})")
         p = shard
     if p.is_dir():
         raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard)")
