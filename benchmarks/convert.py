@@ -13,8 +13,8 @@ For each (source, target) pair of this branch's formats, on the same checkpoint 
 
 Reported: median seconds of ``--repeats`` runs, GB/s (checkpoint bytes / seconds), the ratio
 vcga / anchor (>1: vcga faster), and each side's peak RSS growth over its process's baseline
-after imports. Then the peak RSS of a ``--rss-gib`` checkpoint converted hdf5 -> safetensors ->
-torch -> hdf5 with vcga (the bound is 2 x largest tensor + 150 MiB).
+after imports. Then the peak RSS of a ``--rss-gib`` checkpoint converted along ``--chain``
+(default hdf5 -> safetensors -> torch -> hdf5) with vcga (the bound is 2 x largest tensor + 150 MiB).
 
 The default directory is tmpfs when there is one, so the disk's speed does not hide the code's;
 pass ``--dir`` to measure on a disk (vcga's fsyncs then cost what durability costs).
@@ -40,9 +40,10 @@ import sys, numpy as np
 from vcga.contract import TensorEntry
 from vcga.plugin_manager import get_plugin_manager
 path, fmt, size_mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
+big_mib = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 spec = next(s for s in get_plugin_manager().formats() if s.name == fmt)
 rng = np.random.default_rng(0)
-big = rng.standard_normal(1 << 20).astype(np.float32)          # 4 MiB
+big = rng.standard_normal(big_mib << 18).astype(np.float32)    # 4 MiB by default
 mid = rng.standard_normal(1 << 17).astype(np.float16)          # 256 KiB
 tiny = np.arange(16, dtype=np.int64)
 budget, i = size_mib * (1 << 20), 0
@@ -104,17 +105,25 @@ print(json.dumps({"seconds": dt, "rss_growth": peak() - base, "peak": peak()}))
 
 RSS_CHAIN = r"""
 import json, resource, sys
-a, b, c, d = sys.argv[1:5]
-import numpy, h5py, safetensors, xxhash, torch
+paths = sys.argv[1:]
+import numpy, h5py, safetensors, xxhash
+if any(p.endswith(".pt") for p in paths):
+    import torch
 from vcga.convert import convert
 from vcga.plugin_manager import get_plugin_manager
 get_plugin_manager().formats()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 largest = 0
-for s, t in ((a, b), (b, c), (c, d)):
+for s, t in zip(paths, paths[1:]):
     largest = max(largest, convert(s, t).largest_tensor_bytes)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"base": base, "peak": peak, "largest": largest}))
+"""
+
+EXT_OF = r"""
+import json
+from vcga.plugin_manager import get_plugin_manager
+print(json.dumps({s.name: s.extensions[0] for s in get_plugin_manager().formats()}))
 """
 
 
@@ -137,6 +146,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rss-gib", type=float, default=2.0, help="checkpoint size for the peak-RSS chain (0: skip)")
     ap.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    ap.add_argument("--chain", default="hdf5,safetensors,torch,hdf5",
+                    help="formats the --rss-gib checkpoint passes through, in order (any registered formats)")
+    ap.add_argument("--rss-tensor-mib", type=int, default=4,
+                    help="size of the chain checkpoint's big tensors (the bound is 2 x this + 150 MiB)")
     ap.add_argument("--pairs", default="safetensors:safetensors,hdf5:hdf5,torch:torch,hdf5:safetensors,"
                                        "safetensors:torch,torch:hdf5")
     args = ap.parse_args()
@@ -167,11 +180,12 @@ def main() -> None:
             _clear(p)
         chain = None
         if args.rss_gib > 0:
-            a = work / "chain.h5"
-            _py(MAKE, str(a), "hdf5", str(int(args.rss_gib * 1024)))
-            b, c, d = work / "chain.safetensors", work / "chain.pt", work / "chain2.h5"
-            chain = _py(RSS_CHAIN, str(a), str(b), str(c), str(d))
-            chain["size"] = a.stat().st_size
+            exts = _py(EXT_OF)
+            fmts = args.chain.split(",")
+            paths = [work / f"chain{i}{exts[f]}" for i, f in enumerate(fmts)]
+            _py(MAKE, str(paths[0]), fmts[0], str(int(args.rss_gib * 1024)), str(args.rss_tensor_mib))
+            chain = _py(RSS_CHAIN, *map(str, paths))
+            chain["size"] = paths[0].stat().st_size
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -188,7 +202,7 @@ def main() -> None:
         growth = chain["peak"] - chain["base"]
         bound = 2 * chain["largest"] + 150 * MiB
         print()
-        print(f"Peak RSS, hdf5 -> safetensors -> torch -> hdf5 on {chain['size'] / 2**30:.2f} GiB (largest tensor "
+        print(f"Peak RSS, {' -> '.join(args.chain.split(','))} on {chain['size'] / 2**30:.2f} GiB (largest tensor "
               f"{chain['largest'] / MiB:.0f} MiB): grew {growth / MiB:.0f} MiB over the {chain['base'] / MiB:.0f} MiB "
               f"baseline after imports (absolute peak {chain['peak'] / MiB:.0f} MiB); bound 2 x largest + 150 MiB = "
               f"{bound / MiB:.0f} MiB -> {'within' if growth <= bound else 'EXCEEDED'}")
