@@ -33,7 +33,6 @@ import tempfile
 from pathlib import Path
 
 MiB = 1 << 20
-EXT = {"safetensors": ".safetensors", "hdf5": ".h5", "torch": ".pt"}
 
 MAKE = r"""
 import sys, numpy as np
@@ -136,8 +135,12 @@ def _py(code: str, *args: str) -> dict:
 
 
 def _clear(path: Path) -> None:
-    if path.exists():
-        path.unlink()
+    """Remove an output and its siblings (shards, .db files, indexes)."""
+    for p in path.parent.glob(path.name + "*"):
+        p.unlink()
+    stem = path.name.split(".")[0]
+    for p in path.parent.glob(stem + "-0*"):  # Hugging Face shard names
+        p.unlink()
 
 
 def main() -> None:
@@ -150,23 +153,27 @@ def main() -> None:
                     help="formats the --rss-gib checkpoint passes through, in order (any registered formats)")
     ap.add_argument("--rss-tensor-mib", type=int, default=4,
                     help="size of the chain checkpoint's big tensors (the bound is 2 x this + 150 MiB)")
-    ap.add_argument("--pairs", default="safetensors:safetensors,hdf5:hdf5,torch:torch,hdf5:safetensors,"
+    ap.add_argument("--pairs", help="source:target pairs to time against the anchors ('' for none)", default="safetensors:safetensors,hdf5:hdf5,torch:torch,hdf5:safetensors,"
                                        "safetensors:torch,torch:hdf5")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vcga-bench-", dir=args.dir))
     rows = []
     try:
+        exts = _py(EXT_OF)  # every registered format's first extension
         sources = {}
-        for pair in args.pairs.split(","):
+        for pair in filter(None, args.pairs.split(",")):
             sfmt, dfmt = pair.split(":")
+            if not {sfmt, dfmt} <= {"safetensors", "hdf5", "torch"}:
+                raise SystemExit(f"no anchor for {pair}: throughput pairs are among safetensors, hdf5 and torch "
+                                 "(the MindSpore and vendor-bin benchmarks have their own anchors)")
             if sfmt not in sources:
-                sources[sfmt] = work / f"src{EXT[sfmt]}"
+                sources[sfmt] = work / f"src{exts[sfmt]}"
                 _py(MAKE, str(sources[sfmt]), sfmt, str(args.size_mib))
             size = sources[sfmt].stat().st_size
             res: dict[str, list[dict]] = {"vcga": [], "anchor": []}
             for _ in range(args.repeats):
                 for kind in ("anchor", "vcga"):
-                    dst = work / f"dst{EXT[dfmt]}"
+                    dst = work / f"dst{exts[dfmt]}"
                     _clear(dst)
                     res[kind].append(_py(RUN, kind, str(sources[sfmt]), str(dst), sfmt, dfmt))
                     _clear(dst)
@@ -180,7 +187,6 @@ def main() -> None:
             _clear(p)
         chain = None
         if args.rss_gib > 0:
-            exts = _py(EXT_OF)
             fmts = args.chain.split(",")
             paths = [work / f"chain{i}{exts[f]}" for i, f in enumerate(fmts)]
             _py(MAKE, str(paths[0]), fmts[0], str(int(args.rss_gib * 1024)), str(args.rss_tensor_mib))

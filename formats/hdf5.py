@@ -431,6 +431,7 @@ class Hdf5Reader:
                 raise VcgaFormatError(self.path, f"cannot read dataset {item.path!r}: {msg}{hint}") from None
             e = item.entry
             yield TensorEntry(e.name, e.dtype, e.shape, memoryview(arr).cast("B") if arr.size else b"", e.metadata)
+            del arr  # let it go before the next read: one tensor in memory, not two
 
     def close(self) -> None:
         try:

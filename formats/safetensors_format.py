@@ -150,6 +150,7 @@ class SafetensorsReader:
         for entry, start, end in self._index:
             buf = read_exact(self._f, self._base + start, end - start, path=self.path, what=f"tensor {entry.name!r}")
             yield TensorEntry(entry.name, entry.dtype, entry.shape, buf, entry.metadata)
+            del buf  # let it go before the next read: one tensor in memory, not two
 
     def close(self) -> None:
         self._f.close()
