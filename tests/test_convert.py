@@ -255,3 +255,20 @@ def test_inspect_reports_and_verifies(tmp_path):
     assert row["status"] == "computed" and row["checksum"].startswith("xxh3_64:") and row["bytes"] == 11 * 6 * 4
     rep2 = inspect_checkpoint(FIXTURES / "state_dict.pt")
     assert {r["status"] for r in rep2.tensors} == {"none"} and rep2.total_bytes == rep.total_bytes
+
+
+def test_interrupt_midway_leaves_no_destination_and_no_staging(tmp_path):
+    st = SPECS["safetensors"]
+    write_all(st, tmp_path / "s.safetensors", checkpoint_for(["float32", "int8", "int16"]))
+    seen = []
+
+    def progress(phase, done, total, name):
+        seen.append(name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    for target in ("o.h5", "o.pt", "o.safetensors"):
+        seen.clear()
+        with pytest.raises(KeyboardInterrupt):
+            convert(tmp_path / "s.safetensors", tmp_path / target, progress=progress)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"], target
