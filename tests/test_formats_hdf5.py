@@ -113,3 +113,22 @@ def test_metadata_hdf5_cannot_hold_is_refused(tmp_path, meta, match):
     with pytest.raises(VcgaConversionError, match=match):
         write_all(h5f.SPEC, tmp_path / "o.h5", [TensorEntry("t", "int8", (1,), b"\x01", meta)])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["libhdf5_segfault_attr_heap_1.h5", "libhdf5_segfault_attr_heap_2.h5"])
+def test_files_that_crash_libhdf5_give_format_errors(name):
+    """Fuzzer finds (keras3_legacy.h5 seed 2746 mutant 1481; h5py_tree.h5 seed 2354 mutant 1802):
+    libhdf5 segfaults on them; the structure scan runs in a child, so we get a typed error."""
+    from ckpt_helpers import FIXTURES
+
+    with pytest.raises(VcgaFormatError, match="crashed"):
+        h5f.Hdf5Reader(FIXTURES / "damaged" / name)
+
+
+def test_a_file_that_loops_libhdf5_forever_times_out(monkeypatch):
+    """Fuzzer find (keras3_legacy.h5 seed 2746 mutant 1509): libhdf5 never returns from the scan."""
+    from ckpt_helpers import FIXTURES
+
+    monkeypatch.setenv("VCGA_HDF5_SCAN_TIMEOUT_S", "3")
+    with pytest.raises(VcgaFormatError, match="did not finish within 3 s"):
+        h5f.Hdf5Reader(FIXTURES / "damaged" / "libhdf5_endless_loop.h5")
