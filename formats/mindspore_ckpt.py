@@ -37,6 +37,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaChecksumError, VcgaConfigError, VcgaConversionError, VcgaFormatError
+from vcga.formatkit import pack_tensor_metadata, unpack_tensor_metadata
 
 __all__ = [
     "SPEC",
@@ -157,6 +158,15 @@ def value_prefix(field_number: int, tag: str, dims: Sequence[int], tensor_type: 
                      b"\x12", _varint_bytes(tensor_len), tensor_head, b"\x1a", _varint_bytes(content_len)))
 
 
+def _utf8(text: str) -> bool:
+    """protobuf strings and MindSpore's UCS-4 strings need valid Unicode (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _dtype_of(tensor_type: str) -> str | None:
     for d in _dtypes.DTYPES.values():
         if d.mindspore == tensor_type:
@@ -229,7 +239,7 @@ class MindSporeCkptReader:
         (a mismatch raises :class:`~vcga.errors.VcgaChecksumError` after the last tensor).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True, **unused: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
         self.path = Path(path)
         self.verify_crc = verify_crc
         try:
@@ -246,7 +256,9 @@ class MindSporeCkptReader:
                     self.stored_crc = int.from_bytes(tail[len(CRC_MARK):], "big")
             self._check_not_foreign()
             self.frames = self._frames()
-            self.params, self.metadata = self._plan()
+            self.params, strings = self._plan()
+            # Per-tensor metadata rides in one string value (vcga.formatkit's convention).
+            self.metadata, self.tensor_metadata = unpack_tensor_metadata(strings, path=self.path)
         except BaseException:
             os.close(self.fd)
             self.fd = -1
@@ -255,7 +267,8 @@ class MindSporeCkptReader:
     # -- FormatReader ------------------------------------------------------------------------------
 
     def index(self) -> Sequence[TensorEntry]:
-        return [TensorEntry(p.name, p.dtype, p.shape, None) for p in self.params]
+        return [TensorEntry(p.name, p.dtype, p.shape, None, dict(self.tensor_metadata.get(p.name, {})))
+                for p in self.params]
 
     def entries(self) -> Iterator[TensorEntry]:
         state = {"crc": 0, "done": 0}
@@ -271,7 +284,7 @@ class MindSporeCkptReader:
                     data[pos:pos + len(content)] = content
                     pos += len(content)
                     del content
-            entry = TensorEntry(p.name, p.dtype, p.shape, data)
+            entry = TensorEntry(p.name, p.dtype, p.shape, data, dict(self.tensor_metadata.get(p.name, {})))
             del data  # the consumer holds the only reference: it may drop the tensor before the next
             yield entry
             del entry
@@ -571,8 +584,8 @@ class MindSporeCkptWriter:
         protobuf cannot parse a message of 2 GiB).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, crc: bool = False, slice_size: int = DEFAULT_SLICE_SIZE,
-                 **unused: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, crc: bool = False,
+                 slice_size: int = DEFAULT_SLICE_SIZE) -> None:
         if not isinstance(slice_size, int) or isinstance(slice_size, bool) or not 0 < slice_size <= (1 << 30):
             raise VcgaConfigError("slice_size", slice_size, "1 byte to 1 GiB")
         self.path = Path(path)
@@ -582,14 +595,17 @@ class MindSporeCkptWriter:
         self.slice_size = slice_size
         self.metadata: dict[str, str] = {}
         self.names: set[str] = set()
+        self.tensor_metadata: dict[str, dict[str, str]] = {}
         self.crc = 0
         self.unsynced = 0
         self.out = AtomicFile(self.path)
         self.done = False
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
-        if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in metadata.items()):
-            raise VcgaConversionError("mindspore-ckpt metadata must map non-empty strings to strings")
+        if not all(isinstance(k, str) and k and isinstance(v, str) and _utf8(k) and _utf8(v)
+                   for k, v in metadata.items()):
+            raise VcgaConversionError("mindspore-ckpt metadata must map non-empty strings to strings "
+                                      "(valid Unicode: no lone surrogates)")
         trailing = sorted(k for k, v in metadata.items() if v.endswith("\x00"))
         if trailing:  # MindSpore stores strings as numpy UCS-4 arrays, which drop trailing NULs
             raise VcgaConversionError(f"mindspore-ckpt metadata values of {trailing} end with NUL characters, "
@@ -625,17 +641,22 @@ class MindSporeCkptWriter:
                 f"tensor {name!r} has dtype {dtype}, which MindSpore checkpoints cannot hold "
                 f"(they hold {', '.join(sorted(CKPT_DTYPES))}); cast it explicitly to convert",
                 tensor=name, dtype=dtype, target="mindspore-ckpt")
-        if not isinstance(name, str) or not name:
-            raise VcgaConversionError(f"tensor name {name!r} is not a non-empty string", tensor=str(name))
+        if not isinstance(name, str) or not name or not _utf8(name):
+            raise VcgaConversionError(f"tensor name {name!r} is not a non-empty Unicode string", tensor=str(name))
         if name in self.names:
             raise VcgaConversionError(f"tensor {name!r} is written twice", tensor=name)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise VcgaConversionError(f"tensor {name!r}: invalid shape {list(shape)}", tensor=name)
+        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v)
+                   for k, v in entry.metadata.items()):
+            raise VcgaConversionError(f"tensor {name!r}: metadata must map Unicode strings to strings", tensor=name)
         data = memoryview(entry.data if entry.data is not None else b"").cast("B")
         if data.nbytes != entry.nbytes:
             raise VcgaConversionError(f"tensor {name!r}: {data.nbytes} bytes of data, but {dtype} "
                                       f"{list(shape)} needs {entry.nbytes}", tensor=name, dtype=dtype)
         self.names.add(name)
+        if entry.metadata:
+            self.tensor_metadata[name] = dict(entry.metadata)
         tensor_type = _dtypes.get(dtype).mindspore
         itemsize = _dtypes.get(dtype).itemsize
         step = max(self.slice_size - self.slice_size % itemsize, itemsize)
@@ -653,12 +674,13 @@ class MindSporeCkptWriter:
         if self.done:
             raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
         try:
-            clash = self.names & set(self.metadata)
+            strings = pack_tensor_metadata(self.metadata, self.tensor_metadata)
+            clash = self.names & set(strings)
             if clash:
                 raise VcgaConversionError(f"{self.path}: metadata keys {sorted(clash)} are also tensor names; "
                                           "MindSpore keeps both in one dictionary")
             checkpoint_cls, _ = message_classes()
-            for key, text in self.metadata.items():
+            for key, text in strings.items():
                 # save_checkpoint(append_dict={key: text}): dims [0], type "str", numpy UCS-4 bytes.
                 msg = checkpoint_cls()
                 value = msg.value.add()
@@ -730,14 +752,18 @@ def sniff(path: Any) -> bool:
     return head[end] in (0x12, 0x1A)  # Value.tensor or Value.maptensor
 
 
-def open_reader(path: Any, **options: Any) -> MindSporeCkptReader:
-    """Open a ``.ckpt`` for reading. Option: ``verify_crc`` (default True)."""
-    return MindSporeCkptReader(path, **options)
+def open_reader(path: Any, *, verify_crc: bool = True) -> MindSporeCkptReader:
+    """Open a ``.ckpt`` for reading; a CRC trailer is verified unless ``verify_crc=False``."""
+    return MindSporeCkptReader(path, verify_crc=verify_crc)
 
 
-def open_writer(path: Any, **options: Any) -> MindSporeCkptWriter:
-    """Open a ``.ckpt`` for writing. Options: ``crc`` (default False), ``slice_size`` (default 512 MiB)."""
-    return MindSporeCkptWriter(path, **options)
+def open_writer(path: Any, *, crc: bool = False, slice_size: int = DEFAULT_SLICE_SIZE) -> MindSporeCkptWriter:
+    """Open a ``.ckpt`` for writing.
+
+    :param crc: append MindSpore's CRC trailer (``save_checkpoint(crc_check=True)``).
+    :param slice_size: split larger tensors into Values of this many bytes (MindSpore: 512 MiB).
+    """
+    return MindSporeCkptWriter(path, crc=crc, slice_size=slice_size)
 
 
 SPEC = FormatSpec(

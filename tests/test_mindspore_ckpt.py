@@ -216,3 +216,21 @@ def test_noncanonical_encodings_are_parsed_by_protobuf(tmp_path, monkeypatch):
     monkeypatch.setattr(ck.MindSporeCkptReader, "_parse", lambda self, *a: calls.append(1) or real(self, *a))
     assert read(tmp_path / "odd.ckpt")[1] == [("r", "int16", (2, 2), content), ("p", "uint8", (4,), content[:4])]
     assert len(calls) == 2
+
+
+def test_per_tensor_metadata_round_trips(tmp_path):
+    """.ckpt has no per-tensor metadata: it rides in one string value (vcga.formatkit's convention)."""
+    src = [TensorEntry("a", "int8", (1,), b"\1", {"unit": "m", "é": "✓"}), TensorEntry("b", "int8", (1,), b"\2")]
+    write(tmp_path / "m.ckpt", src, {"note": "x"})
+    with ck.open_reader(tmp_path / "m.ckpt") as r:
+        assert r.metadata == {"note": "x"}
+        assert [(e.name, dict(e.metadata)) for e in r.index()] == [("a", {"unit": "m", "é": "✓"}), ("b", {})]
+        assert [(e.name, dict(e.metadata)) for e in r.entries()] == [("a", {"unit": "m", "é": "✓"}), ("b", {})]
+
+
+def test_invalid_unicode_refused_before_writing(tmp_path):
+    with pytest.raises(VcgaConversionError, match="Unicode"):
+        write(tmp_path / "m.ckpt", [TensorEntry("bad\ud800", "int8", (1,), b"\1")])
+    with pytest.raises(VcgaConversionError, match="Unicode"):
+        write(tmp_path / "m.ckpt", [], {"k": "\udfff"})
+    assert os.listdir(tmp_path) == []

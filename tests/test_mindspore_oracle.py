@@ -118,6 +118,9 @@ def test_mindspore_reads_our_mindrecord_and_ckpt(tmp_path):
 
     params = results[2]["params"]
     assert params.pop("note") == {"str": "written by vcga"} and params.pop("blank") == {"str": ""}
+    # Per-tensor metadata travels as one more string (vcga.formatkit.TENSOR_METADATA_KEY).
+    packed = json.loads(params.pop("vcga.tensor_metadata")["str"])
+    assert packed == {e.name: dict(e.metadata) for e in ckpt_src if e.metadata}
     expect_ckpt = {e.name: e for e in ckpt_src if tuple(e.shape) != (0,)}  # (0,) is kept where MindSpore can't see
     assert set(params) == set(expect_ckpt)
     for name, e in expect_ckpt.items():

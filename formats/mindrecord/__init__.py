@@ -57,21 +57,25 @@ def sniff(path: Any) -> bool:
                                                     and b'"page_size"' in body)
 
 
-def open_reader(path: Any, **options: Any) -> FormatReader:
+def open_reader(path: Any) -> FormatReader:
     """Open a MindRecord dataset for reading (any shard, or a sharded dataset's base name)."""
     from .reader import MindRecordReader
 
     return MindRecordReader(path)
 
 
-def open_writer(path: Any, **options: Any) -> FormatWriter:
+def open_writer(path: Any, *, shard_size: int | None = None, header_size: int = 1 << 24,
+                page_size: int = 1 << 25) -> FormatWriter:
     """Open a MindRecord dataset for writing.
 
-    Options: ``shard_size`` (bytes of tensor data per shard; default one file), ``header_size``
-    and ``page_size`` (MindSpore's limits; defaults 16 MiB and 32 MiB as FileWriter's)."""
+    :param shard_size: bytes of tensor data per shard (``name0 .. nameN-1``); None: one file.
+    :param header_size: bytes reserved for each shard's header; :param page_size: page size.
+        MindSpore's limits apply (16 KiB..128 MiB, 32 KiB..256 MiB, multiples of 4); the defaults,
+        16 MiB and 32 MiB, are FileWriter's. Tensors larger than a page are split over several records.
+    """
     from .writer import MindRecordWriter
 
-    return MindRecordWriter(path, **options)
+    return MindRecordWriter(path, shard_size=shard_size, header_size=header_size, page_size=page_size)
 
 
 SPEC = FormatSpec(

@@ -100,6 +100,15 @@ class _ShardState:
         return len(self.rows)
 
 
+def _utf8(text: str) -> bool:
+    """MindRecord strings are UTF-8 (msgpack, JSON): no lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_size(key: str, value: Any, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi or value % 4:
         raise VcgaConfigError(key, value, f"a multiple of 4 between {lo} and {hi} bytes (MindSpore's limits)")
@@ -119,10 +128,7 @@ class MindRecordWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shard_size: int | None = None,
-                 header_size: int = F.DEFAULT_HEADER_SIZE, page_size: int = F.DEFAULT_PAGE_SIZE,
-                 **unused: Any) -> None:
-        if unused:
-            log.debug("mindrecord writer ignores options %s", sorted(unused))
+                 header_size: int = F.DEFAULT_HEADER_SIZE, page_size: int = F.DEFAULT_PAGE_SIZE) -> None:
         self.path = Path(path)
         self.header_size = _check_size("header_size", header_size, F.MIN_HEADER_SIZE, F.MAX_HEADER_SIZE)
         self.page_size = _check_size("page_size", page_size, F.MIN_PAGE_SIZE, F.MAX_PAGE_SIZE)
@@ -143,16 +149,16 @@ class MindRecordWriter:
     # -- FormatWriter ------------------------------------------------------------------------------
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise VcgaConversionError("mindrecord metadata must map strings to strings")
+        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v) for k, v in metadata.items()):
+            raise VcgaConversionError("mindrecord metadata must map strings to strings (valid Unicode)")
         self.metadata = dict(metadata)
 
     def write(self, entry: TensorEntry) -> None:
         if self.done:
             raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
         name, dtype, shape = entry.name, entry.dtype, tuple(entry.shape)
-        if not isinstance(name, str) or not name:
-            raise VcgaConversionError(f"tensor name {name!r} is not a non-empty string", tensor=str(name))
+        if not isinstance(name, str) or not name or not _utf8(name):
+            raise VcgaConversionError(f"tensor name {name!r} is not a non-empty Unicode string", tensor=str(name))
         if name in self.names:
             raise VcgaConversionError(f"tensor {name!r} is written twice", tensor=name)
         info = _dtypes.get(dtype)
@@ -162,8 +168,9 @@ class MindRecordWriter:
         if data.nbytes != entry.nbytes:
             raise VcgaConversionError(f"tensor {name!r}: {data.nbytes} bytes of data, but {dtype} "
                                       f"{list(shape)} needs {entry.nbytes}", tensor=name, dtype=dtype)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.metadata.items()):
-            raise VcgaConversionError(f"tensor {name!r}: metadata must map strings to strings", tensor=name)
+        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v)
+                   for k, v in entry.metadata.items()):
+            raise VcgaConversionError(f"tensor {name!r}: metadata must map Unicode strings to strings", tensor=name)
         self.names.add(name)
         meta = json.dumps(dict(entry.metadata), ensure_ascii=False, sort_keys=True,
                           separators=(",", ":")) if entry.metadata else ""
