@@ -18,7 +18,6 @@ Nothing is read before it is checked against the file size, and no buffer larger
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,7 +36,6 @@ from ._index import RowLocation, read_index
 
 __all__ = ["MindRecordDataset", "MindRecordReader", "Record", "resolve_dataset_path", "TENSOR_FIELDS"]
 
-log = logging.getLogger(__name__)
 
 _U64LE = struct.Struct("<Q")
 _U64BE = struct.Struct(">Q")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import struct
 from collections.abc import Mapping
@@ -43,7 +42,6 @@ from .reader import DESC_MARKER
 
 __all__ = ["MindRecordWriter", "TENSOR_SCHEMA"]
 
-log = logging.getLogger(__name__)
 
 _U64LE = struct.Struct("<Q")
 _U64BE = struct.Struct(">Q")
