@@ -210,6 +210,9 @@ def _scan_isolated(reader: Hdf5Reader) -> None:
     if pid == 0:  # child: scan, report as JSON, exit without running any cleanup of the parent's state
         code = 0
         try:
+            import faulthandler
+
+            faulthandler.disable()  # a crash here is expected on damaged files; the parent reports it
             os.close(rfd)
             try:
                 reader._scan()
