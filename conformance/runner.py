@@ -71,7 +71,7 @@ def run_world(backend_name: str, world_size: int = 2, checks: list[str] | None =
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    out: list[CheckResult] = []
+    merged: dict[tuple[str, str, str], CheckResult] = {}
     failures: list[CheckResult] = []
     done: set[int] = set()
     deadline = time.monotonic() + timeout_s + 60
@@ -92,10 +92,7 @@ def run_world(backend_name: str, world_size: int = 2, checks: list[str] | None =
                     break
                 continue
             if kind == "result":
-                if rank == 0:
-                    out.append(payload)
-                elif not payload.passed:
-                    failures.append(payload)
+                _merge(merged, rank, payload)
             elif kind == "done":
                 done.add(rank)
             else:
@@ -107,4 +104,26 @@ def run_world(backend_name: str, world_size: int = 2, checks: list[str] | None =
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    return out + failures
+    return list(merged.values()) + failures
+
+
+def _merge(merged: dict[tuple[str, str, str], CheckResult], rank: int, res: CheckResult) -> None:
+    """One row per case across ranks: it passes only if it passed on every rank; the worst error
+    is the largest any rank saw; a failure's detail names the first rank that failed."""
+    import dataclasses
+
+    key = (res.check, res.backend, res.case)
+    if not res.passed and res.detail:
+        res = dataclasses.replace(res, detail=f"rank {rank}: {res.detail}")
+    prev = merged.get(key)
+    if prev is None:
+        merged[key] = res
+        return
+    worst = max((e for e in (prev.worst_error, res.worst_error) if e is not None), default=None)
+    merged[key] = dataclasses.replace(
+        prev,
+        passed=prev.passed and res.passed,
+        skipped=prev.skipped and res.skipped,
+        worst_error=worst,
+        detail=prev.detail if not prev.passed else res.detail,
+    )

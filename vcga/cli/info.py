@@ -71,22 +71,26 @@ def _render(data: dict[str, Any]) -> None:
     console.print(pt)
 
     bt = Table(title="Backends", title_justify="left")
-    for col in ("backend", "vendor", "device", "library", "available", "devices", "reason / versions", "capabilities"):
-        bt.add_column(col)
+    for col in ("backend", "vendor", "device", "library", "ok", "devs", "cells n/e/r", "all_reduce ops"):
+        bt.add_column(col, overflow="fold", no_wrap=col == "cells n/e/r")
     for b in data["backends"]:
         avail = "[green]yes[/green]" if b["available"] else "[red]no[/red]"
         caps = b.get("capabilities")
         if caps:
             c = caps["cells"]
-            cap = (f"{c['native']} native, {c['emulated']} emulated, {c['refused']} refused\n"
-                   f"all_reduce ops: {' '.join(caps['all_reduce_native_ops']) or '-'}")
+            counts = f"{c['native']}/{c['emulated']}/{c['refused']}"
+            ops = " ".join(caps["all_reduce_native_ops"]).replace("PRODUCT", "PROD").replace("PREMUL_SUM", "PREMUL") or "-"
         else:
-            cap = b.get("capabilities_error", "-")
-        versions = " ".join(f"{k} {v}" for k, v in b["versions"].items())
+            counts, ops = "[red]error[/red]", b.get("capabilities_error", "-")
         lib = b["dist_backend"] + (f" (sim {b['stands_for']})" if b.get("simulated") else "")
-        bt.add_row(b["name"], b["vendor"], b["device_type"], lib, avail, str(b["device_count"]),
-                   b["reason"] + (f"\n{versions}" if versions and b["available"] else ""), cap)
+        bt.add_row(b["name"], b["vendor"], b["device_type"], lib, avail, str(b["device_count"]), counts, ops)
     console.print(bt)
+    console.print("[bold]Availability[/bold]")
+    for b in data["backends"]:
+        versions = ", ".join(f"{k} {v}" for k, v in b["versions"].items())
+        mark = "[green]available[/green]" if b["available"] else "[red]unavailable[/red]"
+        console.print(f"  {b['name']}: {mark}: {b['reason']}" + (f" ({versions})" if versions else ""),
+                      highlight=False, soft_wrap=True)
     if data["selected_backend"]:
         console.print(f"selected backend for this process: [bold]{data['selected_backend']}[/bold]")
     else:

@@ -1,0 +1,40 @@
+"""Shared fixtures: every test starts with no VCGA_* variables and a fresh plugin manager."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def clean_vcga_env(monkeypatch: pytest.MonkeyPatch):
+    for k in list(os.environ):
+        if k.startswith("VCGA_"):
+            monkeypatch.delenv(k)
+    from vcga.plugin_manager import reset_plugin_manager
+
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_vcga(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the installed `vcga` console script in a subprocess, as a user would."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    full_env.update(env or {})
+    return subprocess.run([str(VENV_BIN / "vcga"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, stdin=subprocess.DEVNULL)

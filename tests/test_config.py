@@ -1,0 +1,74 @@
+"""The unified config: defaults, YAML, env overrides, and errors that name key and allowed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from vcga.config import Config, load_config, parse_sim_vendors
+from vcga.errors import VcgaConfigError
+
+
+def test_defaults_without_file_or_env():
+    assert load_config(env={}) == Config()
+
+
+def test_yaml_then_env_precedence(tmp_path):
+    f = tmp_path / "vcga.yaml"
+    f.write_text("backend: gloo\ncollective_timeout_s: 12\nvisible_devices: [0, 2]\ndeterministic: true\n")
+    cfg = load_config(f, env={})
+    assert (cfg.backend, cfg.collective_timeout_s, cfg.visible_devices, cfg.deterministic) == ("gloo", 12.0, (0, 2), True)
+    cfg = load_config(f, env={"VCGA_TIMEOUT": "3.5", "VCGA_VISIBLE_DEVICES": "1,3", "VCGA_DETERMINISTIC": "off"})
+    assert (cfg.collective_timeout_s, cfg.visible_devices, cfg.deterministic) == (3.5, (1, 3), False)
+
+
+def test_config_file_from_env_var(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("buffer_size_mb: 64\n")
+    assert load_config(env={"VCGA_CONFIG": str(f)}).buffer_size_mb == 64
+
+
+@pytest.mark.parametrize(
+    "env, key, fragment",
+    [
+        ({"VCGA_TIMEOUT": "soon"}, "collective_timeout_s", "seconds > 0"),
+        ({"VCGA_TIMEOUT": "-1"}, "collective_timeout_s", "seconds > 0"),
+        ({"VCGA_TIMEOUT": "inf"}, "collective_timeout_s", "seconds > 0"),
+        ({"VCGA_BUFFER_SIZE_MB": "0"}, "buffer_size_mb", "between 1 and 65536"),
+        ({"VCGA_BUFFER_SIZE_MB": "1.5"}, "buffer_size_mb", "integer"),
+        ({"VCGA_VISIBLE_DEVICES": "0,x"}, "visible_devices", "device indices"),
+        ({"VCGA_VISIBLE_DEVICES": "1,1"}, "visible_devices", "distinct"),
+        ({"VCGA_DETERMINISTIC": "maybe"}, "deterministic", "true or false"),
+        ({"VCGA_DEBUG": "2"}, "debug", "true or false"),
+        ({"VCGA_BACKEND": "no spaces allowed"}, "backend", "backend name"),
+        ({"VCGA_SIM_VENDORS": "nccl:2,foo:1"}, "sim_vendors", "nccl/hccl/cncl"),
+        ({"VCGA_SIM_VENDORS": "nccl:0"}, "sim_vendors", "vendor:count"),
+    ],
+)
+def test_bad_env_values_name_key_source_and_allowed(env, key, fragment):
+    with pytest.raises(VcgaConfigError) as ei:
+        load_config(env=env)
+    msg = str(ei.value)
+    assert ei.value.key == key and key in msg and fragment in msg
+    assert f"env {next(iter(env))}" in msg
+
+
+def test_yaml_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("timeout: 3\n")  # not a key
+    with pytest.raises(VcgaConfigError, match="one of the keys backend, collective_timeout_s"):
+        load_config(f, env={})
+    f.write_text("[1, 2]\n")
+    with pytest.raises(VcgaConfigError, match="mapping"):
+        load_config(f, env={})
+    f.write_text("backend: [unclosed\n")
+    with pytest.raises(VcgaConfigError, match="valid YAML"):
+        load_config(f, env={})
+    with pytest.raises(VcgaConfigError, match="readable YAML file"):
+        load_config(tmp_path / "missing.yaml", env={})
+    f.write_text("collective_timeout_s: true\n")
+    with pytest.raises(VcgaConfigError, match=str(f)):
+        load_config(f, env={})
+
+
+def test_parse_sim_vendors():
+    assert parse_sim_vendors("nccl:1, hccl:2,cncl:1") == [("nccl", 1), ("hccl", 2), ("cncl", 1)]
