@@ -9,7 +9,7 @@ the vendors' topology tools, which all print a ``nvidia-smi topo -m``-style matr
 (:func:`import_vendor_module`).
 
 The built-in nccl, hccl and mlu plugins use these; an out-of-tree plugin for another
-``torch.cuda``-like device (``torch.xpu``, ...) can too -- see docs/plugin-author-guide.md.
+``torch.cuda``-like device (``torch.xpu``, ...) can too -- see docs/plugins.md.
 
 Importing this module imports neither torch nor any vendor module.
 """
