@@ -83,6 +83,7 @@ AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
 BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
 #: Reduce ops the bridge itself implements; AVG and PREMUL_SUM are derived from SUM by the
 #: dispatcher (sum_then_divide / mul_then_sum) so they see the whole group, not one vendor group.
+_HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 _BRIDGE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
                ReduceOp.BXOR)
 
@@ -297,7 +298,7 @@ def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
           for c in (RD, RS, BC, AG, GA)]
     if all(ok[:4]):
         return "library"
-    if ok[2] and ok[4]:
+    if ok[2] and ok[4] and op in _HOST_ROUTE_OPS:
         return "host"
     return None
 
@@ -310,6 +311,8 @@ def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequ
             return f"mixed-vendor bridge composes {op.value} from SUM"
         if dt not in HOST_REDUCIBLE:
             return f"mixed-vendor bridge reduces {dt} in a wider dtype"
+        if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and _dtypes.get(dt).kind not in "iub":
+            return f"bitwise ops need an integer or bool dtype, not {dt}"
         for t in tables:
             if group_route(t, dt, op) is None:
                 cell = t.lookup(GA, dt, None)
@@ -564,13 +567,15 @@ class BridgeGroup:
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
         (outs,), (inp,) = outputs, inputs
         rows = self._gather_bytes(inp)
-        for r, o in enumerate(outs):
-            o.copy_(rows[r].view(inp.dtype).view(inp.shape))
+        if inp.numel():
+            for r, o in enumerate(outs):
+                o.copy_(rows[r].view(inp.dtype).view(inp.shape))
         return PyWork(result=outs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PyWork:  # noqa: A002
         rows = self._gather_bytes(input)
-        output.copy_(rows.view(-1).view(input.dtype).view(output.shape))
+        if input.numel():
+            output.copy_(rows.view(-1).view(input.dtype).view(output.shape))
         return PyWork(result=[output])
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -590,8 +595,8 @@ class BridgeGroup:
             rows = torch.empty(self.size, src.numel(), dtype=torch.uint8)
             if src.numel():
                 self.world.gather([list(rows.unbind(0))], [src], o).wait()
-            for r, out in enumerate(outs):
-                out.copy_(rows[r].view(inp.dtype).view(out.shape))
+                for r, out in enumerate(outs):
+                    out.copy_(rows[r].view(inp.dtype).view(out.shape))
             return PyWork(result=outs)
         if src.numel():
             self.world.gather([], [src], o).wait()
