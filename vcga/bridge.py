@@ -315,8 +315,10 @@ def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequ
             return f"bitwise ops need an integer or bool dtype, not {dt}"
         for t in tables:
             if group_route(t, dt, op) is None:
-                cell = t.lookup(GA, dt, None)
-                return f"{t.backend} can neither reduce nor move {dt}: {cell.note or 'refused'}"
+                for c in (RD, RS, BC, AG, GA):
+                    cell = t.lookup(c, dt, op if c.reduces else None)
+                    if cell.support is Support.REFUSED:
+                        return f"{t.backend} cannot run {c.value} on {dt}: {cell.note or 'refused'}"
         return None
     if coll is BC:
         for t in tables:
@@ -790,6 +792,12 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
     """
     me = plan.group_of(rank)
     result: dict[str, Any] = {}
+    # A store client is one connection: while the library waits on it for a peer that will never
+    # come, every other call on it queues behind. Watch for failures over a connection of our own.
+    try:
+        watch = dist.PrefixStore("vcga/bridge", store.clone())
+    except Exception:  # noqa: BLE001 - a store without clone(): failures are then seen at the library's timeout
+        watch = bstore
 
     def create() -> None:
         try:
@@ -809,22 +817,22 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
                 e = result["error"]
                 status = {"state": "failed", "backend": backend.name,
                           "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-                bstore.set("failed", "1")
+                watch.set("failed", "1")
             else:
                 status = {"state": "ok"}
             break
-        if bstore.check(["failed"]):
+        if watch.check(["failed"]):
             status = {"state": "aborted"}
             break
         if time.monotonic() > deadline:
             status = {"state": "failed", "backend": backend.name,
                       "reason": f"creating the native group did not finish within {timeout.total_seconds():g} s"}
-            bstore.set("failed", "1")
+            watch.set("failed", "1")
             break
-    bstore.set(f"status/{rank}", json.dumps(status))
+    watch.set(f"status/{rank}", json.dumps(status))
     keys = [f"status/{r}" for r in range(plan.size)]
-    _wait(bstore, keys, timeout, "ranks never reported their native vendor group", gr[rank], list(gr))
-    statuses = [json.loads(v) for v in bstore.multi_get(keys)]
+    _wait(watch, keys, timeout, "ranks never reported their native vendor group", gr[rank], list(gr))
+    statuses = [json.loads(v) for v in watch.multi_get(keys)]
     failed = [(gr[r], s) for r, s in enumerate(statuses) if s["state"] == "failed"]
     if failed:
         if status["state"] == "ok":
