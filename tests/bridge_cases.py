@@ -101,7 +101,9 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
     out["matrix"] = Matrix(world, "mixed", matrix_dtypes).run()
     out["failures"] += out["matrix"]["failures"]
     counts = {}
-    for alg in ("leader", "bandwidth"):
+    from vcga.bridge import ALGORITHMS
+
+    for alg in ALGORITHMS:
         g = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_algorithm=alg)))
         out["failures"] += numerics(g, check, rank, size, alg)
         counts[alg] = dict(g.transport.group.counts)

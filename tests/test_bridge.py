@@ -24,14 +24,15 @@ def peers(*backends: str, nodes: list[str] | None = None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 
 def test_plan_groups_leaders_and_algorithm() -> None:
-    from vcga.bridge import BANDWIDTH_MIN_BYTES, make_plan
+    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, make_plan
 
     p = make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"))
     assert [(g.backend, g.ranks, g.leader) for g in p.groups] == [("sim-nccl", (0, 1), 0), ("sim-hccl", (2, 3), 2)]
     assert p.equal_groups and p.contiguous
     assert p.shard_peers(0) == (0, 2) and p.shard_peers(1) == (1, 3)
     assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES - 1) == "leader"
-    assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES) == "bandwidth"
+    assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES) == AUTO_LARGE
+    assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "bandwidth").all_reduce_algorithm(1) == "bandwidth"
     assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "leader").all_reduce_algorithm(1 << 30) == "leader"
     # unequal vendor groups: shards cannot line up, leader algorithm at every size
     q = make_plan(peers("sim-nccl", "sim-hccl", "sim-hccl", "sim-cncl"), "bandwidth")
@@ -175,7 +176,7 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     r = two_vendors[0]
     assert r["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
     assert r["counts"]["leader"]["bandwidth"] == 0 and r["counts"]["leader"]["leader"] > 0
-    assert r["counts"]["bandwidth"]["bandwidth"] > 0
+    assert r["counts"]["bandwidth"]["bandwidth"] > 0 and r["counts"]["replicated"]["replicated"] > 0
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
 
 
@@ -184,7 +185,8 @@ def test_three_vendors_fp64_keeps_fp64_through_sim_cncl(three_vendors: list[dict
     unequal vendor groups always take the leader algorithm."""
     r = three_vendors[0]
     assert r["backend"] == "bridge(sim-nccl:1,sim-hccl:2,sim-cncl:1)"
-    assert r["counts"]["bandwidth"]["bandwidth"] == 0 and r["counts"]["bandwidth"]["leader"] > 0
+    for alg in ("bandwidth", "replicated"):
+        assert r["counts"][alg][alg] == 0 and r["counts"][alg]["leader"] > 0
     assert [g["backend"] for g in r["plan"]["groups"]] == ["sim-nccl", "sim-hccl", "sim-cncl"]
 
 

@@ -69,10 +69,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
-ALGORITHMS = ("leader", "bandwidth")
+ALGORITHMS = ("leader", "bandwidth", "replicated")
 #: From this message size on, "auto" picks the bandwidth-optimal algorithm when every vendor group
 #: has the same size >= 2 (measured crossover: benchmarks/hybrid.py, docs/benchmarks.md).
 BANDWIDTH_MIN_BYTES = 256 * 1024
+
+#: What "auto" picks at and above BANDWIDTH_MIN_BYTES when the vendor groups have equal sizes:
+#: "replicated" measured fastest with gloo-backed vendor groups (docs/benchmarks.md), where gloo's
+#: reduce-scatter and all-gather cost more than its all-reduce; with NCCL/HCCL/CNCL, whose
+#: reduce-scatter and all-gather are bandwidth-optimal, "bandwidth" moves the fewest bytes.
+AUTO_LARGE = "replicated"
 
 #: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
 #: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
@@ -162,7 +168,7 @@ class Plan:
         if not self.equal_groups:
             return "leader"  # shards must line up across vendor groups
         if self.algorithm == "auto":
-            return "bandwidth" if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
+            return AUTO_LARGE if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
         return self.algorithm
 
     def describe(self, sizes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 64 << 20)) -> dict[str, Any]:
@@ -295,8 +301,8 @@ def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
     None: it cannot even move the dtype.
     """
     ok = [table.lookup(c, dt, op if c.reduces else None).support is not Support.REFUSED
-          for c in (RD, RS, BC, AG, GA)]
-    if all(ok[:4]):
+          for c in (RD, RS, BC, AG, GA, AR)]
+    if all(ok[:4]) and ok[5]:
         return "library"
     if ok[2] and ok[4] and op in _HOST_ROUTE_OPS:
         return "host"
@@ -359,6 +365,10 @@ def _put(t: torch.Tensor, h: torch.Tensor) -> None:
         t.copy_(h.view(t.shape) if h.shape != t.shape else h)
 
 
+#: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
+_GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
+                 for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
+
 _COMBINE: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
     ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
@@ -413,7 +423,7 @@ class BridgeGroup:
         self.local_rank = self.vgroup.ranks.index(rank)
         self.inner, self.shard, self.world = inner, shard, world
         #: how often each algorithm ran (tests and benchmarks read it)
-        self.counts = {"leader": 0, "bandwidth": 0}
+        self.counts = {a: 0 for a in ALGORITHMS}
         self._debug = log.isEnabledFor(logging.DEBUG)
 
     # -- building blocks -------------------------------------------------------------------------
@@ -428,7 +438,13 @@ class BridgeGroup:
         """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
         peers = len(self.plan.shard_peers(self.local_rank))
         h = _host(t)
-        if peers > 1:
+        if peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
+            # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
+            # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
+            o = dist.AllreduceOptions()
+            o.reduceOp = getattr(dist.ReduceOp, op.value)
+            self.shard.allreduce([h], o).wait()
+        elif peers > 1:
             src = _bytes(h)
             rows = torch.empty(peers * src.numel(), dtype=torch.uint8)
             self.shard._allgather_base(rows, src).wait()
@@ -447,14 +463,14 @@ class BridgeGroup:
     def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
         """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
         alg = self.plan.all_reduce_algorithm(t.numel() * t.element_size())
-        if alg == "bandwidth" and any(r != "library" for r in self.routes(t.dtype, op)):
+        if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
             alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
         return alg
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp, algorithm: str | None = None) -> str:
         """All-reduce ``t`` (contiguous) in place; returns the algorithm used."""
         alg = algorithm or self.algorithm(t, op)
-        if alg == "bandwidth" and (not self.plan.equal_groups or any(r != "library" for r in self.routes(t.dtype, op))):
+        if alg != "leader" and (not self.plan.equal_groups or any(r != "library" for r in self.routes(t.dtype, op))):
             alg = "leader"
         if self._debug:
             log.debug("bridge all_reduce %s %s x%d (%d B): %s", op.value, t.dtype, t.numel(),
@@ -464,6 +480,8 @@ class BridgeGroup:
             return alg
         if alg == "bandwidth":
             self._all_reduce_bandwidth(t, op)
+        elif alg == "replicated":
+            self._all_reduce_replicated(t, op)
         else:
             self._all_reduce_leader(t, op)
         return alg
@@ -499,6 +517,13 @@ class BridgeGroup:
         self._in_group(lambda s: self.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
         if buf is not flat:
             flat.copy_(buf[:n])
+
+    def _all_reduce_replicated(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """All-reduce in the vendor group; then every rank reduces the group's result with its shard
+        peers, all shard groups at once. Each vendor group's partial is the same bits on all its
+        ranks, so every shard group reduces the same inputs in the same order: the same result."""
+        self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
+        self._bridge_reduce(t, op)
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
