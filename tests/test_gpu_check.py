@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh on this CPU machine: exits 0, every step that needs a GPU is skipped.
 
-Step 7 (the mixed world of simulated CPU ranks) runs the real `vcga` group: it passes once the
-mixed-vendor bridge (#4) is in, and until then skips with the group's typed refusal.
+Step 7 (the mixed world of simulated CPU ranks) runs the real `vcga` group through the mixed-vendor
+bridge (#4) and must pass.
 """
 
 from __future__ import annotations
@@ -38,4 +38,4 @@ def test_gpu_check_exits_0_here_with_hardware_steps_skipped(tmp_path):
         assert steps[name]["result"] == "SKIP", steps[name]
         assert "no NVIDIA GPU" in steps[name]["detail"]
     assert steps["nccl capability table"]["result"] == "PASS"
-    assert steps["mixed world, CPU sims only"]["result"] in ("PASS", "SKIP")
+    assert steps["mixed world, CPU sims only"]["result"] == "PASS", steps["mixed world, CPU sims only"]

@@ -53,6 +53,8 @@ class Config:
     debug: bool = False
     #: Simulated vendor layout, e.g. "nccl:2,hccl:2" (ranks 0-1 sim-nccl, 2-3 sim-hccl).
     sim_vendors: str | None = None
+    #: Mixed-vendor all_reduce algorithm: "auto" (by size and group shape), "leader", "bandwidth" or "replicated".
+    bridge_algorithm: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -70,6 +72,7 @@ ENV: Mapping[str, str] = {
     "deterministic": "VCGA_DETERMINISTIC",
     "debug": "VCGA_DEBUG",
     "sim_vendors": "VCGA_SIM_VENDORS",
+    "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
 }
 
 _ALLOWED = {
@@ -81,6 +84,7 @@ _ALLOWED = {
     "debug": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "sim_vendors": "comma-separated vendor:count pairs with vendors from "
     + "/".join(SIM_VENDOR_NAMES) + ", e.g. 'nccl:2,hccl:2', or null",
+    "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -149,6 +153,10 @@ def _validate(key: str, v: Any, src: str) -> Any:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         parse_sim_vendors(v, src)
         return v.replace(" ", "")
+    if key == "bridge_algorithm":
+        if not isinstance(v, str) or v.strip().lower() not in ("auto", "leader", "bandwidth", "replicated"):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return v.strip().lower()
     raise AssertionError(key)  # pragma: no cover - keys come from fields(Config)
 
 

@@ -154,11 +154,13 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
     Each rank publishes ``{"backend", "vendor", "device_type"}`` under ``vcga/discovery/<rank>``
     and reads everyone's, so every rank reaches the same decision. One backend: a
     :class:`~vcga.transport.NativeTransport` over the backend's native group. Several: the
-    mixed-vendor bridge, which plugs in here (until it exists, a typed error on every rank).
+    mixed-vendor bridge (:func:`vcga.bridge.create_bridge_transport`).
     """
+    import socket
+
     disc = dist.PrefixStore("vcga/discovery", store)
     me = {"backend": backend.name, "vendor": backend.vendor, "device_type": backend.device_type,
-          "global_rank": global_ranks[rank]}
+          "global_rank": global_ranks[rank], "node": socket.gethostname()}  # the bridge plans by node
     disc.set(str(rank), json.dumps(me))
     keys = [str(r) for r in range(size)]
     try:
@@ -179,11 +181,11 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
             raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
                                                        f"{type(e).__name__}: {e}") from e
         return NativeTransport(backend, native)
-    layout = ", ".join(f"rank {p['global_rank']}: {p['backend']}" for p in peers)
-    raise VcgaBackendUnavailable(
-        BACKEND_NAME, f"this group mixes backends ({layout}); a mixed-vendor group needs the hierarchical "
-                      "bridge transport, which this version of vcga does not provide. Give every rank the same "
-                      "backend (VCGA_BACKEND or VCGA_SIM_VENDORS), or split the job into single-vendor groups")
+    # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge.py).
+    from vcga.bridge import create_bridge_transport
+
+    return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
+                                   apply_env=partial(_apply_vendor_env, config=config))
 
 
 # ===================================================================================================

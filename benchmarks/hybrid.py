@@ -1,0 +1,161 @@
+"""Hybrid (mixed-vendor) all_reduce against flat gloo on the same ranks, same run, interleaved.
+
+Four ranks are spawned with ``VCGA_SIM_VENDORS=nccl:2,hccl:2`` (two simulated vendors x two
+ranks; the simulated vendors run their collectives on gloo, so the comparison isolates what the
+bridge adds). Each rank holds three groups over the same four ranks:
+
+- ``flat``: ``new_group(backend="gloo")`` -- the anchor, one ring over everyone;
+- ``leader``: ``vcga``, bridge forced to the leader algorithm (reduce in the vendor group, reduce
+  among the leaders on the host, broadcast in the vendor group);
+- ``bandwidth``: ``vcga``, bridge forced to the bandwidth-optimal algorithm (reduce-scatter in the
+  vendor group, reduce each shard among its shard peers on the host, all-gather in the group).
+
+For each size (fp32, 4 KiB .. 64 MiB) the three are called in rotating order, one call each per
+repetition, after a barrier; a call's time is the slowest rank's. Reported: median time per call
+and, per hybrid algorithm, the median over repetitions of (hybrid time / the same repetition's
+flat time) with its range, plus the algorithm "auto" would pick.
+
+Usage::
+
+    python benchmarks/hybrid.py                  # 4 KiB .. 64 MiB
+    python benchmarks/hybrid.py --markdown       # the table for docs/benchmarks.md
+    python benchmarks/hybrid.py --max-bytes 1048576 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("flat", "leader", "bandwidth", "replicated")
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def human(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def reps_for(nbytes: int, base: int) -> int:
+    """More repetitions for small messages (cheap and noisier), at least ``base``."""
+    return max(base, min(50, (4 << 20) // max(nbytes, 1) * base // 4))
+
+
+def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
+    os.environ.update({"VCGA_SIM_VENDORS": "nccl:2,hccl:2", "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1",
+                       "VCGA_TIMEOUT": "300", "OMP_NUM_THREADS": "1"})
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers backend "vcga"
+    from vcga.bridge import BANDWIDTH_MIN_BYTES, make_plan  # noqa: F401
+    from vcga.config import load_config
+    from vcga.process_group import VcgaOptions
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    groups = {"flat": dist.new_group(backend="gloo")}
+    for alg in VARIANTS[1:]:
+        groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(
+            config=replace(load_config(), bridge_algorithm=alg)))
+    auto_plan = groups["leader"].transport.plan
+    sync = dist.group.WORLD
+    rows = []
+    for nbytes in sizes(args["min_bytes"], args["max_bytes"]):
+        n = nbytes // 4
+        bufs = {v: torch.ones(n) for v in VARIANTS}
+        for v in VARIANTS:  # warm-up: connections, buffers
+            dist.all_reduce(bufs[v], group=groups[v])
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        reps = reps_for(nbytes, args["reps"])
+        for i in range(reps):
+            order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]  # rotate: no variant always runs first
+            for v in order:
+                dist.barrier(group=sync)
+                t0 = time.perf_counter()
+                dist.all_reduce(bufs[v], group=groups[v])
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync)
+                times[v].append(float(dt))
+        if rank == 0:
+            row: dict[str, Any] = {"bytes": nbytes, "reps": reps,
+                                   "auto": replace(auto_plan, algorithm="auto").all_reduce_algorithm(nbytes)}
+            for v in VARIANTS:
+                row[f"{v}_ms"] = statistics.median(times[v]) * 1e3
+            for v in VARIANTS[1:]:
+                ratios = [h / f for h, f in zip(times[v], times["flat"])]
+                row[f"{v}_ratio"] = statistics.median(ratios)
+                row[f"{v}_range"] = (min(ratios), max(ratios))
+            rows.append(row)
+            if args["progress"]:
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    algs = VARIANTS[1:]
+    head = ["size", "reps", "flat gloo ms", *[f"{a} ms" for a in algs], *[f"{a}/flat" for a in algs], "auto"]
+    lines = []
+    for r in rows:
+        lines.append([human(r["bytes"]), str(r["reps"]), f"{r['flat_ms']:.2f}", *[f"{r[a + '_ms']:.2f}" for a in algs],
+                      *[f"{r[a + '_ratio']:.2f} ({r[a + '_range'][0]:.2f}–{r[a + '_range'][1]:.2f})" for a in algs],
+                      r["auto"]])
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-bytes", type=int, default=4 << 10)
+    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--reps", type=int, default=7, help="repetitions at the largest sizes (more when small)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--progress", action="store_true", help="print each row to stderr as it is measured")
+    a = parser.parse_args()
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = {"min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress}
+    procs = [ctx.Process(target=rank_main, args=(r, 4, port, args, queue)) for r in range(4)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=3600)
+    for p in procs:
+        p.join(timeout=60)
+    print(render(rows, a.markdown))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""What each rank of a mixed-vendor world checks (run by tests/test_bridge.py; fake-backed: the
+vendors are the simulated sim-nccl / sim-hccl / sim-cncl, CPU stand-ins that follow each vendor
+library's rules, including CNCL reducing fp64 as fp32).
+
+:func:`mixed_world` runs, on one spawned world:
+
+1. the collective matrix of tests/pg_cases.py on the mixed ``vcga`` group (every collective
+   variant x the issue's eight dtypes x ops x layouts, exact small-integer data: every native or
+   emulated cell must be bit-exact, every refused cell must raise before any rank communicates);
+2. numerics on random data, through a group per all_reduce algorithm (leader, bandwidth): every
+   rank ends with the same bits (compared over a separate gloo group), the error against an
+   extended-precision reference is within the Higham bound of docs/bridge.md, fp16 sums are at
+   least as accurate as a single-vendor fp16 ring;
+3. the plan: the same on every rank, and the algorithm counters show which algorithm ran.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: unit roundoff per dtype (design.md)
+U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+
+
+def gamma(k: int, u: float) -> float:
+    return k * u / (1 - k * u)
+
+
+def inputs(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """Rank ``rank``'s random input (every rank can regenerate every other rank's)."""
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * (1 + rank)
+    return x.to(dtype)
+
+
+def bound(dtype: torch.dtype, size: int, xs: list[torch.Tensor], exact: np.ndarray) -> np.ndarray:
+    """The documented per-element bound of a bridged SUM (docs/bridge.md, "Error bounds")."""
+    abs_sum = sum(np.abs(x.double().numpy()).astype(np.longdouble) for x in xs)
+    if dtype in (torch.float16, torch.bfloat16):
+        # accumulated in fp32 across the whole group, rounded once to the narrow dtype
+        return U[dtype] * np.abs(exact) + (1 + U[dtype]) * gamma(size - 1, U[torch.float32]) * abs_sum
+    return gamma(size - 1, U[dtype]) * abs_sum
+
+
+def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[str]:
+    """Random-data SUM / AVG through ``group``; returns failure messages (empty: all good)."""
+    failures = []
+    for salt, (dtype, n) in enumerate([(torch.float32, 1000), (torch.float32, 70_000), (torch.float64, 70_000),
+                                       (torch.float16, 70_000), (torch.bfloat16, 5000)]):
+        xs = [inputs(r, n, dtype, salt) for r in range(size)]
+        t = xs[rank].clone()
+        dist.all_reduce(t, group=group)
+        # 1. bitwise identical on every rank (compared over gloo, not through the bridge)
+        mine = t.view(torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(everyone, mine, group=check)
+        if not all(torch.equal(e, everyone[0]) for e in everyone):
+            failures.append(f"{label} {dtype} n={n}: ranks ended with different bits")
+        # 2. within the bound of an extended-precision reference
+        exact = sum(x.double().numpy().astype(np.longdouble) for x in xs)
+        err = np.abs(t.double().numpy().astype(np.longdouble) - exact)
+        b = bound(dtype, size, xs, exact)
+        if not (err <= b).all():
+            i = int(np.argmax(err - b))
+            failures.append(f"{label} {dtype} n={n}: error {float(err[i]):.3g} > bound {float(b[i]):.3g} at {i}")
+        # 3. fp16: at least as accurate as a single-vendor fp16 ring (n-1 additions, each rounded to fp16)
+        if dtype in (torch.float16, torch.bfloat16):
+            ring = xs[0].clone()
+            for x in xs[1:]:
+                ring = ring + x  # fp16 + fp16 rounds to fp16 after every step, as a ring does
+            ring_err = np.abs(ring.double().numpy().astype(np.longdouble) - exact)
+            if err.sum() > ring_err.sum() or err.max() > ring_err.max():
+                failures.append(f"{label} {dtype}: bridge error (sum {float(err.sum()):.3g}, max {float(err.max()):.3g}) "
+                                f"worse than an fp16 ring (sum {float(ring_err.sum()):.3g}, max {float(ring_err.max()):.3g})")
+    # AVG: SUM then one division (sum_then_divide), bitwise identical everywhere
+    t = inputs(rank, 777, torch.float32, 99)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    everyone = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(everyone, t, group=check)
+    if not all(torch.equal(e, everyone[0]) for e in everyone):
+        failures.append(f"{label} AVG: ranks ended with different bits")
+    return failures
+
+
+def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]) -> dict[str, Any]:
+    import vcga  # noqa: F401 - registers backend "vcga"
+    from pg_cases import Matrix
+    from vcga.config import load_config
+    from vcga.process_group import VcgaOptions
+
+    dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=size)
+    world = dist.group.WORLD
+    check = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {"failures": [], "backend": world.transport.backend_name}
+    out["matrix"] = Matrix(world, "mixed", matrix_dtypes).run()
+    out["failures"] += out["matrix"]["failures"]
+    counts = {}
+    from vcga.bridge import ALGORITHMS
+
+    for alg in ALGORITHMS:
+        g = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_algorithm=alg)))
+        out["failures"] += numerics(g, check, rank, size, alg)
+        counts[alg] = dict(g.transport.group.counts)
+    out["counts"] = counts
+    plan = world.transport.describe()["plan"]
+    plans = [None] * size
+    dist.all_gather_object(plans, json.dumps(plan, sort_keys=True), group=check)
+    out["same_plan"] = len(set(plans)) == 1
+    out["plan"] = plan
+    out["table_native_fp16_sum"] = str(world.capabilities.lookup("all_reduce", "float16", "SUM").support)
+    out["table_fp16_via"] = world.capabilities.lookup("all_reduce", "float16", "SUM").via
+    dist.destroy_process_group()
+    return out
+
+
+def failing_world(rank: int, size: int, init_method: str, backends: list[str]) -> dict[str, Any]:
+    """Each rank picks its backend; returns the error group creation raised (or None)."""
+    import os
+    import time
+
+    os.environ["VCGA_BACKEND"] = backends[rank]
+    import vcga  # noqa: F401
+
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=size)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        chain, cur = [], e
+        while cur is not None and len(chain) < 8:
+            chain.append(cur)
+            cur = cur.__cause__ or cur.__context__
+        from vcga.errors import VcgaError
+
+        typed = next((x for x in chain if isinstance(x, VcgaError)), None)
+        return {"type": type(typed or e).__name__, "message": str(typed or e), "seconds": time.monotonic() - t0}
+    dist.destroy_process_group()
+    return {"type": None, "message": "", "seconds": time.monotonic() - t0}

@@ -1,0 +1,205 @@
+"""The mixed-vendor bridge (vcga/bridge.py): plan, combined table, and spawned mixed worlds.
+
+The worlds are fake-backed: their vendors are the simulated sim-nccl / sim-hccl / sim-cncl (CPU
+stand-ins on gloo that follow each vendor library's rules, CNCL's fp64-as-fp32 included), laid out
+with ``VCGA_SIM_VENDORS`` exactly as a user would. Each world batches many checks
+(tests/bridge_cases.py) because a 4-rank world costs seconds to start on a small machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pg_world import run_world
+
+
+def peers(*backends: str, nodes: list[str] | None = None) -> list[dict]:
+    vendors = {"sim-nccl": "nvidia", "sim-hccl": "huawei", "sim-cncl": "cambricon", "gloo": "cpu"}
+    return [{"backend": b, "vendor": vendors[b], "device_type": "cpu", "global_rank": r,
+             "node": (nodes[r] if nodes else "n0")} for r, b in enumerate(backends)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan (pure: the same facts give the same plan on every rank)
+# ---------------------------------------------------------------------------------------------------
+
+def test_plan_groups_leaders_and_algorithm() -> None:
+    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, make_plan
+
+    p = make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"))
+    assert [(g.backend, g.ranks, g.leader) for g in p.groups] == [("sim-nccl", (0, 1), 0), ("sim-hccl", (2, 3), 2)]
+    assert p.equal_groups and p.contiguous
+    assert p.shard_peers(0) == (0, 2) and p.shard_peers(1) == (1, 3)
+    assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES - 1) == "leader"
+    assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES) == AUTO_LARGE
+    assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "bandwidth").all_reduce_algorithm(1) == "bandwidth"
+    assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "leader").all_reduce_algorithm(1 << 30) == "leader"
+    # unequal vendor groups: shards cannot line up, leader algorithm at every size
+    q = make_plan(peers("sim-nccl", "sim-hccl", "sim-hccl", "sim-cncl"), "bandwidth")
+    assert [g.ranks for g in q.groups] == [(0,), (1, 2), (3,)]
+    assert not q.equal_groups and q.all_reduce_algorithm(1 << 30) == "leader"
+    d = q.describe()
+    assert d["leaders"] == [0, 1, 3] and d["collectives"]["all_reduce"]["64 MiB"] == "leader"
+
+
+def test_plan_keeps_nodes_and_vendor_groups_contiguous() -> None:
+    from vcga.bridge import make_plan
+
+    # interleaved ranks on two nodes: each vendor group is walked node by node, groups ordered by node
+    p = make_plan(peers("sim-hccl", "sim-nccl", "sim-hccl", "sim-nccl", nodes=["a", "b", "b", "a"]))
+    assert [(g.backend, g.ranks, g.nodes) for g in p.groups] == [("sim-hccl", (0, 2), ("a", "b")),
+                                                                 ("sim-nccl", (3, 1), ("a", "b"))]
+    assert not p.contiguous
+    assert p.describe()["groups"][1]["leader"] == 3  # the nccl rank on node a leads
+
+
+def test_plan_rejects_unknown_algorithm_and_inconsistent_backend() -> None:
+    from vcga.bridge import make_plan
+    from vcga.errors import VcgaConfigError
+
+    with pytest.raises(VcgaConfigError, match="bridge_algorithm"):
+        make_plan(peers("sim-nccl", "sim-hccl"), "fastest")
+    bad = peers("sim-nccl", "sim-nccl")
+    bad[1]["vendor"] = "other"
+    with pytest.raises(VcgaConfigError, match="one vendor and device type per backend"):
+        make_plan(bad)
+
+
+def test_config_key() -> None:
+    from vcga.config import load_config
+    from vcga.errors import VcgaConfigError
+
+    assert load_config(env={}).bridge_algorithm == "auto"
+    assert load_config(env={"VCGA_BRIDGE_ALGORITHM": "Bandwidth"}).bridge_algorithm == "bandwidth"
+    with pytest.raises(VcgaConfigError, match="VCGA_BRIDGE_ALGORITHM"):
+        load_config(env={"VCGA_BRIDGE_ALGORITHM": "ring"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The combined capability table
+# ---------------------------------------------------------------------------------------------------
+
+def _tables(*keys: str):
+    from vcga.plugins.sim import VENDORS
+
+    return [VENDORS[k][3]() for k in keys]
+
+
+def test_combined_table_routes_every_dtype_correctly() -> None:
+    from vcga.bridge import combined_table, group_route
+    from vcga.contract import Support
+
+    nccl, hccl, cncl = _tables("nccl", "hccl", "cncl")
+    t = combined_table("bridge", [nccl, hccl, cncl])
+    # fp32 SUM: native through every library; fp16/bf16: accumulated in fp32 across vendors
+    assert t.lookup("all_reduce", "float32", "SUM").support is Support.NATIVE
+    for dt in ("float16", "bfloat16"):
+        cell = t.lookup("all_reduce", dt, "SUM")
+        assert (cell.support, cell.via) == (Support.EMULATED, "upcast:float32")
+    # fp64: CNCL's own table routes it around the library (gather_then_reduce, in fp64); HCCL has no
+    # fp64 reduction at all, so its leader reduces the raw bytes on the host -- native for the bridge
+    assert group_route(cncl, "float64", "SUM") == "library"
+    assert group_route(hccl, "float64", "SUM") == "host"
+    assert t.lookup("all_reduce", "float64", "SUM").support is Support.NATIVE
+    # AVG and PREMUL_SUM are composed over the whole group, never per vendor group
+    assert t.lookup("all_reduce", "float32", "AVG").via == "sum_then_divide"
+    assert t.lookup("all_reduce", "float32", "PREMUL_SUM").via == "mul_then_sum"
+    # no vendor has bitwise ops: refused with the vendor's reason; bool BOR becomes MAX
+    cell = t.lookup("all_reduce", "int32", "BAND")
+    assert cell.support is Support.REFUSED and "bitwise" in cell.note
+    assert t.lookup("all_reduce", "bool", "BOR").via == "bool_as_max"
+    # data movement: every dtype (bytes over the host bridge)
+    assert t.lookup("all_to_all", "float64", None).support is Support.NATIVE
+    assert t.lookup("broadcast", "float64", None).support is Support.NATIVE
+
+
+def test_table_json_round_trip() -> None:
+    from vcga.bridge import table_digest, table_from_json
+
+    (cncl,) = _tables("cncl")
+    back = table_from_json(cncl.backend, cncl.to_json())
+    assert back == cncl and not back.diff(cncl) and table_digest(back) == table_digest(cncl)
+
+
+def test_combine_rows_in_order_and_bool() -> None:
+    import torch
+
+    from vcga.bridge import combine_rows
+    from vcga.contract import ReduceOp
+
+    rows = torch.tensor([[1e8, 1.0], [1.0, 2.0], [-1e8, 3.0]], dtype=torch.float32)
+    out = torch.empty(2)
+    combine_rows(rows, ReduceOp.SUM, out)
+    assert out.tolist() == [0.0, 6.0]  # left to right in fp32: 1e8 + 1 rounds to 1e8, then - 1e8
+    b = torch.tensor([[True, False], [False, False], [True, False]])
+    ob = torch.empty(2, dtype=torch.bool)
+    combine_rows(b, ReduceOp.SUM, ob)
+    assert ob.tolist() == [True, False]
+    combine_rows(b, ReduceOp.PRODUCT, ob)
+    assert ob.tolist() == [False, False]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixed worlds (fake-backed: simulated vendors)
+# ---------------------------------------------------------------------------------------------------
+
+def _mixed(spec: str) -> list[dict]:
+    from bridge_cases import mixed_world
+    from pg_cases import DTYPES
+
+    return run_world(mixed_world, 4, DTYPES, env={"VCGA_SIM_VENDORS": spec}, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def two_vendors() -> list[dict]:
+    return _mixed("nccl:2,hccl:2")
+
+
+@pytest.fixture(scope="module")
+def three_vendors() -> list[dict]:
+    return _mixed("nccl:1,hccl:2,cncl:1")
+
+
+@pytest.mark.parametrize("world", ["two_vendors", "three_vendors"])
+def test_every_collective_exact_identical_and_within_bound(world: str, request: pytest.FixtureRequest) -> None:
+    """Sim vendors (fake-backed): the whole collective matrix, then random-data numerics per algorithm."""
+    results = request.getfixturevalue(world)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+    assert results[0]["matrix"]["cases"] > 1000
+    assert all(r["same_plan"] for r in results)
+    # fp16 SUM is accumulated in fp32 across vendors
+    assert results[0]["table_fp16_via"] == "upcast:float32"
+
+
+def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
+    r = two_vendors[0]
+    assert r["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
+    assert r["counts"]["leader"]["bandwidth"] == 0 and r["counts"]["leader"]["leader"] > 0
+    assert r["counts"]["bandwidth"]["bandwidth"] > 0 and r["counts"]["replicated"]["replicated"] > 0
+    assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
+
+
+def test_three_vendors_fp64_keeps_fp64_through_sim_cncl(three_vendors: list[dict]) -> None:
+    """nccl:1,hccl:2,cncl:1: fp64 passed the fp64 bound (CNCL alone would reduce it as fp32, ~1e8 x worse);
+    unequal vendor groups always take the leader algorithm."""
+    r = three_vendors[0]
+    assert r["backend"] == "bridge(sim-nccl:1,sim-hccl:2,sim-cncl:1)"
+    for alg in ("bandwidth", "replicated"):
+        assert r["counts"][alg][alg] == 0 and r["counts"][alg]["leader"] > 0
+    assert [g["backend"] for g in r["plan"]["groups"]] == ["sim-nccl", "sim-hccl", "sim-cncl"]
+
+
+def test_native_group_failure_stops_every_rank_with_one_error() -> None:
+    """Rank 2 of a mixed world cannot create its native group (test plugin); rank 1, its vendor
+    partner, is blocked in the library's rendezvous: every rank raises the same typed error, and
+    well within the collective timeout (VCGA_TIMEOUT=60), not by timing out."""
+    from bridge_cases import failing_world
+
+    results = run_world(failing_world, 3, ["sim-nccl", "test-broken", "test-broken"],
+                        env={"VCGA_PLUGINS": "bridge_fail_plugin", "VCGA_TIMEOUT": "60"}, timeout=120)
+    assert {r["type"] for r in results} == {"VcgaBackendUnavailable"}, results
+    assert len({r["message"] for r in results}) == 1, results
+    msg = results[0]["message"]
+    assert "rank 2 (test-broken)" in msg and "device 1 is lost" in msg and "rank 1 " not in msg
+    assert all(r["seconds"] < 60 for r in results), results

@@ -1,0 +1,880 @@
+"""The mixed-vendor bridge: one ``vcga`` process group over ranks of several vendors.
+
+When the ranks of a ``vcga`` group run different backends (NVIDIA next to Ascend next to MLU, or
+their simulated stand-ins), :func:`vcga.process_group.make_transport` hands over to
+:func:`create_bridge_transport`, which
+
+1. **discovers** the vendors: every rank has published its backend, vendor, device type and node
+   (``vcga/discovery/<rank>``); the first rank of each vendor group publishes its backend's
+   capability table and every rank publishes a digest of its own, so all ranks hold the same facts;
+2. **plans** (:func:`make_plan`): vendor groups (ranks of one backend), members ordered by node
+   then rank, groups ordered by node then first rank, the first member of each group its leader,
+   and the all_reduce algorithm per message size -- the same plan on every rank, because it is a
+   pure function of the published facts;
+3. **creates** each rank's native vendor group (its plugin's ``create_process_group`` over the
+   prefixed store ``vcga/bridge/native/<group>``) and the host bridge: gloo groups among the shard
+   peers (local rank i of every vendor group; peers of local rank 0 are the leaders) and one over
+   the whole group for data movement and point-to-point. A rank whose native group cannot be
+   created makes every rank raise the same :class:`~vcga.errors.VcgaBackendUnavailable` naming it,
+   within the timeout;
+4. presents it all as a :class:`~vcga.transport.Transport` (:class:`BridgeTransport`): ``table``
+   says what the hierarchical group does correctly (:func:`combined_table`), ``group`` is a
+   :class:`BridgeGroup` with the c10d methods the dispatcher drives.
+
+Inside a vendor group every step goes through that vendor's own :class:`~vcga.dispatch.Dispatcher`
+(its capability table, its emulations: CNCL's fp64 is reduced on the host in fp64, not by CNCL as
+fp32). Across vendor groups bytes travel through gloo on the host and reductions are computed on
+the host in the tensor's dtype, in plan order; each cross-vendor result is computed from the same
+bytes by the same operations in the same order on every peer and then copied, so every rank ends
+with the same bits. Algorithms and error bounds: ``docs/bridge.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vcga import dtypes as _dtypes
+from vcga.contract import Backend, CapabilityTable, Cell, Collective, ReduceOp, Support
+from vcga.dispatch import Dispatcher, Steps
+from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
+from vcga.pypg import PyWork, reduce_op_of
+from vcga.transport import NativeTransport, Transport
+
+__all__ = [
+    "ALGORITHMS",
+    "BANDWIDTH_MIN_BYTES",
+    "BridgeGroup",
+    "BridgeTransport",
+    "Plan",
+    "VendorGroup",
+    "combined_table",
+    "create_bridge_transport",
+    "make_plan",
+    "node_name",
+    "table_from_json",
+]
+
+log = logging.getLogger(__name__)
+
+#: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
+ALGORITHMS = ("leader", "bandwidth", "replicated")
+#: From this message size on, "auto" picks the bandwidth-optimal algorithm when every vendor group
+#: has the same size >= 2 (measured crossover: benchmarks/hybrid.py, docs/benchmarks.md).
+BANDWIDTH_MIN_BYTES = 256 * 1024
+
+#: What "auto" picks at and above BANDWIDTH_MIN_BYTES when the vendor groups have equal sizes:
+#: "replicated" measured fastest with gloo-backed vendor groups (docs/benchmarks.md), where gloo's
+#: reduce-scatter and all-gather cost more than its all-reduce; with NCCL/HCCL/CNCL, whose
+#: reduce-scatter and all-gather are bandwidth-optimal, "bandwidth" moves the fewest bytes.
+AUTO_LARGE = "replicated"
+
+#: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
+#: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
+#: then routes them through ``upcast:float32`` so they are accumulated across vendors in fp32.
+HOST_REDUCIBLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float32", "float64")
+
+AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
+BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
+#: Reduce ops the bridge itself implements; AVG and PREMUL_SUM are derived from SUM by the
+#: dispatcher (sum_then_divide / mul_then_sum) so they see the whole group, not one vendor group.
+_HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+_BRIDGE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+               ReduceOp.BXOR)
+
+
+def node_name() -> str:
+    """This process's node, as the plan groups ranks (the host name)."""
+    return socket.gethostname()
+
+
+# ===================================================================================================
+# The plan
+# ===================================================================================================
+
+
+@dataclass(frozen=True)
+class VendorGroup:
+    """The ranks of one backend, in plan order (``ranks[0]`` is the leader)."""
+
+    index: int
+    backend: str
+    vendor: str
+    device_type: str
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Vendor groups, leaders and algorithm choice; identical on every rank of the group.
+
+    :param size: ranks in the ``vcga`` group.
+    :param groups: vendor groups in bridge order.
+    :param algorithm: the configured all_reduce algorithm ("auto", "leader" or "bandwidth").
+    :param global_ranks: global rank of each group rank (for messages).
+    """
+
+    size: int
+    groups: tuple[VendorGroup, ...]
+    algorithm: str = "auto"
+    global_ranks: tuple[int, ...] = ()
+
+    def group_of(self, rank: int) -> VendorGroup:
+        for g in self.groups:
+            if rank in g.ranks:
+                return g
+        raise ValueError(f"rank {rank} is not in the plan")
+
+    def local_rank(self, rank: int) -> int:
+        return self.group_of(rank).ranks.index(rank)
+
+    @property
+    def equal_groups(self) -> bool:
+        """Every vendor group has the same size >= 2: the shape the bandwidth-optimal algorithm needs."""
+        sizes = {g.size for g in self.groups}
+        return len(sizes) == 1 and min(sizes) >= 2
+
+    @property
+    def contiguous(self) -> bool:
+        """Each vendor group is one run of consecutive ranks."""
+        return all(sorted(g.ranks) == list(range(min(g.ranks), max(g.ranks) + 1)) for g in self.groups)
+
+    def shard_peers(self, local_rank: int) -> tuple[int, ...]:
+        """Group ranks of local rank ``local_rank`` in every vendor group that has one (bridge order)."""
+        return tuple(g.ranks[local_rank] for g in self.groups if local_rank < g.size)
+
+    def all_reduce_algorithm(self, nbytes: int) -> str:
+        """"leader" or "bandwidth" for an all_reduce of ``nbytes`` bytes."""
+        if not self.equal_groups:
+            return "leader"  # shards must line up across vendor groups
+        if self.algorithm == "auto":
+            return AUTO_LARGE if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
+        return self.algorithm
+
+    def describe(self, sizes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 64 << 20)) -> dict[str, Any]:
+        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``)."""
+        def g_rank(r: int) -> int:
+            return self.global_ranks[r] if self.global_ranks else r
+
+        lead = {s: self.all_reduce_algorithm(s) for s in sizes}
+        return {
+            "size": self.size,
+            "algorithm": self.algorithm,
+            "contiguous": self.contiguous,
+            "groups": [{"index": g.index, "backend": g.backend, "vendor": g.vendor, "device_type": g.device_type,
+                        "ranks": [g_rank(r) for r in g.ranks], "leader": g_rank(g.leader), "nodes": list(g.nodes)}
+                       for g in self.groups],
+            "leaders": [g_rank(g.leader) for g in self.groups],
+            "shard_peers": [[g_rank(r) for r in self.shard_peers(i)]
+                            for i in range(max(g.size for g in self.groups)) if self.equal_groups or i == 0],
+            "collectives": {
+                "all_reduce": {_size_name(s): a for s, a in lead.items()},
+                "reduce": {_size_name(s): a + " (all_reduce, result kept at the root)" for s, a in lead.items()},
+                "reduce_scatter": {_size_name(s): a + " (all_reduce, each rank keeps its chunk)" for s, a in lead.items()},
+                "broadcast": "in root's vendor group, leaders over the bridge, then in every other vendor group",
+                "all_gather": "host bridge (gloo, whole group, bytes)",
+                "gather": "host bridge (gloo, whole group, bytes)",
+                "scatter": "host bridge (gloo, whole group, bytes)",
+                "all_to_all": "host bridge (gloo, whole group, bytes; uneven splits)",
+                "send_recv": "host bridge (gloo, whole group, bytes)",
+                "barrier": "host bridge (gloo, whole group)",
+            },
+        }
+
+
+def _size_name(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
+    """The plan for the published facts ``peers`` (one dict per group rank, in rank order).
+
+    Nodes are ordered by their lowest rank; a vendor group's members by (node, rank), so a group
+    spanning nodes is walked node by node; groups by (node of their first member, lowest rank), so
+    vendor groups on one node sit next to each other on the bridge. Pure: every rank computes the
+    same plan from the same facts.
+    """
+    if algorithm not in ("auto", *ALGORITHMS):
+        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth")
+    node_order: dict[str, int] = {}
+    for p in peers:
+        node_order.setdefault(p.get("node", ""), len(node_order))
+    by_backend: dict[str, list[int]] = {}
+    for r, p in enumerate(peers):
+        by_backend.setdefault(p["backend"], []).append(r)
+    for name, ranks in by_backend.items():
+        kinds = {(peers[r]["vendor"], peers[r]["device_type"]) for r in ranks}
+        if len(kinds) > 1:
+            raise VcgaConfigError("backend", name, f"one vendor and device type per backend name; ranks report {sorted(kinds)}")
+    groups = []
+    for name, ranks in by_backend.items():
+        ordered = sorted(ranks, key=lambda r: (node_order[peers[r].get("node", "")], r))
+        groups.append((name, tuple(ordered)))
+    groups.sort(key=lambda item: (node_order[peers[item[1][0]].get("node", "")], min(item[1])))
+    out = []
+    for i, (name, ranks) in enumerate(groups):
+        p = peers[ranks[0]]
+        nodes = tuple(dict.fromkeys(peers[r].get("node", "") for r in ranks))
+        out.append(VendorGroup(i, name, p["vendor"], p["device_type"], ranks, nodes))
+    global_ranks = tuple(int(p.get("global_rank", r)) for r, p in enumerate(peers))
+    return Plan(len(peers), tuple(out), algorithm, global_ranks)
+
+
+# ===================================================================================================
+# The combined capability table
+# ===================================================================================================
+
+
+def table_from_json(backend: str, rows: Sequence[dict[str, Any]]) -> CapabilityTable:
+    """Rebuild a table from :meth:`CapabilityTable.to_json` rows (as published through the store)."""
+    cells = {}
+    for row in rows:
+        coll = Collective(row["collective"])
+        op = ReduceOp(row["op"]) if row["op"] is not None else None
+        cells[(coll, row["dtype"], op)] = Cell(Support(row["support"]), via=row["via"], note=row["note"])
+    return CapabilityTable(backend, cells)
+
+
+def table_digest(table: CapabilityTable) -> str:
+    rows = sorted(json.dumps(r, sort_keys=True) for r in table.to_json())
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
+def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTable:
+    """What the hierarchical group does correctly, given each vendor group's table.
+
+    A reducing cell (all_reduce, reduce, reduce_scatter) is native when the host can reduce the
+    dtype exactly (:data:`HOST_REDUCIBLE`), the op is one the bridge implements, and every vendor
+    group has a route for it (:func:`group_route`: its library reduces it, or it can at least move
+    it and its leader reduces the raw bytes on the host). A broadcast is native when every vendor group can broadcast the dtype;
+    the other data movement goes through the host bridge as bytes and is native for every dtype.
+    Every other cell is refused with the refusing vendors' reasons, non-final, so the standard
+    emulations are derived on top: AVG = SUM then divide, PREMUL_SUM = scale then SUM, fp16/bf16/fp8
+    through fp32 (accumulated across vendors in fp32), complex as real pairs.
+    """
+    b = CapabilityTable.builder(name)
+    backends = ", ".join(t.backend for t in tables)
+    for coll in Collective:
+        for dt in _dtypes.ALL:
+            ops: Sequence[ReduceOp | None] = list(ReduceOp) if coll.reduces else [None]
+            for op in ops:
+                reason = _bridge_refusal(coll, dt, op, tables)
+                if reason is None:
+                    note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
+                            f"vendors on the host" if coll.reduces or coll is BC else
+                            f"host bridge (gloo) across {backends}, as bytes")
+                    b.native([coll], [dt], [op] if op is not None else None, note=note)
+                else:
+                    b.refuse([coll], [dt], [op] if op is not None else None, note=reason, final=False)
+    return b.build(derive=True)
+
+
+def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
+    """How one vendor group takes part in a bridged reduction of ``dt`` with ``op``.
+
+    "library": its library (or its own emulation) reduces and reduce-scatters, broadcasts and
+    all-gathers it. "host": it cannot reduce it but can move it -- the leader gathers the raw
+    bytes and reduces them on the host in the dtype itself (fp64 on HCCL, which has no fp64).
+    None: it cannot even move the dtype.
+    """
+    ok = [table.lookup(c, dt, op if c.reduces else None).support is not Support.REFUSED
+          for c in (RD, RS, BC, AG, GA, AR)]
+    if all(ok[:4]) and ok[5]:
+        return "library"
+    if ok[2] and ok[4] and op in _HOST_ROUTE_OPS:
+        return "host"
+    return None
+
+
+def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequence[CapabilityTable]) -> str | None:
+    """Why the bridge cannot run this cell itself (None: it can)."""
+    if coll.reduces:
+        assert op is not None
+        if op not in _BRIDGE_OPS:
+            return f"mixed-vendor bridge composes {op.value} from SUM"
+        if dt not in HOST_REDUCIBLE:
+            return f"mixed-vendor bridge reduces {dt} in a wider dtype"
+        if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and _dtypes.get(dt).kind not in "iub":
+            return f"bitwise ops need an integer or bool dtype, not {dt}"
+        for t in tables:
+            if group_route(t, dt, op) is None:
+                for c in (RD, RS, BC, AG, GA):
+                    cell = t.lookup(c, dt, op if c.reduces else None)
+                    if cell.support is Support.REFUSED:
+                        return f"{t.backend} cannot run {c.value} on {dt}: {cell.note or 'refused'}"
+        return None
+    if coll is BC:
+        for t in tables:
+            cell = t.lookup(BC, dt, None)
+            if cell.support is Support.REFUSED:
+                return f"{t.backend}: {cell.note or 'refused'}"
+    return None
+
+
+# ===================================================================================================
+# Host-side pieces
+# ===================================================================================================
+
+
+def _run(steps: Steps) -> None:
+    """Complete what a vendor dispatcher issued: wait for its native works, then its local steps."""
+    for w in steps.works:
+        w.wait()
+    for f in steps.finish:
+        f()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous host tensor ``t`` as a 1-D uint8 tensor (no copy)."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, contiguous (itself when it already is)."""
+    if t.device.type != "cpu":
+        return t.detach().to("cpu", memory_format=torch.contiguous_format)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _put(t: torch.Tensor, h: torch.Tensor) -> None:
+    if h is not t:
+        t.copy_(h.view(t.shape) if h.shape != t.shape else h)
+
+
+#: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
+_GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
+                 for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
+
+_COMBINE: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
+}
+_COMBINE_BOOL: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: torch.logical_or, ReduceOp.MAX: torch.logical_or, ReduceOp.BOR: torch.logical_or,
+    ReduceOp.PRODUCT: torch.logical_and, ReduceOp.MIN: torch.logical_and, ReduceOp.BAND: torch.logical_and,
+    ReduceOp.BXOR: torch.logical_xor,
+}
+
+
+def combine_rows(rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
+    """``out = rows[0] op rows[1] op ...`` left to right, in ``rows``' dtype.
+
+    Every peer runs these same correctly rounded elementwise operations on the same bytes in the
+    same order, so every peer gets the same bits (the "computed once" of docs/bridge.md).
+    """
+    fn = (_COMBINE_BOOL if rows.dtype == torch.bool else _COMBINE)[op]
+    if rows.shape[0] == 1:
+        out.copy_(rows[0])
+        return
+    fn(rows[0], rows[1], out=out)
+    for r in rows[2:]:
+        fn(out, r, out=out)
+
+
+# ===================================================================================================
+# The group the dispatcher drives
+# ===================================================================================================
+
+
+class BridgeGroup:
+    """The hierarchical collectives, with the c10d methods of :data:`vcga.transport.TRANSPORT_METHODS`.
+
+    Each collective runs to completion in the calling thread and returns a completed
+    :class:`~vcga.pypg.PyWork` (point-to-point returns gloo's own asynchronous work). Tensors arrive
+    contiguous, in dtypes and ops the combined table calls native.
+
+    :param plan: the plan (same on every rank).
+    :param rank: this rank in the ``vcga`` group.
+    :param inner: this rank's vendor-group dispatcher (None when the vendor group has one rank).
+    :param shard: gloo group of this rank's shard peers (leaders for local rank 0), or None.
+    :param world: gloo group over the whole ``vcga`` group.
+    """
+
+    def __init__(self, plan: Plan, rank: int, inner: Dispatcher | None, shard: Any, world: Any,
+                 tables: Sequence[CapabilityTable]) -> None:
+        self.plan, self.rank, self.size = plan, rank, plan.size
+        self.tables = list(tables)
+        self._routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]] = {}
+        self.vgroup = plan.group_of(rank)
+        self.local_rank = self.vgroup.ranks.index(rank)
+        self.inner, self.shard, self.world = inner, shard, world
+        #: how often each algorithm ran (tests and benchmarks read it)
+        self.counts = {a: 0 for a in ALGORITHMS}
+        self._debug = log.isEnabledFor(logging.DEBUG)
+
+    # -- building blocks -------------------------------------------------------------------------
+
+    def _in_group(self, issue: Callable[[Steps], None]) -> None:
+        if self.inner is not None:
+            s = Steps()
+            issue(s)
+            _run(s)
+
+    def _bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
+        peers = len(self.plan.shard_peers(self.local_rank))
+        h = _host(t)
+        if peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
+            # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
+            # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
+            o = dist.AllreduceOptions()
+            o.reduceOp = getattr(dist.ReduceOp, op.value)
+            self.shard.allreduce([h], o).wait()
+        elif peers > 1:
+            src = _bytes(h)
+            rows = torch.empty(peers * src.numel(), dtype=torch.uint8)
+            self.shard._allgather_base(rows, src).wait()
+            combine_rows(rows.view(peers, -1).view(h.dtype), op, h.reshape(-1))
+        _put(t, h)
+
+    def routes(self, dtype: torch.dtype, op: ReduceOp) -> tuple[str | None, ...]:
+        """:func:`group_route` of every vendor group for one reduction (same on every rank)."""
+        key = (dtype, op)
+        r = self._routes.get(key)
+        if r is None:
+            name = _dtypes.from_torch(dtype)
+            r = self._routes[key] = tuple(group_route(t, name, op) for t in self.tables)
+        return r
+
+    def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
+        """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
+        alg = self.plan.all_reduce_algorithm(t.numel() * t.element_size())
+        if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
+            alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
+        return alg
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp, algorithm: str | None = None) -> str:
+        """All-reduce ``t`` (contiguous) in place; returns the algorithm used."""
+        alg = algorithm or self.algorithm(t, op)
+        if alg != "leader" and (not self.plan.equal_groups or any(r != "library" for r in self.routes(t.dtype, op))):
+            alg = "leader"
+        if self._debug:
+            log.debug("bridge all_reduce %s %s x%d (%d B): %s", op.value, t.dtype, t.numel(),
+                      t.numel() * t.element_size(), alg)
+        self.counts[alg] += 1
+        if t.numel() == 0:
+            return alg
+        if alg == "bandwidth":
+            self._all_reduce_bandwidth(t, op)
+        elif alg == "replicated":
+            self._all_reduce_replicated(t, op)
+        else:
+            self._all_reduce_leader(t, op)
+        return alg
+
+    def _all_reduce_leader(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce to the leader in the vendor group, reduce among leaders on the host, broadcast back."""
+        if self.routes(t.dtype, op)[self.vgroup.index] == "library":
+            self._in_group(lambda s: self.inner.reduce(t, 0, op, None, None, s))  # type: ignore[union-attr]
+        elif self.inner is not None:
+            # The library cannot reduce this dtype: gather the raw bytes, reduce on the host in the dtype.
+            rows = torch.empty((self.vgroup.size, *t.shape), dtype=t.dtype, device=t.device)
+            self._in_group(lambda s: self.inner.gather(  # type: ignore[union-attr]
+                list(rows.unbind(0)) if self.local_rank == 0 else [], t, 0, None, s))
+            if self.local_rank == 0:
+                h = _host(t)
+                combine_rows(_host(rows).view(self.vgroup.size, -1), op, h.reshape(-1))
+                _put(t, h)
+        if self.local_rank == 0:
+            self._bridge_reduce(t, op)
+        self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+
+    def _all_reduce_bandwidth(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce-scatter in the vendor group, reduce each shard among its peers, all-gather back."""
+        k = self.vgroup.size
+        flat = t.view(-1)
+        n = flat.numel()
+        c = -(-n // k)
+        buf = flat if c * k == n else torch.cat([flat, flat.new_zeros(c * k - n)])
+        chunks = list(buf.view(k, c).unbind(0))
+        shard = torch.empty(c, dtype=t.dtype, device=t.device)
+        self._in_group(lambda s: self.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
+        self._bridge_reduce(shard, op)
+        self._in_group(lambda s: self.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
+        if buf is not flat:
+            flat.copy_(buf[:n])
+
+    def _all_reduce_replicated(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """All-reduce in the vendor group; then every rank reduces the group's result with its shard
+        peers, all shard groups at once. Each vendor group's partial is the same bits on all its
+        ranks, so every shard group reduces the same inputs in the same order: the same result."""
+        self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
+        self._bridge_reduce(t, op)
+
+    # -- reductions (c10d signatures) ------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
+        (t,) = tensors
+        op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
+        self.all_reduce(t, op)
+        return PyWork(result=tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
+        op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
+        for t in tensors:
+            self.all_reduce(t, op)
+        return PyWork(result=tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> PyWork:
+        """All-reduce a copy; only the root keeps the result (other ranks' tensors are unchanged)."""
+        (t,) = tensors
+        op, _ = reduce_op_of(opts.reduceOp)
+        w = t.clone()
+        self.all_reduce(w, op)
+        if self.rank == opts.rootRank:
+            t.copy_(w)
+        return PyWork(result=tensors)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
+        (out,), (ins,) = outputs, inputs
+        op, _ = reduce_op_of(opts.reduceOp)
+        buf = torch.cat([x.reshape(-1) for x in ins])
+        self.all_reduce(buf, op)
+        out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))
+        return PyWork(result=outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PyWork:  # noqa: A002
+        op, _ = reduce_op_of(opts.reduceOp)
+        buf = input.reshape(-1).clone()
+        self.all_reduce(buf, op)
+        output.copy_(buf.view(self.size, -1)[self.rank].view(output.shape))
+        return PyWork(result=[output])
+
+    # -- data movement ---------------------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> PyWork:
+        """In the root's vendor group, then among the leaders on the host, then in every other group."""
+        (t,) = tensors
+        root = opts.rootRank
+        rg = self.plan.group_of(root)
+        mine = rg is self.vgroup or rg.index == self.vgroup.index
+        if mine and rg.size > 1:
+            self._in_group(lambda s: self.inner.broadcast(t, rg.ranks.index(root), None, s))  # type: ignore[union-attr]
+        if self.local_rank == 0 and t.numel():
+            h = _host(t)
+            o = dist.BroadcastOptions()
+            o.rootRank = rg.index
+            self.shard.broadcast([_bytes(h)], o).wait()
+            _put(t, h)
+        if not mine:
+            self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+        return PyWork(result=tensors)
+
+    def _gather_bytes(self, inp: torch.Tensor) -> torch.Tensor:
+        src = _bytes(_host(inp))
+        rows = torch.empty(self.size * src.numel(), dtype=torch.uint8)
+        if src.numel():
+            self.world._allgather_base(rows, src).wait()
+        return rows.view(self.size, -1)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
+        (outs,), (inp,) = outputs, inputs
+        rows = self._gather_bytes(inp)
+        if inp.numel():
+            for r, o in enumerate(outs):
+                o.copy_(rows[r].view(inp.dtype).view(inp.shape))
+        return PyWork(result=outs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PyWork:  # noqa: A002
+        rows = self._gather_bytes(input)
+        if input.numel():
+            output.copy_(rows.view(-1).view(input.dtype).view(output.shape))
+        return PyWork(result=[output])
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> PyWork:
+        for i, inp in enumerate(inputs):
+            self.allgather([[outs[i] for outs in output_lists]], [inp], opts)
+        return PyWork(result=[t for outs in output_lists for t in outs])
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> PyWork:
+        (inp,) = inputs
+        root = opts.rootRank
+        src = _bytes(_host(inp))
+        o = dist.GatherOptions()
+        o.rootRank = root
+        if self.rank == root:
+            outs = outputs[0]
+            rows = torch.empty(self.size, src.numel(), dtype=torch.uint8)
+            if src.numel():
+                self.world.gather([list(rows.unbind(0))], [src], o).wait()
+                for r, out in enumerate(outs):
+                    out.copy_(rows[r].view(inp.dtype).view(out.shape))
+            return PyWork(result=outs)
+        if src.numel():
+            self.world.gather([], [src], o).wait()
+        return PyWork(result=[])
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
+        (out,) = outputs
+        root = opts.rootRank
+        h = _host(out)
+        dst = _bytes(h)
+        o = dist.ScatterOptions()
+        o.rootRank = root
+        if dst.numel():
+            ins = [[_bytes(_host(x)) for x in inputs[0]]] if self.rank == root else []
+            self.world.scatter([dst], ins, o).wait()
+        _put(out, h)
+        return PyWork(result=outputs)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],  # noqa: A002
+                      in_splits: list[int], opts: Any = None) -> PyWork:
+        """``all_to_all_single`` as bytes; splits count rows of dim 0, scaled to bytes per row."""
+        hi, ho = _host(input), _host(output)
+
+        def in_bytes(splits: list[int], t: torch.Tensor) -> list[int]:
+            if not splits:
+                return []
+            row = (t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1) * t.element_size()
+            return [s * row for s in splits]
+
+        src, dst = _bytes(hi), _bytes(ho)
+        if src.numel() or dst.numel() or out_splits or in_splits:
+            self.world.alltoall_base(dst, src, in_bytes(out_splits, output), in_bytes(in_splits, input),
+                                     dist.AllToAllOptions()).wait()
+        _put(output, ho)
+        return PyWork(result=[output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
+        dt = inputs[0].dtype
+        send = torch.cat([_host(x).reshape(-1) for x in inputs])
+        recv = torch.empty(sum(o.numel() for o in outputs), dtype=dt)
+        self.alltoall_base(recv, send, [o.numel() for o in outputs], [x.numel() for x in inputs])
+        offset = 0
+        for o in outputs:
+            o.copy_(recv[offset:offset + o.numel()].view(o.shape))
+            offset += o.numel()
+        return PyWork(result=outputs)
+
+    # -- point to point: always over the host bridge, so a receive from any source can match any sender
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        (t,) = tensors
+        return self.world.send([_bytes(_host(t))], dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        (t,) = tensors
+        h = _host(t)
+        work = self.world.recv([_bytes(h)], src, tag)
+        if h is t:
+            return work
+        return PyWork([work], [lambda: _put(t, h)], tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        (t,) = tensors
+        h = _host(t)
+        work = self.world.recv_anysource([_bytes(h)], tag)
+        if h is t:
+            return work
+        return PyWork([work], [lambda: _put(t, h)], tensors, source_rank=work._source_rank)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self.world.barrier(opts) if opts is not None else self.world.barrier()
+
+
+# ===================================================================================================
+# The transport and its creation
+# ===================================================================================================
+
+
+class BridgeTransport(Transport):
+    """A mixed-vendor group: native vendor groups plus the host bridge (see the module docstring)."""
+
+    def __init__(self, plan: Plan, rank: int, backend: Backend, table: CapabilityTable, group: BridgeGroup,
+                 closables: Sequence[Any]) -> None:
+        self.plan, self.rank, self.backend = plan, rank, backend
+        self.table = table
+        self.group = group
+        self.backend_name = table.backend
+        self.device_type = backend.device_type
+        self._closables = list(closables)
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["vendor"] = self.backend.vendor
+        d["local_backend"] = self.backend.name
+        d["plan"] = self.plan.describe()
+        return d
+
+    def close(self) -> None:
+        for pg in self._closables:
+            shutdown = getattr(pg, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception:  # noqa: BLE001 - best effort at teardown
+                    pass
+        self._closables = []
+
+
+def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int, owners: Sequence[int]) -> None:
+    try:
+        store.wait(keys, timeout)
+    except Exception as e:  # DistStoreError on timeout
+        missing = [owners[i] for i, k in enumerate(keys) if not store.check([k])]
+        raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=rank, missing_ranks=missing,
+                               detail=f"mixed-vendor bridge: {what}") from e
+
+
+def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, peers: Sequence[dict[str, Any]],
+                            timeout: timedelta, algorithm: str = "auto",
+                            apply_env: Callable[[Backend], None] | None = None) -> BridgeTransport:
+    """Build the mixed-vendor transport (called by :func:`vcga.process_group.make_transport`).
+
+    :param store: the group's store; :param rank: / :param size: this rank and the group size.
+    :param backend: this rank's backend; :param peers: every rank's published facts, in rank order.
+    :param timeout: the collective timeout (also bounds every wait here).
+    :param algorithm: config ``bridge_algorithm``.
+    :param apply_env: sets the vendor's environment before its native group is created.
+    :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
+    :raises VcgaTimeoutError: naming the ranks that never arrived.
+    """
+    plan = make_plan(peers, algorithm)
+    gr = [int(p.get("global_rank", r)) for r, p in enumerate(peers)]
+    me = plan.group_of(rank)
+    local = me.ranks.index(rank)
+    bstore = dist.PrefixStore("vcga/bridge", store)
+    log.debug("vcga bridge plan (rank %d): %s", gr[rank], json.dumps(plan.describe()))
+
+    # 1. Capability tables: each leader publishes its backend's; everyone checks its own digest.
+    mine = backend.capabilities()
+    if rank == me.leader:
+        bstore.set(f"table/{me.index}", json.dumps(mine.to_json()))
+    keys = [f"table/{g.index}" for g in plan.groups]
+    _wait(bstore, keys, timeout, "vendor-group leaders never published their capability tables", gr[rank],
+          [gr[g.leader] for g in plan.groups])
+    tables = [table_from_json(g.backend, json.loads(v)) for g, v in zip(plan.groups, bstore.multi_get(keys))]
+    if table_digest(mine) != table_digest(tables[me.index]):
+        raise VcgaConfigError("backend", backend.name,
+                              f"the same capability table on every rank of backend {backend.name!r}; rank {gr[rank]}'s "
+                              f"differs from rank {gr[me.leader]}'s (different plugin versions?). Install the same vcga "
+                              "and plugin versions on every node")
+    name = "bridge(" + ",".join(f"{g.backend}:{g.size}" for g in plan.groups) + ")"
+    table = combined_table(name, tables)
+
+    # 2. This rank's native vendor group; any failure stops every rank with one error.
+    if apply_env is not None:
+        apply_env(backend)
+    native = _create_native(bstore, store, plan, rank, backend, timeout, gr)
+
+    # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo.
+    try:
+        shard = None
+        if local == 0 or plan.equal_groups:
+            peers_i = plan.shard_peers(local)
+            if len(peers_i) > 1:
+                shard = dist.ProcessGroupGloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store),
+                                              peers_i.index(rank), len(peers_i), timeout)
+        world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
+    except VcgaError:
+        raise
+    except Exception as e:
+        raise VcgaBackendUnavailable("vcga", f"rank {gr[rank]}: creating the mixed-vendor host bridge (gloo) failed: "
+                                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
+    group = BridgeGroup(plan, rank, inner, shard, world, tables)
+    closables = [native, *([shard] if shard is not None else []), world]
+    return BridgeTransport(plan, rank, backend, table, group, closables)
+
+
+#: How often a rank waiting for its native group looks for another rank's failure (seconds).
+_ABORT_POLL_S = 0.05
+
+
+def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Backend, timeout: timedelta,
+                   gr: Sequence[int]) -> Any:
+    """Create this rank's native vendor group; publish ok / failed / aborted; fail together.
+
+    The native creation runs in a helper thread, because a vendor library blocks while it waits
+    for peers: if a peer's plugin failed, this rank sees the failure flag and stops waiting at once
+    instead of after the library's own timeout. Every rank then reads every rank's status and, if
+    any failed, raises the same error naming the failing ranks and their reasons.
+    """
+    me = plan.group_of(rank)
+    result: dict[str, Any] = {}
+    # A store client is one connection: while the library waits on it for a peer that will never
+    # come, every other call on it queues behind. Watch for failures over a connection of our own.
+    try:
+        watch = dist.PrefixStore("vcga/bridge", store.clone())
+    except Exception:  # noqa: BLE001 - a store without clone(): failures are then seen at the library's timeout
+        watch = bstore
+
+    def create() -> None:
+        try:
+            result["pg"] = backend.create_process_group(
+                dist.PrefixStore(f"vcga/bridge/native/{me.index}", store), me.ranks.index(rank), me.size, timeout)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+            result["error"] = e
+
+    th = threading.Thread(target=create, name="vcga-native-group", daemon=True)
+    th.start()
+    deadline = time.monotonic() + timeout.total_seconds()
+    status: dict[str, Any]
+    while True:
+        th.join(_ABORT_POLL_S)
+        if not th.is_alive():
+            if "error" in result:
+                e = result["error"]
+                status = {"state": "failed", "backend": backend.name,
+                          "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                watch.set("failed", "1")
+            else:
+                status = {"state": "ok"}
+            break
+        if watch.check(["failed"]):
+            status = {"state": "aborted"}
+            break
+        if time.monotonic() > deadline:
+            status = {"state": "failed", "backend": backend.name,
+                      "reason": f"creating the native group did not finish within {timeout.total_seconds():g} s"}
+            watch.set("failed", "1")
+            break
+    watch.set(f"status/{rank}", json.dumps(status))
+    keys = [f"status/{r}" for r in range(plan.size)]
+    _wait(watch, keys, timeout, "ranks never reported their native vendor group", gr[rank], list(gr))
+    statuses = [json.loads(v) for v in watch.multi_get(keys)]
+    failed = [(gr[r], s) for r, s in enumerate(statuses) if s["state"] == "failed"]
+    if failed:
+        if status["state"] == "ok":
+            _shutdown(result.get("pg"))
+        who = "; ".join(f"rank {g} ({s['backend']}): {s['reason']}" for g, s in failed)
+        err = VcgaBackendUnavailable(
+            "vcga", f"mixed-vendor group: the native process group could not be created on {who}. Fix or exclude "
+                    "those ranks (see `vcga info` on their nodes), or give them another backend (VCGA_BACKEND)")
+        own = result.get("error")
+        raise err from own if isinstance(own, BaseException) else None
+    return result["pg"]
+
+
+def _shutdown(pg: Any) -> None:
+    shutdown = getattr(pg, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
