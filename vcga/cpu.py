@@ -139,4 +139,5 @@ def host_to_host(tensor: torch.Tensor) -> torch.Tensor | None:
     """The CPU's device-to-host hook: a contiguous view (no copy when already contiguous)."""
     if tensor.device.type != "cpu":
         return None
-    return tensor.detach().contiguous()
+    # resolve lazy conjugate/negative views: the raw bytes must be the values the tensor shows
+    return tensor.detach().resolve_conj().resolve_neg().contiguous()

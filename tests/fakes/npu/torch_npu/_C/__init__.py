@@ -1,0 +1,1 @@
+"""FAKE torch_npu._C (the real one is the compiled extension)."""
