@@ -191,7 +191,8 @@ class CrossRankIdentity(Check):
             groups.setdefault("/".join(d), []).append(r)
         if len(groups) == 1:
             return Verdict.ok()
-        parts = [f"ranks {','.join(map(str, rs))} hold {h[:16]}" for h, rs in groups.items()]
+        parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} "
+                 f"{'holds' if len(rs) == 1 else 'hold'} {h[:16]}" for h, rs in groups.items()]
         return Verdict.fail(f"results differ across ranks: {'; '.join(parts)}")
 
 

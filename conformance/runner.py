@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import queue as queue_mod
 import socket
 import time
 import traceback
@@ -173,7 +172,7 @@ def resolve_group_kind(spec: WorldSpec) -> tuple[str | None, str]:
 def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[PlannedCheck],
             timeout_s: float, store_timeout_s: float, results: Any, log_path: str | None) -> None:
     def emit(kind: str, payload: Any) -> None:
-        results.put((kind, rank, payload))
+        results.send((kind, rank, payload))  # synchronous: delivered even if this process dies next
 
     if log_path:  # native libraries write to fd 1/2 directly; keep that out of the user's terminal
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -239,7 +238,7 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
         checks = {c.name: c for c in pm.conformance_checks()}
         emit("ready", {"backend": backend.name, "vendor": backend.vendor})
     except BaseException as e:
-        results.put(("setup-error", rank, f"{type(e).__name__}: {e}"))
+        emit("setup-error", f"{type(e).__name__}: {e}")
         return
     for planned in plan:
         check = checks.get(planned.name)
@@ -299,17 +298,21 @@ class _Attempt:
 
     def run(self) -> None:
         ctx = mp.get_context("spawn")
-        q = ctx.Queue()
         port = free_port()
         store_timeout = self.stall_s * 2 + 60  # the parent decides about hangs before any store wait gives up
+        # One pipe per rank, written synchronously: a rank that dies right after a message has
+        # delivered it (a queue's feeder thread would lose it), and EOF says the rank is gone.
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.spec.world_size)]
         procs = [ctx.Process(target=_worker, name=f"vcga-verify-{self.spec.id}-r{r}",
                              args=(r, self.spec, self.group_kind, port, self.plan, self.timeout_s,
-                                   store_timeout, q, self.log_path(r)), daemon=True)
+                                   store_timeout, pipes[r][1], self.log_path(r)), daemon=True)
                  for r in range(self.spec.world_size)]
         for p in procs:
             p.start()
+        for _, send_end in pipes:
+            send_end.close()  # the parent keeps only the read ends, so EOF means the rank exited
         try:
-            self._watch(q, procs)
+            self._watch([recv for recv, _ in pipes], procs)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -317,7 +320,8 @@ class _Attempt:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
-            q.close()
+            for recv, _ in pipes:
+                recv.close()
 
     def log_path(self, rank: int) -> str | None:
         if not self.log_dir:
@@ -325,34 +329,49 @@ class _Attempt:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in self.spec.id)
         return os.path.join(self.log_dir, f"{safe}-rank{rank}.log")
 
-    def _watch(self, q: Any, procs: list[Any]) -> None:
+    def _messages(self, readers: list[Any], closed: set[int], timeout: float) -> list[tuple[str, int, Any]]:
+        """Messages ready within ``timeout``; a reader at EOF joins ``closed`` (its rank exited)."""
+        from multiprocessing.connection import wait
+
+        live = [c for r, c in enumerate(readers) if r not in closed]
+        out = []
+        for conn in wait(live, timeout=timeout) if live else []:
+            r = readers.index(conn)
+            try:
+                while conn.poll():
+                    out.append(conn.recv())
+            except (EOFError, OSError):
+                closed.add(r)
+        return out
+
+    def _watch(self, readers: list[Any], procs: list[Any]) -> None:
         n = self.spec.world_size
         states = [_RankState() for _ in range(n)]
         setup_errors: dict[int, str] = {}
         ready: set[int] = set()
+        closed: set[int] = set()
         check_started: dict[str, float] = {}
         done_by: dict[str, set[int]] = {}
         start = last = time.monotonic()
+        pending: list[tuple[str, int, Any]] = []
         while not all(s.done for s in states):
             if setup_errors:
                 break  # a rank that cannot create its group dooms the world; the others wait forever
-            try:
-                kind, rank, payload = q.get(timeout=0.25)
-            except queue_mod.Empty:
+            if not pending:
+                pending = self._messages(readers, closed, 0.25)
+            if not pending:
                 now = time.monotonic()
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode is not None and not states[r].done and r not in setup_errors]
+                dead = [r for r in sorted(closed) if not states[r].done and r not in setup_errors]
                 if dead:
-                    time.sleep(0.2)  # let messages the dead rank sent before exiting arrive
-                    if q.empty() and not all(r in ready for r in dead):
+                    for r in dead:
+                        procs[r].join(timeout=5)
+                    if not all(r in ready for r in dead):
                         for r in dead:
                             setup_errors.setdefault(r, f"exited with code {procs[r].exitcode} before its group "
                                                        "was created")
                         break
-                    if q.empty():
-                        self._stop(states, dead, "died", {r: procs[r].exitcode for r in dead})
-                        return
-                    continue
+                    self._stop(states, dead, "died", {r: procs[r].exitcode for r in dead})
+                    return
                 if now - last > self.stall_s:
                     self._stop(states, [r for r, s in enumerate(states) if not s.done], "hung", {})
                     return
@@ -360,6 +379,7 @@ class _Attempt:
                     self._stop(states, [r for r, s in enumerate(states) if not s.done], "deadline", {})
                     return
                 continue
+            kind, rank, payload = pending.pop(0)
             last = time.monotonic()
             st = states[rank]
             if kind == "ready":
@@ -423,7 +443,8 @@ class _Attempt:
         else:
             detail = f"the world outlived its {self.deadline_s:g} s deadline while {who} ran '{case}'"
         if waiting:
-            detail += f"; ranks {','.join(map(str, waiting))} were waiting for it"
+            detail += f"; {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} " \
+                      f"{'was' if len(waiting) == 1 else 'were'} waiting for it"
         detail += "; the world was stopped"
         self.problem_check = check
         self.problem = CheckResult(check, self.spec.label, case, False, detail=detail)

@@ -178,7 +178,7 @@ class Gradients(Check):
             for r, d in enumerate(digests):
                 groups.setdefault(d, []).append(r)
             return Verdict.fail("parameters differ across ranks after the step: " + "; ".join(
-                f"ranks {','.join(map(str, rs))} hold {d.decode()}" for d, rs in groups.items()), worst, b)
+                f"rank(s) {','.join(map(str, rs))}: {d.decode()}" for d, rs in groups.items()), worst, b)
         return Verdict.ok(worst, b)
 
     # -- backend against backend (the runner calls this with every world's exports) ----------------

@@ -85,8 +85,8 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
         mixed_sets = [] if list(mixed) == ["none"] else list(mixed)
     worlds = build_worlds(prof, backends=backends or None, world_sizes=world_sizes or None, mixed=mixed_sets,
                           group=group)
-    console.print(f"vcga verify: profile [bold]{prof.name}[/bold] ({prof.source}); worlds: "
-                  + ", ".join(w.id for w in worlds))
+    console.print(f"vcga verify: profile [bold]{_esc(prof.name)}[/bold] ({_esc(prof.source)}); worlds: "
+                  + _esc(", ".join(w.id for w in worlds)))
     log_dir = tempfile.mkdtemp(prefix="vcga-verify-")
     progress = _Progress(console, quiet)
     try:
@@ -136,7 +136,7 @@ class _Progress:
         if kind == "world-start":
             attempt = event.data.get("attempt", 1)
             again = f", attempt {attempt}" if attempt > 1 else ""
-            self.console.print(f"[bold]{w}[/bold]: {event.data.get('group')} group, "
+            self.console.print(f"[bold]{_esc(w)}[/bold]: {event.data.get('group')} group, "
                                f"{len(event.data.get('checks', []))} checks{again}")
         elif kind == "check-done":
             d = event.data
@@ -146,20 +146,27 @@ class _Progress:
                 parts.append(f"[red]{d['failed']} failed[/red]")
             if d.get("skipped"):
                 parts.append(f"{d['skipped']} skipped")
-            self.console.print(f"  {mark} {event.check:<22} {', '.join(parts)}")
+            self.console.print(f"  {mark} {_esc(event.check):<22} {', '.join(parts)}")
         elif kind == "world-problem":
-            self.console.print(f"  [red]![/red] {event.check or ''}: {event.detail}")
+            self.console.print(f"  [red]![/red] {_esc(event.check or '')}: {_esc(event.detail)}", soft_wrap=True)
         elif kind == "world-done" and event.data.get("status") == "skipped":
-            self.console.print(f"[bold]{w}[/bold]: [yellow]skipped[/yellow]: {event.detail}")
+            self.console.print(f"[bold]{_esc(w)}[/bold]: [yellow]skipped[/yellow]: {_esc(event.detail)}", soft_wrap=True)
         elif kind == "case" and self.status is not None:
             now = time.monotonic()
             if now - self.last > 0.1:
                 self.last = now
-                self.status.update(f"{w} {event.check}: {event.case}")
+                self.status.update(_esc(f"{w} {event.check}: {event.case}"))
 
     def stop(self) -> None:
         if self.status is not None:
             self.status.stop()
+
+
+def _esc(text: Any) -> str:
+    """Escape rich markup: case names and library messages contain [brackets]."""
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def _fmt(x: float | None) -> str:
@@ -171,22 +178,22 @@ def _print_summary(console: Any, outcome: Any, rows: list[Any]) -> None:
 
     table = Table(title="vcga verify summary")
     for col, justify in (("check", "left"), ("backend", "left"), ("dtype", "left"), ("cases", "right"),
-                         ("worst error / bound", "right"), ("result", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+                         ("failed", "right"), ("skipped", "right"), ("worst error / bound", "right"),
+                         ("result", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "backend")  # type: ignore[arg-type]
     for row in rows:
         verdict = {"FAIL": "[red]FAIL[/red]", "skip": "[yellow]skip[/yellow]", "pass": "[green]pass[/green]"}[row.verdict]
         err = "" if row.worst_error is None else f"{_fmt(row.worst_error)} / {_fmt(row.bound)}"
-        cases = f"{row.cases}" + (f" ({row.failed} failed)" if row.failed else "") + \
-            (f" ({row.skipped} skipped)" if row.skipped and row.skipped != row.cases else "")
-        table.add_row(row.check, row.backend, row.dtype, cases, err, verdict)
+        table.add_row(_esc(row.check), _esc(row.backend), row.dtype, str(row.cases), str(row.failed or ""),
+                      str(row.skipped or ""), err, verdict)
     console.print(table)
     failures = [(world, r) for world, _, r in outcome.rows() if not r.passed]
     if failures:
         console.print("[bold red]failures[/bold red]")
         for world, r in failures[:60]:
-            console.print(f"  [red]FAIL[/red] {r.check} [{world}] {r.case}: {r.detail}", soft_wrap=True)
+            console.print(f"  [red]FAIL[/red] " + _esc(f"{r.check} [{world}] {r.case}: {r.detail}"), soft_wrap=True)
         if len(failures) > 60:
             console.print(f"  ... and {len(failures) - 60} more (see --report)")
     skipped_worlds = [w for w in outcome.worlds if w.status == "skipped"]
     for w in skipped_worlds:
-        console.print(f"[yellow]not verified[/yellow]: {w.spec.id}: {w.detail}", soft_wrap=True)
+        console.print(f"[yellow]not verified[/yellow]: {_esc(w.spec.id)}: {_esc(w.detail)}", soft_wrap=True)
