@@ -291,9 +291,21 @@ class DtypeMatrix(Check):
             if wrong:
                 return Verdict.fail("VcgaUnsupportedError names the wrong cell: " + ", ".join(wrong))
             return Verdict.ok(detail="refused with VcgaUnsupportedError")
+        except ValueError as e:
+            if _refused_by_torch(e):
+                return Verdict.ok(detail=f"refused by torch.distributed itself, before any backend: {first_line(e)}")
+            return Verdict.fail(f"the table refuses this cell; expected VcgaUnsupportedError, got {first_line(e)}")
         except Exception as e:
             return Verdict.fail(f"the table refuses this cell; expected VcgaUnsupportedError, got {first_line(e)}")
         return Verdict.fail("the table refuses this cell but the call ran: the table or the dispatch lies")
+
+
+def _refused_by_torch(e: ValueError) -> bool:
+    """torch.distributed's own argument check (e.g. 'all_reduce does not support RedOpType.MAX on
+    complex tensors'): raised on every rank before any backend sees the call, so as clean as a
+    VCGA refusal."""
+    text = str(e)
+    return "does not support" in text and "complex tensors" in text
 
 
 def _send_recv_cell(ctx: Context, dt: str, n: int) -> Verdict:

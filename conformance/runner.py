@@ -238,7 +238,10 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
         checks = {c.name: c for c in pm.conformance_checks()}
         emit("ready", {"backend": backend.name, "vendor": backend.vendor})
     except BaseException as e:
-        emit("setup-error", f"{type(e).__name__}: {e}")
+        if spec.sim_vendors and _group_cannot_mix(e):
+            emit("setup-unsupported", str(_group_cannot_mix(e)))
+        else:
+            emit("setup-error", f"{type(e).__name__}: {e}")
         return
     for planned in plan:
         check = checks.get(planned.name)
@@ -262,6 +265,20 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
         dist.destroy_process_group()
     except Exception:  # the results are in; a failing teardown must not turn them into an error
         pass
+
+
+def _group_cannot_mix(e: BaseException) -> BaseException | None:
+    """The vcga group's own refusal to build a mixed-vendor world (a build without the bridge):
+    a VcgaBackendUnavailable naming the group itself, possibly wrapped by torch. A vendor backend
+    failing inside a mixed world names that vendor instead, and stays a failure."""
+    from vcga.errors import VcgaBackendUnavailable
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, VcgaBackendUnavailable) and seen.name == "vcga":
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,6 +311,7 @@ class _Attempt:
         self.problem: CheckResult | None = None  # why the attempt stopped early
         self.problem_check: str | None = None
         self.setup_error: str | None = None
+        self.unsupported: str | None = None  # the vcga group cannot build this (mixed-vendor) world
         self.group_resets = 0
 
     def run(self) -> None:
@@ -316,7 +334,8 @@ class _Attempt:
         finally:
             for p in procs:
                 if p.is_alive():
-                    p.join(timeout=2 if self.problem is None and self.setup_error is None else 0.1)
+                    p.join(timeout=2 if self.problem is None and self.setup_error is None
+                           and self.unsupported is None else 0.1)
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
@@ -387,6 +406,9 @@ class _Attempt:
             elif kind == "setup-error":
                 setup_errors[rank] = payload
                 st.done = True
+            elif kind == "setup-unsupported":
+                self.unsupported = payload
+                return
             elif kind == "check":
                 st.check, st.case, st.waiting = payload, None, None
                 if rank == 0:
@@ -509,6 +531,12 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
         out.group_resets += attempt.group_resets
         for check, values in attempt.exports.items():
             out.exports.setdefault(check, {}).update(values)
+        if attempt.unsupported is not None:
+            why = f"this build cannot create this mixed-vendor group: {attempt.unsupported}"
+            out.status, out.detail = "skipped", why
+            out.results = [CheckResult(p.name, spec.label, f"world of {spec.world_size}", True, skipped=True,
+                                       detail=why) for p in remaining]
+            break
         if attempt.setup_error is not None:
             out.status, out.detail = "setup-failed", attempt.setup_error
             out.results.append(CheckResult("runner", spec.label, f"create a {kind} group of {spec.world_size}",
