@@ -182,7 +182,8 @@ class Context:
                         break
                     except RuntimeError:  # torch's DistStoreError on timeout
                         if self._store.check([abort_key]):
-                            raise CaseAborted(f"another rank failed this case before exchange {tag_of(key)!r}") from None
+                            raise CaseAborted(f"another rank failed this case before exchange "
+                                              f"{tag_of(key)!r}") from None
             out.append(self._store.get(k))
         return out
 

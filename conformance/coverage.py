@@ -12,7 +12,14 @@ from vcga.contract import CheckResult, Collective, ReduceOp
 from . import data
 from .base import Check, compare_exact, judge_refusal, runnable, sizes_label
 from .context import Context, Verdict, first_line
-from .ops import COLLECTIVE_OF, FORMS, REDUCING_FORMS, ROOTED_FORMS, input_numel, run_form
+from .ops import (
+    COLLECTIVE_OF,
+    FORMS,
+    REDUCING_FORMS,
+    ROOTED_FORMS,
+    input_numel,
+    run_form,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -311,12 +318,14 @@ class Layouts(Check):
                 continue
             outside = torch.ones(base.numel(), dtype=torch.bool)
             view = x if base is x_base else out
-            idx = torch.arange(base.numel()).as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset())
+            idx = torch.arange(base.numel()).as_strided(view.shape, view.stride(),
+                                                        view.storage_offset() - base.storage_offset())
             outside[idx.reshape(-1)] = False
             if not data.same_bits(base[outside], before[outside]):
                 changed = int((base[outside].view(torch.uint8) != before[outside].view(torch.uint8)).sum())
-                return Verdict.fail(f"the collective wrote outside the tensor ({changed} byte(s) of its storage changed)")
-        if target in ("input", "output") and not data.same_bits(_logical(x), _logical(x_before)) and form != "all_reduce":
+                return Verdict.fail(f"the collective wrote outside the tensor ({changed} byte(s) of its "
+                                    "storage changed)")
+        if target in ("input", "output") and not data.same_bits(_logical(x), _logical(x_before)):
             return Verdict.fail("the collective modified its (read-only) input")
         return v
 

@@ -61,7 +61,8 @@ class MixedVendors(Check):
         digests = ctx.exchange(tag, data.digest(got).encode())
         if len(set(digests)) == 1:
             return ""
-        return "results differ across ranks: " + ", ".join(f"rank {r}: {d.decode()[:16]}" for r, d in enumerate(digests))
+        return "results differ across ranks: " + ", ".join(
+            f"rank {r}: {d.decode()[:16]}" for r, d in enumerate(digests))
 
     def _sum(self, ctx: Context, dt: str, n: int) -> Verdict:
         ws = ctx.world_size

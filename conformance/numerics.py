@@ -10,7 +10,14 @@ from vcga.contract import CheckResult, Collective, ReduceOp, Support
 from vcga.errors import VcgaUnsupportedError
 
 from . import data
-from .base import Check, compare_exact, compare_reference, compare_ulps, runnable, sizes_label
+from .base import (
+    Check,
+    compare_exact,
+    compare_reference,
+    compare_ulps,
+    runnable,
+    sizes_label,
+)
 from .context import Context, Verdict, first_line
 from .ops import COLLECTIVE_OF, FORM_OF, REDUCING_FORMS, input_numel, run_form
 
@@ -259,7 +266,8 @@ class DtypeMatrix(Check):
         except Exception as e:
             return Verdict(False, detail=f"the table claims this cell but the call raised {first_line(e)}", reset=True)
         if not v.passed:
-            return Verdict.fail(f"the table claims this cell but the result is wrong: {v.detail}", v.worst_error, v.bound)
+            return Verdict.fail(f"the table claims this cell but the result is wrong: {v.detail}",
+                                v.worst_error, v.bound)
         return v
 
     @staticmethod

@@ -37,7 +37,8 @@ class AsyncOps(Check):
         dt = str(self.opt(ctx, "dtype"))
         k, n = int(self.opt(ctx, "outstanding")), int(self.opt(ctx, "n"))
         blocked = [why for f in self.FORMS
-                   if (why := runnable(ctx, table, COLLECTIVE_OF[f], dt, ReduceOp.SUM if f in REDUCING_FORMS else None))]
+                   if (why := runnable(ctx, table, COLLECTIVE_OF[f], dt,
+                                       ReduceOp.SUM if f in REDUCING_FORMS else None))]
         cases: list[tuple[str, Callable[[], Verdict]]] = [
             (f"{k} outstanding collectives on {dt}, waited in reverse order", lambda: self._many(ctx, dt, k, n)),
             (f"futures: then() callbacks and collect_all over {min(k, 8)} all_reduce on {dt}",

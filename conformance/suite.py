@@ -7,6 +7,7 @@ import datetime as _dt
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
 from vcga.contract import CheckResult
 
 from .profiles import Profile, plan_checks

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, run_vcga
+
 from vcga.contract import ReduceOp
 from vcga.errors import VcgaConfigError
 
@@ -64,8 +64,9 @@ def test_gamma_and_unit_roundoff_follow_higham():
 def test_exact_data_gives_the_same_bits_in_every_order(dtype, op):
     """The premise of exact-reduce: every summation order, rounding each partial result to the
     dtype, gives exact_reduce's answer (4 ranks, all 24 orders)."""
-    from vcga import dtypes
     from vcga.conformance import data
+
+    from vcga import dtypes
 
     op = ReduceOp(op)
     if op not in data.ops_for(dtype):
@@ -139,6 +140,7 @@ def test_avg_and_product_bounds_cover_premultiplying_implementations():
 def test_builtin_profiles_load_and_name_every_builtin_check():
     from vcga.conformance.checks import BUILTIN_CHECKS
     from vcga.conformance.profiles import load_profile, plan_checks
+
     from vcga.plugin_manager import get_plugin_manager
 
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
@@ -155,6 +157,7 @@ def test_builtin_profiles_load_and_name_every_builtin_check():
 
 def test_profile_errors_are_typed_and_name_the_key(tmp_path: Path):
     from vcga.conformance.profiles import load_profile, plan_checks
+
     from vcga.plugin_manager import get_plugin_manager
 
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}

@@ -38,6 +38,9 @@ def _delegating_group_class() -> Any:
         return _GROUP_CLASS
     import torch.distributed as dist
 
+    def _gather_opts() -> Any:
+        return dist.distributed_c10d.AllgatherOptions()  # not re-exported by torch.distributed
+
     class Delegating(dist.ProcessGroup):
         def __init__(self, inner: Any, rank: int, size: int, name: str) -> None:
             super().__init__(rank, size)
@@ -66,10 +69,10 @@ def _delegating_group_class() -> Any:
             return self._reduce_scatter_base(output, input, opts)
 
         def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-            return self.inner.allgather(outputs, inputs, opts if opts is not None else dist.distributed_c10d.AllgatherOptions())
+            return self.inner.allgather(outputs, inputs, opts if opts is not None else _gather_opts())
 
         def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
-            return self.inner._allgather_base(output, input, opts if opts is not None else dist.distributed_c10d.AllgatherOptions())
+            return self.inner._allgather_base(output, input, opts if opts is not None else _gather_opts())
 
         def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
             return self._allgather_base(output, input, opts)

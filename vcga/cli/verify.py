@@ -76,7 +76,12 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
          mixed: tuple[str, ...], checks: tuple[str, ...], group: str | None, timeout: float | None,
          report: str | None, junit: str | None, quiet: bool) -> int:
     from vcga.conformance.profiles import load_profile
-    from vcga.conformance.report import build_report, summary_rows, write_junit, write_report
+    from vcga.conformance.report import (
+        build_report,
+        summary_rows,
+        write_junit,
+        write_report,
+    )
     from vcga.conformance.suite import build_worlds, run_suite
 
     prof = load_profile(profile_name)
@@ -150,7 +155,8 @@ class _Progress:
         elif kind == "world-problem":
             self.console.print(f"  [red]![/red] {_esc(event.check or '')}: {_esc(event.detail)}", soft_wrap=True)
         elif kind == "world-done" and event.data.get("status") == "skipped":
-            self.console.print(f"[bold]{_esc(w)}[/bold]: [yellow]skipped[/yellow]: {_esc(event.detail)}", soft_wrap=True)
+            self.console.print(f"[bold]{_esc(w)}[/bold]: [yellow]skipped[/yellow]: {_esc(event.detail)}",
+                               soft_wrap=True)
         elif kind == "case" and self.status is not None:
             now = time.monotonic()
             if now - self.last > 0.1:
@@ -182,7 +188,8 @@ def _print_summary(console: Any, outcome: Any, rows: list[Any]) -> None:
                          ("result", "left")):
         table.add_column(col, justify=justify, no_wrap=col != "backend")  # type: ignore[arg-type]
     for row in rows:
-        verdict = {"FAIL": "[red]FAIL[/red]", "skip": "[yellow]skip[/yellow]", "pass": "[green]pass[/green]"}[row.verdict]
+        verdict = {"FAIL": "[red]FAIL[/red]", "skip": "[yellow]skip[/yellow]",
+                   "pass": "[green]pass[/green]"}[row.verdict]
         err = "" if row.worst_error is None else f"{_fmt(row.worst_error)} / {_fmt(row.bound)}"
         table.add_row(_esc(row.check), _esc(row.backend), row.dtype, str(row.cases), str(row.failed or ""),
                       str(row.skipped or ""), err, verdict)
@@ -191,7 +198,7 @@ def _print_summary(console: Any, outcome: Any, rows: list[Any]) -> None:
     if failures:
         console.print("[bold red]failures[/bold red]")
         for world, r in failures[:60]:
-            console.print(f"  [red]FAIL[/red] " + _esc(f"{r.check} [{world}] {r.case}: {r.detail}"), soft_wrap=True)
+            console.print("  [red]FAIL[/red] " + _esc(f"{r.check} [{world}] {r.case}: {r.detail}"), soft_wrap=True)
         if len(failures) > 60:
             console.print(f"  ... and {len(failures) - 60} more (see --report)")
     skipped_worlds = [w for w in outcome.worlds if w.status == "skipped"]
