@@ -190,8 +190,10 @@ class Gradients(Check):
 
         worlds = [(w, e["step1"]) for w, e in exports.items() if "step1" in e]
         for (wa, a), (wb, b) in itertools.combinations(worlds, 2):
-            ga, gb = torch.tensor(a["grad_times_n"]), torch.tensor(b["grad_times_n"])
-            bound = torch.tensor(a["bound_times_n"]) + torch.tensor(b["bound_times_n"])
+            f64 = torch.float64  # the exports are float64 values; torch.tensor would default to float32
+            ga = torch.tensor(a["grad_times_n"], dtype=f64)
+            gb = torch.tensor(b["grad_times_n"], dtype=f64)
+            bound = torch.tensor(a["bound_times_n"], dtype=f64) + torch.tensor(b["bound_times_n"], dtype=f64)
             case = f"DDP step-1 gradient: {wa} vs {wb}"
             if ga.shape != gb.shape:
                 yield CheckResult(self.name, f"{wa} vs {wb}", case, False, detail="gradients of different sizes")

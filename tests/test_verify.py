@@ -324,3 +324,39 @@ def test_list_shows_every_check():
     for name in ("collectives", "exact-reduce", "random-reduce", "cross-rank-identity", "dtype-matrix", "layouts",
                  "sizes", "uneven", "async", "faults", "send-recv", "gradients", "mixed-vendors"):
         assert name in r.stdout
+
+
+def test_gradient_worlds_are_compared_pairwise_within_the_sum_of_their_bounds():
+    from vcga.conformance.training import Gradients
+
+    g = [0.5, -1.25, 3.0]
+    exports = {
+        "a ws=2": {"step1": {"world_size": 2, "grad_times_n": g, "bound_times_n": [1e-6] * 3}},
+        "b ws=3": {"step1": {"world_size": 3, "grad_times_n": [0.5 + 1.5e-6, -1.25, 3.0], "bound_times_n": [1e-6] * 3}},
+        "c ws=4": {"step1": {"world_size": 4, "grad_times_n": [0.5 + 3e-6, -1.25, 3.0], "bound_times_n": [1e-6] * 3}},
+    }
+    rows = {r.backend: r for r in Gradients().compare(exports)}
+    assert rows["a ws=2 vs b ws=3"].passed and rows["b ws=3 vs c ws=4"].passed
+    bad = rows["a ws=2 vs c ws=4"]
+    assert not bad.passed and bad.worst_error == pytest.approx(3e-6) and bad.bound == pytest.approx(2e-6)
+
+
+def test_only_the_vcga_groups_own_refusal_marks_a_mixed_world_unsupported():
+    """A build without the bridge refuses mixed worlds naming the group ('vcga'): skipped, not
+    verified. A vendor backend failing inside a mixed world names the vendor: a failure."""
+    from vcga.conformance.runner import _group_cannot_mix
+
+    from vcga.errors import VcgaBackendUnavailable
+
+    def wrapped(inner: BaseException) -> BaseException:
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise RuntimeError("torch wrapped the creator's error") from e
+        except RuntimeError as outer:
+            return outer
+
+    assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("vcga", "this group mixes backends"))) is not None
+    assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("sim-hccl", "native group failed"))) is None
+    assert _group_cannot_mix(ValueError("anything else")) is None
