@@ -174,6 +174,7 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
     def emit(kind: str, payload: Any) -> None:
         results.send((kind, rank, payload))  # synchronous: delivered even if this process dies next
 
+    _die_with_parent()
     if log_path:  # native libraries write to fd 1/2 directly; keep that out of the user's terminal
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -265,6 +266,31 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
         dist.destroy_process_group()
     except Exception:  # the results are in; a failing teardown must not turn them into an error
         pass
+
+
+def _die_with_parent() -> None:
+    """A rank must not outlive the runner (killed, or interrupted before its cleanup ran): on Linux
+    the kernel kills it when the parent exits (PR_SET_PDEATHSIG); elsewhere a watchdog thread does."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+            if os.getppid() != parent:  # the parent died before the call took effect
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)  # a watchdog, not synchronisation: nothing waits on it
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vcga-verify-parent-watch", daemon=True).start()
 
 
 def _group_cannot_mix(e: BaseException) -> BaseException | None:

@@ -224,7 +224,9 @@ def test_verify_on_gloo_writes_a_report_that_follows_the_schema_and_junit_xml(tm
     assert data["summary"]["ok"] and data["summary"]["failed"] == 0
     assert data["worlds"][0]["id"] == "gloo ws=2" and data["worlds"][0]["status"] == "completed"
     checks = {x["check"] for x in data["results"]}
-    assert checks == {"collectives", "exact-reduce", "cross-rank-identity", "dtype-matrix"}
+    assert checks == {"collectives", "exact-reduce", "cross-rank-identity", "dtype-matrix", "faults"}
+    missing = [x for x in data["results"] if x["case"].startswith("missing rank")]
+    assert missing and missing[0]["status"] == "pass" and 2.0 <= missing[0]["worst_error"] <= missing[0]["bound"]
 
     xml = JUnitXml.fromfile(str(junit))
     suites = list(xml)
@@ -360,3 +362,78 @@ def test_only_the_vcga_groups_own_refusal_marks_a_mixed_world_unsupported():
     assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("vcga", "this group mixes backends"))) is not None
     assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("sim-hccl", "native group failed"))) is None
     assert _group_cannot_mix(ValueError("anything else")) is None
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find the ranks")
+def test_ranks_do_not_outlive_a_killed_runner():
+    """SIGKILL the `vcga verify` process while a rank hangs: no rank process survives it."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import VENV_BIN
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    env.update(_env("broken_backends"))
+    proc = subprocess.Popen([str(VENV_BIN / "vcga"), "verify", "--profile", TINY, "--backend", "broken-hang",
+                             "--check", "collectives"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+    def children() -> list[int]:
+        out = []
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                out += [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return out
+
+    def rank_pids() -> list[int]:  # the ranks, not multiprocessing's resource tracker
+        pids = []
+        for pid in children():
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(pid)
+            except OSError:
+                pass
+        return pids
+
+    try:
+        deadline = time.monotonic() + 60
+        ranks: list[int] = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = rank_pids()
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks never started"
+        # wait until both ranks sit idle (rank 1 in the hung broadcast, rank 0 waiting for it): CPU
+        # time unchanged for two seconds, well before the runner's 15 s stall deadline
+        last, still_since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = [_cpu_ticks(p) for p in ranks]
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > 2:
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in ranks), f"ranks {ranks} outlived the runner"

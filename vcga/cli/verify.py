@@ -44,8 +44,12 @@ def verify(backends: tuple[str, ...], world_sizes: tuple[int, ...], profile: str
            checks: tuple[str, ...], group: str | None, timeout: float | None, report: str | None,
            junit: str | None, list_checks: bool, quiet: bool) -> None:
     """Certify that a backend's collectives are numerically right."""
+    import signal
+
     from rich.console import Console
 
+    # SIGTERM (a CI job cancelled) unwinds like Ctrl-C, so the runner's cleanup kills every rank
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console = Console(highlight=False)
     try:
         if list_checks:
