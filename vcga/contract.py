@@ -789,7 +789,14 @@ class CheckResult:
 @runtime_checkable
 class ConformanceCheck(Protocol):
     """One conformance check. It runs inside every rank of a world the runner spawned and uses
-    only the public API (``torch.distributed`` on the ``vcga`` group, and this contract)."""
+    only the public API (``torch.distributed`` on the ``vcga`` group, and this contract).
+
+    Two optional members (not part of the protocol, so existing checks stay valid): ``defaults``,
+    a dict of the options the check accepts with their defaults (profiles may override exactly
+    these); and ``compare(exports)``, called once after all worlds ran with ``{world id: {key:
+    value}}`` from the context's ``export()``, yielding :class:`CheckResult` rows that compare
+    worlds (backend against backend). See docs/conformance.md.
+    """
 
     #: Unique name, e.g. "exact-reduce".
     name: str
