@@ -22,9 +22,9 @@ From it (``γ_k = k·u / (1 − k·u)``):
 Low-precision dtypes a library accumulates in a wider type (fp16 summed in fp32, rounded once at
 the end) stay inside these bounds: ``u_16 + γ_{n−1}(u_32)(1+u_16) ≤ γ_{n−1}(u_16)`` for n ≥ 2.
 
-The references the checks compare against are computed in float64 (sums with :func:`math.fsum`,
-correctly rounded), so each check adds the reference's own error, computed with the same formulas
-at ``u = 2⁻⁵³``: negligible for fp32 and narrower, essential for fp64.
+The references the checks compare against are computed in float64 -- sums compensated (Ogita,
+Rump and Oishi's Sum2, error ≤ ``u·|s| + γ_{n−1}²·Σ|x|`` at ``u = 2⁻⁵³``), products left to right --
+so each check adds the reference's own error: negligible for fp32 and narrower, essential for fp64.
 """
 
 from __future__ import annotations

@@ -78,14 +78,13 @@ class Collectives(Check):
     @staticmethod
     def _one(ctx: Context, form: str, dt: str, root: int, sizes: list[int]) -> Verdict:
         ws = ctx.world_size
-        for n in sizes:
+        verdicts = []
+        for n in sizes:  # every size on every rank, whatever this rank saw: the ranks stay in step
             inputs = _inputs_for(form, dt, input_numel(form, n, ws), ws, ("collectives", root))
             rec = run_form(form, inputs, ctx.rank, ws, n, op=ReduceOp.SUM if form in REDUCING_FORMS else None,
                            root=root)
-            v = _check_received(form, inputs, rec, ws, dt, f"n={n}")
-            if not v.passed:
-                return v
-        return Verdict.ok(0.0, 0.0)
+            verdicts.append(_check_received(form, inputs, rec, ws, dt, f"n={n}"))
+        return next((v for v in verdicts if not v.passed), Verdict.ok(0.0, 0.0))
 
     def _extras(self, ctx: Context, table: Any) -> Iterator[CheckResult]:
         """The deprecated tensor spellings most code still calls, object collectives, barriers."""

@@ -291,6 +291,22 @@ class Reference:
 EVAL_SLACK = 1 + 2.0**-40
 
 
+def _sum2(stack: torch.Tensor) -> torch.Tensor:
+    """Compensated sum over the first dimension (Ogita, Rump and Oishi's Sum2: TwoSum on every
+    addition, the errors summed and added back): as accurate as summing in twice the precision,
+    vectorised over the elements."""
+    import torch
+
+    s = stack[0].clone()
+    c = torch.zeros_like(s)
+    for x in stack[1:]:
+        t = s + x
+        z = t - s
+        c = c + ((s - (t - z)) + (x - z))  # TwoSum: the exact rounding error of s + x
+        s = t
+    return s + c
+
+
 def random_reference(op: ReduceOp | str, xs: Sequence[torch.Tensor], dtype: str,
                      premul_factor: float = PREMUL_FACTOR_RANDOM) -> Reference:
     """float64 reference and Higham bound for reducing random data ``xs`` with SUM, AVG,
@@ -306,21 +322,25 @@ def random_reference(op: ReduceOp | str, xs: Sequence[torch.Tensor], dtype: str,
         cols = [x.to(torch.float64) for x in xs]
     stack = torch.stack(cols)  # (ranks, elements)
     if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-        terms = stack * premul_factor if op is ReduceOp.PREMUL_SUM else stack  # exact in float64
-        s = torch.tensor([math.fsum(col) for col in terms.t().tolist()], dtype=torch.float64)
+        # f·x is exact in float64 for data narrower than float64; for float64 data its rounding is
+        # the u64·Σ|f·x| term below
+        terms = stack * premul_factor if op is ReduceOp.PREMUL_SUM else stack
+        s = _sum2(terms)
         abs_sum = terms.abs().sum(0)  # rounding here is covered by EVAL_SLACK
         u = bounds.unit_roundoff(real)
+        # Sum2's own error (Ogita, Rump, Oishi 2005, Prop. 4.5): u64·|s| + γ_{n−1}(u64)²·Σ|x|
+        ref_err = bounds.U_FP64 * s.abs() + bounds.gamma(n - 1, bounds.U_FP64) ** 2 * abs_sum
         if op is ReduceOp.SUM:
             value = s
-            bound = bounds.gamma(n - 1, u) * abs_sum + bounds.U_FP64 * value.abs()
+            bound = bounds.gamma(n - 1, u) * abs_sum + ref_err
         elif op is ReduceOp.AVG:
             value = s / n
             bound = (bounds.gamma(n + 1, u) * abs_sum / n + n * bounds.tiny(real)
-                     + 2 * bounds.U_FP64 * value.abs())
+                     + ref_err / n + bounds.U_FP64 * value.abs())
         else:
             value = s
             bound = (bounds.gamma(n + 1, u) * abs_sum + n * bounds.tiny(real)
-                     + bounds.U_FP64 * value.abs())
+                     + ref_err + bounds.U_FP64 * abs_sum)
     elif op is ReduceOp.PRODUCT:
         value = stack.prod(0)
         p = value.abs()

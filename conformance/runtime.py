@@ -284,8 +284,10 @@ class SendRecv(Check):
 
 
 def _all_sizes(ctx: Context, fn: Callable[[Context, str, int], Verdict], dt: str, sizes: list[int]) -> Verdict:
-    for n in sizes:
-        v = fn(ctx, dt, n)
+    # every size on every rank, whatever this rank saw: a rank that stopped early would leave its
+    # peers waiting for messages it never sends
+    verdicts = [(n, fn(ctx, dt, n)) for n in sizes]
+    for n, v in verdicts:
         if not v.passed:
             return Verdict.fail(f"n={n}: {v.detail}")
     return Verdict.ok(0.0, 0.0)
@@ -341,10 +343,12 @@ def _tags(ctx: Context, dt: str, n: int) -> Verdict:
             w.wait()
         return Verdict.ok()
     if ctx.rank == 1:
+        got = {}
+        for tag in (3, 1, 2):  # receive everything first, then judge
+            got[tag] = _empty(dt, n)
+            dist.recv(got[tag], src=0, tag=tag)
         for tag in (3, 1, 2):
-            got = _empty(dt, n)
-            dist.recv(got, src=0, tag=tag)
-            v = compare_exact(got, _msg(dt, n, 0, 1, tag), f"tag {tag}")
+            v = compare_exact(got[tag], _msg(dt, n, 0, 1, tag), f"tag {tag}")
             if not v.passed:
                 return v
     return Verdict.ok()
@@ -371,10 +375,12 @@ def _any_source(ctx: Context, dt: str, n: int) -> Verdict:
     if rank != 0:
         dist.send(_msg(dt, n, rank, 0, 9), dst=0, tag=9)
         return Verdict.ok()
-    seen = []
-    for _ in range(ws - 1):
+    received = []
+    for _ in range(ws - 1):  # receive everything first, then judge
         got = _empty(dt, n)
-        src = dist.recv(got, tag=9)
+        received.append((dist.recv(got, tag=9), got))
+    seen = []
+    for src, got in received:
         if not isinstance(src, int) or not 0 < src < ws:
             return Verdict.fail(f"recv from any source returned sender {src!r}")
         v = compare_exact(got, _msg(dt, n, src, 0, 9), f"message from rank {src}")

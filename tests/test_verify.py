@@ -103,6 +103,15 @@ def test_random_reference_bound_holds_for_every_order_and_is_tight():
             for r in order[1:]:
                 acc = acc + xs[r]  # float16 arithmetic, one rounding per step
             assert compare_reference(acc, ref.value, ref.bound).passed, (ws, order)
+    for dtype in ("float32", "float64"):  # float64: the reference's own error matters here
+        for ws in (3, 4):
+            xs = [data.random_input(ReduceOp.SUM, dtype, 2000, r, ("t64", ws)) for r in range(ws)]
+            ref = data.random_reference(ReduceOp.SUM, xs, dtype)
+            for order in itertools.permutations(range(ws)):
+                acc = xs[order[0]].clone()
+                for r in order[1:]:
+                    acc = acc + xs[r]
+                assert compare_reference(acc, ref.value, ref.bound).passed, (dtype, ws, order)
     xs = [data.random_input(ReduceOp.SUM, "float32", 2000, r, "t") for r in range(2)]
     ref = data.random_reference(ReduceOp.SUM, xs, "float32")
     good = xs[0] + xs[1]
