@@ -53,6 +53,12 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "vcga.plugins.hccl",
     "vcga.plugins.mlu",
     "vcga.conformance.checks",
+    "vcga.formats.vbin",
+    "vcga.formats.hdf5",
+    "vcga.formats.safetensors_format",
+    "vcga.formats.torch_pt",
+    "vcga.formats.mindrecord",
+    "vcga.formats.mindspore_ckpt",
 )
 
 _TRUE = {"1", "true", "yes", "on"}

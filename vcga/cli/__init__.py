@@ -19,6 +19,8 @@ from vcga import __version__
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("vcga.cli.info", "info", "Show plugins, backends, availability and capabilities."),
     "verify": ("vcga.cli.verify", "verify", "Certify that a backend's collectives are numerically right."),
+    "convert": ("vcga.cli.convert", "convert", "Convert a checkpoint between formats (streaming, exact, atomic)."),
+    "inspect": ("vcga.cli.inspect", "inspect", "List a checkpoint's tensors and check their checksums."),
 }
 
 

@@ -1,0 +1,74 @@
+"""Conversion streams: peak resident memory grows by at most 2 x the largest tensor + 150 MiB, on a
+checkpoint much larger than that bound (so a converter that held the checkpoint would fail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+TENSOR = 16 * MiB
+COUNT = 16  # 256 MiB checkpoint; the bound is 2 * 16 + 150 = 182 MiB
+
+CHILD = r"""
+import json, resource, sys
+src, dst = sys.argv[1], sys.argv[2]
+import numpy, h5py, safetensors, xxhash  # the libraries every conversion loads, before the baseline
+from vcga.convert import convert, detect_source, detect_target
+from vcga.plugin_manager import get_plugin_manager
+get_plugin_manager().formats()
+if src.endswith(".pt") or dst.endswith(".pt"):
+    import torch
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
+rep = convert(src, dst)
+print(json.dumps({"base": base, "peak": peak(), "largest": rep.largest_tensor_bytes, "bytes": rep.bytes}))
+"""
+
+MAKE = r"""
+import sys, numpy as np
+from vcga.contract import TensorEntry
+from vcga.plugin_manager import get_plugin_manager
+path, fmt, count, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+spec = next(s for s in get_plugin_manager().formats() if s.name == fmt)
+with spec.open_writer(path) as w:
+    w.set_metadata({})
+    for i in range(count):
+        data = np.full(size // 4, i, dtype=np.float32)
+        w.write(TensorEntry(f"layer{i}.weight", "float32", (size // 4,), data))
+"""
+
+PAIRS = [("safetensors", ".safetensors", ".h5"), ("hdf5", ".h5", ".pt"), ("torch", ".pt", ".safetensors")]
+
+
+@pytest.mark.parametrize("fmt,src_ext,dst_ext", PAIRS, ids=[f"{a}{b}->{c}" for a, b, c in PAIRS])
+def test_peak_rss_is_bounded_by_the_largest_tensor(tmp_path, fmt, src_ext, dst_ext):
+    # On tmpfs when there is one: the test measures memory, not the disk's fsync speed.
+    shm = Path("/dev/shm")
+    work = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    try:
+        _measure(work, fmt, src_ext, dst_ext)
+    finally:
+        if work != tmp_path:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(work, fmt, src_ext, dst_ext):
+    src, dst = work / f"src{src_ext}", work / f"dst{dst_ext}"
+    subprocess.run([sys.executable, "-c", MAKE, str(src), fmt, str(COUNT), str(TENSOR)], check=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["largest"] == TENSOR and m["bytes"] == COUNT * TENSOR
+    growth = m["peak"] - m["base"]
+    bound = 2 * m["largest"] + 150 * MiB
+    print(f"{fmt}{src_ext}->{dst_ext}: peak RSS grew by {growth / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)")
+    assert growth <= bound, f"peak RSS grew by {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"

@@ -1,0 +1,608 @@
+"""The conversion engine behind ``vcga convert`` and ``vcga inspect``: any format to any other.
+
+Every format plugin contributes a :class:`~vcga.contract.FormatSpec` (reader + writer over one
+stream of :class:`~vcga.contract.TensorEntry`); this module only joins a reader to a writer --
+N readers and N writers, never N^2 converters:
+
+1. find the formats (``--from``/``--to``, else the source's signature via ``FormatSpec.sniff``,
+   else file extensions; MindSpore's shard names ``name0 .. nameN-1`` are recognised);
+2. read the source's index and check, before writing a byte, that the target can hold every
+   dtype exactly -- otherwise :class:`~vcga.errors.VcgaConversionError` names the tensor and the
+   dtype, unless an explicit cast (``--cast bfloat16=float32``) was asked for;
+3. stream tensor by tensor from reader to writer (peak memory: about two tensors), checksumming
+   each tensor on the way (xxh3) and checking checksums the source stored;
+4. write into a hidden staging directory beside the destination, optionally re-read the output
+   and compare every checksum (``--verify``), then move the files into place. On any error the
+   staging directory is removed: the destination is left absent (or as it was), and the source is
+   only ever opened for reading.
+
+The library logs and raises; only :mod:`vcga.cli` prints. Importing this module imports neither
+torch nor any format: formats load through the plugin manager, and only the torch format imports
+torch, when a ``.pt`` file is opened.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from vcga import dtypes
+from vcga.contract import FormatSpec, TensorEntry
+from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaError, VcgaFormatError
+from vcga.formatkit import checksum, entry_buffer
+
+__all__ = [
+    "ConversionReport",
+    "InspectReport",
+    "available_formats",
+    "format_by_name",
+    "detect_source",
+    "detect_target",
+    "parse_casts",
+    "parse_size",
+    "check_dtypes",
+    "convert",
+    "inspect_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``progress(phase, done_bytes, total_bytes, tensor_name)``; phase is "convert" or "verify".
+Progress = Callable[[str, int, int, str], None]
+
+_SHARD_SUFFIX = re.compile(r"^(?P<stem>.*?)(?P<digits>\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding formats
+# ---------------------------------------------------------------------------------------------------
+
+
+def available_formats() -> list[FormatSpec]:
+    """Every format the loaded plugins contribute (built-ins first)."""
+    from vcga.plugin_manager import get_plugin_manager
+
+    return get_plugin_manager().formats()
+
+
+def _names(specs: Sequence[FormatSpec]) -> str:
+    return ", ".join(s.name for s in specs) or "(none: no format plugin loaded; see `vcga info`)"
+
+
+def format_by_name(name: str, specs: Sequence[FormatSpec] | None = None) -> FormatSpec:
+    """The format called ``name`` (``--from``/``--to``)."""
+    specs = available_formats() if specs is None else specs
+    for s in specs:
+        if s.name == name:
+            return s
+    raise VcgaConversionError(f"unknown format {name!r}; known formats: {_names(specs)}")
+
+
+def _by_extension(path: Path, specs: Sequence[FormatSpec]) -> FormatSpec | None:
+    """Longest matching extension; then the same with a MindSpore shard number stripped
+    (``model.mindrecord3`` -> ``.mindrecord``)."""
+    lname = path.name.lower()
+    best: tuple[int, FormatSpec] | None = None
+    for s in specs:
+        for ext in s.extensions:
+            if lname.endswith(ext.lower()) and (best is None or len(ext) > best[0]):
+                best = (len(ext), s)
+    if best is not None:
+        return best[1]
+    m = _SHARD_SUFFIX.match(path.name)
+    if m and m.group("stem"):
+        return _by_extension(path.with_name(m.group("stem")), specs)
+    return None
+
+
+def _safe_sniff(spec: FormatSpec, path: Path) -> bool:
+    try:
+        return bool(spec.sniff(path))
+    except Exception as e:  # the contract says sniff never raises; a plugin that does is not the user's problem
+        log.warning("format %s: sniff(%s) raised %r; treated as no match", spec.name, path, e)
+        return False
+
+
+def _first_shard(path: Path) -> Path | None:
+    """MindSpore's FileWriter(name, shard_num=N) writes name0 .. name{N-1}, zero-padded to the width of N-1."""
+    for width in range(1, 6):
+        cand = path.with_name(path.name + "0" * width)
+        if cand.is_file():
+            return cand
+    return None
+
+
+def detect_source(path: str | os.PathLike[str], name: str | None = None,
+                  specs: Sequence[FormatSpec] | None = None) -> tuple[FormatSpec, Path]:
+    """The source's format and the path to open.
+
+    A name given (``--from``) wins. Otherwise the file's signature decides (every format's
+    ``sniff``; when several claim it, the one whose extension also matches), then its extension.
+    A path that does not exist but whose MindSpore shards do (``model.mindrecord`` ->
+    ``model.mindrecord0``) opens the first shard; one with a Hugging Face shard index beside it
+    (``model.safetensors`` -> ``model.safetensors.index.json``) opens the index.
+
+    :raises VcgaFormatError: no such file, or no format recognises it.
+    """
+    specs = available_formats() if specs is None else specs
+    p = Path(path)
+    if not p.exists():
+        index = p.with_name(p.name + ".index.json")  # Hugging Face: model.safetensors -> its shard index
+        shard = index if index.is_file() else _first_shard(p)
+        if shard is None:
+            raise VcgaFormatError(p, "no such file (nor MindSpore shards named like it: "
+                                  f"{p.name}0, {p.name}00, ..., nor a shard index {index.name})")
+        p = shard
+    if p.is_dir():
+        raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard)")
+    if name is not None:
+        return format_by_name(name, specs), p
+    sniffed = [s for s in specs if _safe_sniff(s, p)]
+    by_ext = _by_extension(p, specs)
+    if sniffed:
+        return (by_ext if by_ext in sniffed else sniffed[0]), p
+    if by_ext is not None:
+        return by_ext, p
+    raise VcgaFormatError(p, f"no format recognises this file's signature or extension; pass --from with one of: "
+                          f"{_names(specs)}")
+
+
+def detect_target(path: str | os.PathLike[str], name: str | None = None,
+                  specs: Sequence[FormatSpec] | None = None) -> FormatSpec:
+    """The destination's format: ``--to`` if given, else its extension."""
+    specs = available_formats() if specs is None else specs
+    if name is not None:
+        return format_by_name(name, specs)
+    spec = _by_extension(Path(path), specs)
+    if spec is None:
+        exts = ", ".join(f"{s.name} ({' '.join(s.extensions)})" for s in specs)
+        raise VcgaConversionError(f"cannot tell the target format from {Path(path).name!r}; pass --to, or use an "
+                                  f"extension of: {exts}")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30,
+          "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"2GiB"``, ``"500MB"``, ``"1048576"`` -> bytes (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    unit = (m.group("unit") or "").lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise VcgaConversionError(f"invalid size {text!r}; write e.g. 2GiB, 500MB or a number of bytes")
+    n = int(float(m.group("num")) * _UNITS[unit])
+    if n <= 0:
+        raise VcgaConversionError(f"size {text!r} must be positive")
+    return n
+
+
+#: Which kinds may be cast to which, when asked: widening and same-kind casts. Floating or complex
+#: to integer, anything to bool, and complex to real are refused (they drop information silently).
+_CASTABLE = {"b": "buifc", "u": "uifc", "i": "uifc", "f": "fc", "c": "c"}
+
+
+def parse_casts(specs: Iterable[str]) -> dict[str, str]:
+    """``["bfloat16=float32", ...]`` -> ``{"bfloat16": "float32"}``, checked against the dtype table."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        src, sep, dst = spec.partition("=")
+        src, dst = src.strip(), dst.strip()
+        if not sep or not src or not dst:
+            raise VcgaConversionError(f"invalid cast {spec!r}; write FROM=TO, e.g. bfloat16=float32")
+        for n in (src, dst):
+            if n not in dtypes.DTYPES:
+                raise VcgaConversionError(f"invalid cast {spec!r}: unknown dtype {n!r}; known: {', '.join(dtypes.ALL)}")
+        if dtypes.get(dst).kind not in _CASTABLE[dtypes.get(src).kind]:
+            raise VcgaConversionError(f"refusing cast {src} -> {dst}: it would drop information silently "
+                                      "(float/complex to integer, to bool, or complex to real)")
+        if src in out and out[src] != dst:
+            raise VcgaConversionError(f"two casts for {src}: {out[src]} and {dst}")
+        out[src] = dst
+    return out
+
+
+def _parse_option_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(items: Iterable[str]) -> dict[str, Any]:
+    """``["compression=gzip", "compression_opts=4"]`` -> keyword arguments for a writer."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise VcgaConversionError(f"invalid writer option {item!r}; write KEY=VALUE")
+        out[key.strip()] = _parse_option_value(val.strip())
+    return out
+
+
+def _accepted(fn: Callable[..., Any]) -> tuple[set[str], bool]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return set(), True
+    names = {p.name for p in sig.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _writer_kwargs(spec: FormatSpec, *, plan: Sequence[TensorEntry], shard_size: int | None,
+                   options: Mapping[str, Any]) -> dict[str, Any]:
+    names, var_kw = _accepted(spec.open_writer)
+    kwargs: dict[str, Any] = {}
+    if "plan" in names:  # lets a writer lay out its header before the data (one pass)
+        kwargs["plan"] = plan
+    if shard_size is not None:
+        if "shard_size" not in names and not var_kw:
+            raise VcgaConversionError(f"format {spec.name} does not shard; drop --shard-size")
+        kwargs["shard_size"] = shard_size
+    for k, v in options.items():
+        if k not in names and not var_kw or k in ("plan", "shard_size"):
+            raise VcgaConversionError(f"format {spec.name} has no writer option {k!r}"
+                                      + (f"; it takes: {', '.join(sorted(names - {'path', 'plan'}))}" if names else ""))
+        kwargs[k] = v
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dtypes and casts
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_dtypes(index: Sequence[TensorEntry], target: FormatSpec, casts: Mapping[str, str]) -> list[str]:
+    """The dtype each tensor will have in the target; refuses what the target cannot hold.
+
+    :raises VcgaConversionError: naming the first tensor whose (cast) dtype the target lacks.
+    """
+    out = []
+    for e in index:
+        dt = casts.get(e.dtype, e.dtype)
+        if dt not in target.dtypes:
+            held = ", ".join(d for d in dtypes.ALL if d in target.dtypes)
+            if dt != e.dtype:
+                msg = (f"tensor {e.name!r}: the cast {e.dtype} -> {dt} gives a dtype {target.name} cannot hold "
+                       f"either; it holds: {held}")
+            else:
+                msg = (f"tensor {e.name!r} has dtype {e.dtype}, which {target.name} cannot hold exactly; "
+                       f"pass --cast {e.dtype}=<dtype> to convert it (it holds: {held})")
+            raise VcgaConversionError(msg, tensor=e.name, dtype=e.dtype, target=target.name)
+        out.append(dt)
+    return out
+
+
+def _cast(entry: TensorEntry, dst: str) -> TensorEntry:
+    """Cast with numpy/ml_dtypes, refusing values the target cannot represent (overflow, wrap-around)."""
+    import numpy as np
+
+    from vcga.formatkit import entry_array
+
+    src = entry_array(entry)
+    sk, dk = dtypes.get(entry.dtype).kind, dtypes.get(dst).kind
+    out_dt = dtypes.to_numpy(dst)
+    if dk in "ui" and sk in "bui" and src.size:
+        info = np.iinfo(out_dt)
+        lo, hi = (int(src.min()), int(src.max())) if sk != "b" else (0, 1)
+        if lo < info.min or hi > info.max:
+            raise VcgaConversionError(f"tensor {entry.name!r}: values {lo}..{hi} do not fit {dst} "
+                                      f"({info.min}..{info.max}); cast refused", tensor=entry.name, dtype=entry.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = src.astype(out_dt)
+    if dk in "fc" and src.size:
+        # ml_dtypes gives bf16/fp8 their own isfinite; integers are always finite.
+        now = np.isfinite(out)
+        bad = (np.isfinite(src) & ~now) if sk in "fc" else ~now
+        if bad.any():
+            i = int(np.flatnonzero(bad.reshape(-1))[0])
+            raise VcgaConversionError(
+                f"tensor {entry.name!r}: element {i} ({src.reshape(-1)[i]!r}) overflows {dst}; cast refused",
+                tensor=entry.name, dtype=entry.dtype)
+    out = np.ascontiguousarray(out)
+    data = memoryview(out.reshape(-1).view(np.uint8)) if out.size else b""
+    return TensorEntry(entry.name, dst, entry.shape, data, entry.metadata)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Converting
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionReport:
+    """What one conversion did (the CLI prints it; ``--json`` dumps :meth:`to_json`)."""
+
+    source: str
+    destination: str
+    source_format: str
+    target_format: str
+    tensors: int = 0
+    bytes: int = 0
+    largest_tensor_bytes: int = 0
+    casts: dict[str, int] = field(default_factory=dict)  #: "bfloat16->float32" -> tensors cast
+    verified: bool = False
+    outputs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _notes_of(obj: Any) -> list[str]:
+    notes = getattr(obj, "notes", None)
+    return [str(n) for n in notes] if isinstance(notes, (list, tuple)) else []
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_format: str | None = None,
+            dst_format: str | None = None, casts: Mapping[str, str] | Iterable[str] = (),
+            shard_size: int | str | None = None, verify: bool = False, overwrite: bool = False,
+            writer_options: Mapping[str, Any] | None = None, progress: Progress | None = None,
+            specs: Sequence[FormatSpec] | None = None) -> ConversionReport:
+    """Convert the checkpoint ``src`` into ``dst``, streaming tensor by tensor.
+
+    :param src_format: / :param dst_format: format names (``--from``/``--to``); detected when None.
+    :param casts: ``{"bfloat16": "float32"}`` or ``["bfloat16=float32"]``: explicit dtype casts.
+    :param shard_size: bytes (or ``"2GiB"``) per shard, for targets that shard.
+    :param verify: re-read the output and compare every tensor's checksum before it is moved into place.
+    :param overwrite: replace existing destination files (never the source).
+    :param writer_options: extra keyword arguments for the target's writer (``compression="gzip"``).
+    :param progress: called after each tensor; see :data:`Progress`.
+    :raises VcgaConversionError: the target cannot hold a dtype, a cast overflows, a name is invalid there...
+    :raises VcgaFormatError: the source is malformed. On any error the destination is left absent.
+    """
+    t0 = time.perf_counter()
+    specs = available_formats() if specs is None else specs
+    cast_map = dict(casts) if isinstance(casts, Mapping) else parse_casts(casts)
+    for a, b in cast_map.items():
+        parse_casts([f"{a}={b}"])
+    size = parse_size(shard_size) if shard_size is not None else None
+    src_spec, src_path = detect_source(src, src_format, specs)
+    dst_spec = detect_target(dst, dst_format, specs)
+    dst_path = Path(dst)
+    parent = dst_path.parent if str(dst_path.parent) else Path(".")
+    if not parent.is_dir():
+        raise VcgaConversionError(f"destination directory {str(parent)!r} does not exist")
+    if _same_file(src_path, dst_path) or _same_file(Path(src), dst_path):
+        raise VcgaConversionError(f"destination {str(dst_path)!r} is the source; VCGA never modifies a source")
+    if dst_path.exists() and not overwrite:
+        raise VcgaConversionError(f"destination {str(dst_path)!r} exists; pass --overwrite to replace it")
+
+    report = ConversionReport(str(src), str(dst_path), src_spec.name, dst_spec.name)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst_path.name}.vcga-", dir=parent))
+    try:
+        with src_spec.open_reader(src_path) as reader:
+            index = list(reader.index())
+            _check_unique(index, src_path)
+            targets = check_dtypes(index, dst_spec, cast_map)
+            plan = [replace(e, dtype=t, data=None, checksum=None) for e, t in zip(index, targets)]
+            total = sum(e.nbytes for e in index)
+            staged = staging / dst_path.name
+            kwargs = _writer_kwargs(dst_spec, plan=plan, shard_size=size, options=writer_options or {})
+            sums: dict[str, str] = {}
+            done = 0
+            writer = dst_spec.open_writer(staged, **kwargs)
+            with writer:
+                writer.set_metadata(dict(reader.metadata))
+                n = 0
+                for entry in reader.entries():
+                    if n >= len(index):
+                        raise VcgaFormatError(src_path, f"reader yielded more tensors than its index lists "
+                                              f"({entry.name!r} is extra)")
+                    _check_matches_index(entry, index[n], src_path)
+                    out = _source_checked(entry, src_path)
+                    if targets[n] != entry.dtype:
+                        out = _cast(out, targets[n])
+                        key = f"{entry.dtype}->{targets[n]}"
+                        report.casts[key] = report.casts.get(key, 0) + 1
+                    digest = checksum(entry_buffer(out, target=dst_spec.name))
+                    sums[out.name] = digest
+                    writer.write(replace(out, checksum=digest))
+                    done += entry.nbytes
+                    report.largest_tensor_bytes = max(report.largest_tensor_bytes, entry.nbytes)
+                    n += 1
+                    del out, entry
+                    if progress is not None:
+                        progress("convert", done, total, index[n - 1].name)
+                if n != len(index):
+                    raise VcgaFormatError(src_path, f"reader yielded {n} tensors but its index lists {len(index)}")
+            report.notes += _notes_of(reader) + _notes_of(writer)
+        report.tensors, report.bytes = len(index), total
+        if verify:
+            _verify_output(dst_spec, staged, plan, sums, progress)
+            report.verified = True
+        report.outputs = _move_into_place(staging, parent, overwrite, [src_path, Path(src)])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_unique(index: Sequence[TensorEntry], path: Path) -> None:
+    seen: set[str] = set()
+    for e in index:
+        if e.name in seen:
+            raise VcgaFormatError(path, f"tensor name {e.name!r} appears twice; names must be unique to convert")
+        seen.add(e.name)
+
+
+def _check_matches_index(entry: TensorEntry, planned: TensorEntry, path: Path) -> None:
+    if (entry.name, entry.dtype, tuple(entry.shape)) != (planned.name, planned.dtype, tuple(planned.shape)):
+        raise VcgaFormatError(path, f"reader yielded {entry.name!r} {entry.dtype} {list(entry.shape)} where its "
+                              f"index lists {planned.name!r} {planned.dtype} {list(planned.shape)}")
+
+
+def _source_checked(entry: TensorEntry, path: Path) -> TensorEntry:
+    """Check the entry's length (and stored checksum) -- a source problem is a VcgaFormatError."""
+    try:
+        buf = entry_buffer(entry)
+    except VcgaConversionError as e:
+        raise VcgaFormatError(path, str(e)) from None
+    if entry.checksum is not None:
+        got = checksum(buf)
+        if got != entry.checksum:
+            raise VcgaChecksumError(path, f"tensor {entry.name!r}: stored checksum {entry.checksum}, data hashes to "
+                                    f"{got}; the file was damaged after it was written")
+    return entry
+
+
+def _verify_output(spec: FormatSpec, path: Path, plan: Sequence[TensorEntry], sums: Mapping[str, str],
+                   progress: Progress | None) -> None:
+    """Re-read what was written and compare names, dtypes, shapes and every tensor's checksum."""
+    expected = {e.name: e for e in plan}
+    total = sum(e.nbytes for e in plan)
+    done = 0
+    try:
+        with spec.open_reader(path) as reader:
+            index = {e.name: e for e in reader.index()}
+            if set(index) != set(expected):
+                missing = sorted(set(expected) - set(index))
+                extra = sorted(set(index) - set(expected))
+                raise VcgaChecksumError(path, f"verify: the output's tensors differ from the source's "
+                                        f"(missing {missing[:3]}, unexpected {extra[:3]})")
+            for entry in reader.entries():
+                want = expected.get(entry.name)
+                if want is None or (entry.dtype, tuple(entry.shape)) != (want.dtype, tuple(want.shape)):
+                    raise VcgaChecksumError(path, f"verify: tensor {entry.name!r} came back as {entry.dtype} "
+                                            f"{list(entry.shape)}")
+                got = checksum(entry_buffer(entry))
+                if got != sums[entry.name]:
+                    raise VcgaChecksumError(path, f"verify: tensor {entry.name!r} reads back as {got}, "
+                                            f"written as {sums[entry.name]}")
+                done += entry.nbytes
+                if progress is not None:
+                    progress("verify", done, total, entry.name)
+    except VcgaChecksumError:
+        raise
+    except VcgaError as e:
+        raise VcgaChecksumError(path, f"verify: the output cannot be read back: {e}") from None
+
+
+def _move_into_place(staging: Path, parent: Path, overwrite: bool, sources: Sequence[Path]) -> list[str]:
+    """Rename every staged file into the destination directory (after checking none clobbers
+    what it must not), then fsync the directory."""
+    from vcga.atomic import fsync_dir
+
+    files = sorted(p for p in staging.iterdir() if p.is_file())
+    if not files:
+        raise VcgaConversionError("the writer produced no file")
+    for f in files:
+        final = parent / f.name
+        if any(_same_file(final, s) for s in sources):
+            raise VcgaConversionError(f"output {str(final)!r} would replace a source file; choose another name")
+        if final.exists() and not overwrite:
+            raise VcgaConversionError(f"output {str(final)!r} exists; pass --overwrite to replace it")
+    # Index files go last, so a reader never finds an index whose shards are not there yet.
+    files.sort(key=lambda f: ("index" in f.name.lower(), f.name))
+    out = []
+    for f in files:
+        final = parent / f.name
+        os.replace(f, final)
+        out.append(str(final))
+    fsync_dir(parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inspecting
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InspectReport:
+    """A checkpoint's tensors and, with ``verify``, each one's checksum status."""
+
+    path: str
+    format: str
+    metadata: dict[str, str]
+    tensors: list[dict[str, Any]]
+    total_bytes: int
+    verified: bool
+    mismatches: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], *, src_format: str | None = None, verify: bool = False,
+                       progress: Progress | None = None, specs: Sequence[FormatSpec] | None = None) -> InspectReport:
+    """List a checkpoint's tensors (name, dtype, shape, bytes, stored checksum).
+
+    With ``verify`` every tensor is read: a stored checksum is compared (status ``ok`` or
+    ``MISMATCH``); without one the computed checksum is shown (status ``computed``). Without
+    ``verify`` the status is ``stored`` or ``none`` and no tensor data is read.
+    """
+    spec, p = detect_source(path, src_format, specs)
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
+    with spec.open_reader(p) as reader:
+        index = list(reader.index())
+        for e in index:
+            rows.append({"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
+                         "stored_checksum": e.checksum, "checksum": e.checksum,
+                         "status": "stored" if e.checksum else "none", "metadata": dict(e.metadata)})
+        if verify:
+            by_name = {r["name"]: r for r in rows}
+            total = sum(e.nbytes for e in index)
+            done = 0
+            seen = 0
+            for entry in reader.entries():
+                row = by_name.get(entry.name)
+                if row is None or (entry.dtype, list(entry.shape)) != (row["dtype"], row["shape"]):
+                    raise VcgaFormatError(p, f"tensor {entry.name!r} read as {entry.dtype} {list(entry.shape)}, "
+                                          "which its index does not list")
+                try:
+                    got = checksum(entry_buffer(entry))
+                except VcgaConversionError as e:
+                    raise VcgaFormatError(p, str(e)) from None
+                stored = entry.checksum or row["stored_checksum"]
+                if stored is None:
+                    row["status"] = "computed"
+                elif stored == got:
+                    row["status"] = "ok"
+                else:
+                    row["status"] = "MISMATCH"
+                    mismatches += 1
+                row["checksum"] = got
+                done += entry.nbytes
+                seen += 1
+                if progress is not None:
+                    progress("verify", done, total, entry.name)
+            if seen != len(rows):
+                raise VcgaFormatError(p, f"read {seen} tensors but the index lists {len(rows)}")
+        meta = dict(reader.metadata)
+    return InspectReport(str(p), spec.name, meta, rows, sum(r["bytes"] for r in rows), verify, mismatches)

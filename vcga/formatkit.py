@@ -1,0 +1,152 @@
+"""Helpers every checkpoint format plugin shares (public core API, like :mod:`vcga.dtypes`).
+
+A format plugin imports this module instead of re-implementing the same five things:
+
+- :func:`checksum` -- the ``"xxh3_64:<16 hex>"`` string :class:`~vcga.contract.TensorEntry` carries;
+- :func:`entry_buffer` / :func:`entry_array` -- an entry's bytes checked against its dtype and shape,
+  and a zero-copy little-endian numpy view of them;
+- :data:`TENSOR_METADATA_KEY` with :func:`pack_tensor_metadata` / :func:`unpack_tensor_metadata` --
+  the convention that lets a format with only file-level string metadata (safetensors, ...) carry
+  per-tensor metadata (HDF5 attributes, tie information) through a conversion;
+- :func:`read_exact` -- read a byte range or raise :class:`~vcga.errors.VcgaFormatError`.
+
+It imports numpy lazily and never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import xxhash
+
+from vcga import dtypes
+from vcga.errors import VcgaConversionError, VcgaFormatError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from vcga.contract import TensorEntry
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "checksum",
+    "entry_buffer",
+    "entry_array",
+    "TENSOR_METADATA_KEY",
+    "pack_tensor_metadata",
+    "unpack_tensor_metadata",
+    "read_exact",
+    "file_size",
+]
+
+#: The one per-tensor checksum VCGA speaks: xxHash's XXH3, 64 bits (fast, well kept, not cryptographic).
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+#: File-level metadata key under which formats without per-tensor metadata keep it, as JSON
+#: ``{"tensor name": {"key": "value", ...}, ...}`` (only tensors that have metadata are listed).
+TENSOR_METADATA_KEY = "vcga.tensor_metadata"
+
+
+def checksum(data: Any) -> str:
+    """``"xxh3_64:<16 lowercase hex digits>"`` of a bytes-like object (no copy)."""
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def entry_buffer(entry: TensorEntry, *, target: str | None = None) -> memoryview:
+    """The entry's data as a flat byte ``memoryview``, after checking its length.
+
+    :param target: the format name, for the error message.
+    :raises VcgaConversionError: unknown dtype, or a data length that is not ``numel * itemsize``.
+    """
+    try:
+        itemsize = dtypes.get(entry.dtype).itemsize
+    except dtypes.UnknownDTypeError as e:
+        raise VcgaConversionError(f"tensor {entry.name!r}: {e}", tensor=entry.name, dtype=entry.dtype,
+                                  target=target) from None
+    if any((not isinstance(d, int)) or d < 0 for d in entry.shape):
+        raise VcgaConversionError(f"tensor {entry.name!r}: invalid shape {entry.shape!r}", tensor=entry.name,
+                                  dtype=entry.dtype, target=target)
+    if entry.data is None:
+        raise VcgaConversionError(f"tensor {entry.name!r} carries no data (an index entry was passed to a writer)",
+                                  tensor=entry.name, dtype=entry.dtype, target=target)
+    view = memoryview(entry.data)
+    if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
+        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+    expected = entry.numel * itemsize
+    if view.nbytes != expected:
+        raise VcgaConversionError(
+            f"tensor {entry.name!r}: {view.nbytes} data bytes, but {entry.dtype} {list(entry.shape)} needs {expected}",
+            tensor=entry.name, dtype=entry.dtype, target=target)
+    return view
+
+
+def entry_array(entry: TensorEntry, *, target: str | None = None) -> np.ndarray:
+    """A zero-copy, read-only, little-endian numpy view of the entry with its shape
+    (ml_dtypes' types for bf16 and fp8)."""
+    import numpy as np
+
+    buf = entry_buffer(entry, target=target)
+    return np.frombuffer(buf, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
+
+
+def pack_tensor_metadata(metadata: Mapping[str, str], per_tensor: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """File-level metadata with the per-tensor metadata folded in under :data:`TENSOR_METADATA_KEY`."""
+    out = dict(metadata)
+    kept = {name: dict(m) for name, m in per_tensor.items() if m}
+    if kept:
+        out[TENSOR_METADATA_KEY] = json.dumps(kept, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    else:
+        out.pop(TENSOR_METADATA_KEY, None)
+    return out
+
+
+def unpack_tensor_metadata(metadata: Mapping[str, str], *, path: Any = "") -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """Split file-level metadata into (file metadata, per-tensor metadata).
+
+    :raises VcgaFormatError: the key is present but not a JSON object of string maps.
+    """
+    out = dict(metadata)
+    raw = out.pop(TENSOR_METADATA_KEY, None)
+    if raw is None:
+        return out, {}
+    try:
+        per = json.loads(raw)
+        ok = isinstance(per, dict) and all(
+            isinstance(v, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in v.items())
+            for v in per.values())
+    except (ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise VcgaFormatError(path, f"metadata key {TENSOR_METADATA_KEY!r} is not a JSON object of string maps")
+    return out, per
+
+
+def file_size(f: BinaryIO) -> int:
+    return os.fstat(f.fileno()).st_size
+
+
+def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> memoryview:
+    """Read ``size`` bytes at ``offset`` into a fresh, writable buffer (one allocation, left
+    uninitialised until the read fills it, no intermediate copy).
+
+    :raises VcgaFormatError: the range runs past the end of the file (checked before allocating).
+    """
+    import numpy as np
+
+    total = file_size(f)
+    if offset < 0 or size < 0 or offset + size > total:
+        raise VcgaFormatError(path, f"{what}: {size} bytes at this offset run past the end of the file ({total} bytes)",
+                              offset=offset)
+    view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    buf = view
+    f.seek(offset)
+    got = 0
+    while got < size:
+        n = f.readinto(view[got:])
+        if not n:
+            raise VcgaFormatError(path, f"{what}: file ended after {got} of {size} bytes", offset=offset + got)
+        got += n
+    return buf
