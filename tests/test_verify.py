@@ -24,6 +24,12 @@ HELPERS = ROOT / "tests" / "helper_plugins"
 TINY = str(HELPERS / "verify_tiny.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _rank_logs_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing `vcga verify` keeps its rank logs; put them under pytest's tmp, not /tmp."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def _env(*plugins: str) -> dict[str, str]:
     return {"VCGA_PLUGINS": ",".join(plugins), "COLUMNS": "250",
             "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
