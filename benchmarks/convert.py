@@ -71,7 +71,7 @@ from vcga.convert import convert
 from vcga.plugin_manager import get_plugin_manager
 get_plugin_manager().formats()
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
 def read_anchor(fmt, path):
     if fmt == "safetensors":
         from safetensors.numpy import load_file
@@ -111,11 +111,11 @@ if any(p.endswith(".pt") for p in paths):
 from vcga.convert import convert
 from vcga.plugin_manager import get_plugin_manager
 get_plugin_manager().formats()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
 largest = 0
 for s, t in zip(paths, paths[1:]):
     largest = max(largest, convert(s, t).largest_tensor_bytes)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
 print(json.dumps({"base": base, "peak": peak, "largest": largest}))
 """
 

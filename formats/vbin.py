@@ -25,6 +25,7 @@ This module never imports torch: torch tensors are made by :func:`vcga.tensors.t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -737,6 +738,21 @@ class _VbinFile:
     def view(self, rec: _Record) -> memoryview:
         return self.buf[rec.offset:rec.offset + rec.nbytes]
 
+    def release(self, rec: _Record) -> None:
+        """Drop a tensor's pages from this process's resident memory (they fault back in from the
+        page cache if read again). Skipped once tensors sharing the mapping were handed out: a
+        write through one of them made a private page that dropping would silently undo."""
+        if self._mm is None or self._raw or not rec.nbytes:
+            return
+        page = mmap.PAGESIZE
+        start = -(-rec.offset // page) * page
+        stop = (rec.offset + rec.nbytes) // page * page
+        if stop > start:
+            try:
+                self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            except (OSError, ValueError, AttributeError):  # only a hint
+                pass
+
     def raw(self, framework: str) -> Any:
         """The whole file as one uint8 array/tensor to cut tensors from; None when torch cannot
         share it (a read-only buffer)."""
@@ -843,9 +859,20 @@ class VbinReader:
         return [r.entry(None) for r in self._records]
 
     def entries(self) -> Iterator[TensorEntry]:
-        """Each tensor with its data (a view of the mapping), in file order."""
+        """Each tensor with its data (a read-only view of the mapping), in file order.
+
+        Streaming: once the next entry is requested, the previous one's pages leave this process's
+        resident memory (its view stays valid), so reading a whole checkpoint costs about one
+        tensor of memory rather than the file's size."""
+        prev: _Record | None = None
         for rec in self._records:
-            yield self._entry(rec)
+            if prev is not None:
+                self._file_of(prev).release(prev)
+            entry = self._entry(rec)
+            yield dataclasses.replace(entry, data=entry.data.toreadonly())
+            prev = rec
+        if prev is not None:
+            self._file_of(prev).release(prev)
 
     def close(self) -> None:
         """Release the mappings. Tensors already handed out stay valid (they keep their pages)."""

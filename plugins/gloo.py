@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 TABLE_FILE = Path(__file__).with_name("gloo_capabilities.json")
+#: Ranks the measurement spawns (see :func:`write_table` for why three).
+MEASURE_WORLD_SIZE = 3
 
 
 class GlooBackend(Backend):
@@ -353,10 +355,12 @@ def measure_in_subprocesses(world_size: int = 2) -> dict[tuple, tuple[bool, str]
 def write_table(path: Path = TABLE_FILE) -> None:
     import torch
 
-    result = measure_in_subprocesses(2)
+    # Three ranks, not two: gloo sums bools as bytes, so True+True+False comes back as a bool
+    # tensor holding the byte 2 -- wrong, and invisible in a 2-rank world (True+False = 1).
+    result = measure_in_subprocesses(MEASURE_WORLD_SIZE)
     rows = [{"collective": c, "dtype": dt, "op": op, "ok": ok, "detail": detail}
             for (c, dt, op), (ok, detail) in result.items()]
-    payload = {"torch": torch.__version__.split("+")[0], "world_size": 2, "cells": rows}
+    payload = {"torch": torch.__version__.split("+")[0], "world_size": MEASURE_WORLD_SIZE, "cells": rows}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1) + "\n")
     os.replace(tmp, path)

@@ -27,7 +27,7 @@ get_plugin_manager().formats()
 if src.endswith(".pt") or dst.endswith(".pt"):
     import torch
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
 base = peak()
 rep = convert(src, dst)
 print(json.dumps({"base": base, "peak": peak(), "largest": rep.largest_tensor_bytes, "bytes": rep.bytes}))
@@ -46,7 +46,8 @@ with spec.open_writer(path) as w:
         w.write(TensorEntry(f"layer{i}.weight", "float32", (size // 4,), data))
 """
 
-PAIRS = [("safetensors", ".safetensors", ".h5"), ("hdf5", ".h5", ".pt"), ("torch", ".pt", ".safetensors")]
+PAIRS = [("safetensors", ".safetensors", ".h5"), ("hdf5", ".h5", ".pt"), ("torch", ".pt", ".safetensors"),
+         ("vendor-bin", ".vbin", ".h5")]
 
 
 @pytest.mark.parametrize("fmt,src_ext,dst_ext", PAIRS, ids=[f"{a}{b}->{c}" for a, b, c in PAIRS])

@@ -1,4 +1,5 @@
-"""The gloo table, checked cell by cell against torch's real gloo on a 2-rank world.
+"""The gloo table, checked cell by cell against torch's real gloo, on as many ranks as the table was
+measured with (three: a 2-rank world hides gloo's byte-summed bools).
 
 Every cell the table claims native must run and return the exactly right value; every cell it does
 not claim native must fail natively (it is refused, or VCGA emulates it). The measurement runs the
@@ -15,7 +16,7 @@ from vcga.plugins import gloo
 
 @pytest.fixture(scope="module")
 def measured():
-    return gloo.measure_in_subprocesses(world_size=2)
+    return gloo.measure_in_subprocesses(world_size=gloo.MEASURE_WORLD_SIZE)
 
 
 def test_every_cell_matches_torch_gloo(measured):

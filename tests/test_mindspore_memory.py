@@ -1,6 +1,6 @@
 """Streaming: writing and reading MindRecord and .ckpt holds about one tensor in memory, not the checkpoint.
 
-Each case runs in a fresh interpreter and compares its peak RSS (ru_maxrss) before and after
+Each case runs in a fresh interpreter and compares its peak RSS (VmHWM; ru_maxrss would carry the parent's across exec) before and after
 streaming 12 tensors of 16 MiB (192 MiB) through a writer and back through the reader, plus one
 48 MiB tensor that the format splits (MindRecord pages, .ckpt slices) and the reader joins.
 """
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     MiB = 1 << 20
     fmt, path = sys.argv[1], sys.argv[2]
     mod, opts = (mindrecord, {}) if fmt == "mindrecord" else (mindspore_ckpt, {"slice_size": 16 * MiB})
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024
     buf = np.full(48 * MiB, 7, dtype=np.uint8)   # the producer's one tensor buffer, reused
     with mod.open_writer(path + "warmup") as w:   # imports and first-use costs before the baseline
         w.write(TensorEntry("w", "uint8", (4,), b"abcd"))

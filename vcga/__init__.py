@@ -1,19 +1,28 @@
 """VCGA: one PyTorch training script on NVIDIA (NCCL), Ascend (HCCL), Cambricon MLU (CNCL) and CPU (gloo).
 
 Importing ``vcga`` is cheap and never imports torch; the parts that need torch load on first use.
+It does make ``torch.distributed.init_process_group(backend="vcga")`` available, whether torch is
+imported before or after (see :mod:`vcga._autoload`).
 
+- :func:`vcga.init` -- set up this process from torchrun's environment and return a
+  :class:`~vcga.comm.Communicator`;
 - :mod:`vcga.contract` -- the plugin contract (read it first);
 - :mod:`vcga.errors` -- every error VCGA raises;
 - :mod:`vcga.config` -- the unified configuration;
 - :mod:`vcga.plugin_manager` -- plugin discovery and backend selection;
-- :mod:`vcga.dtypes` -- the one dtype table.
+- :mod:`vcga.dtypes` -- the one dtype table;
+- :mod:`vcga.process_group` -- the ``vcga`` torch.distributed backend.
 """
 
 from __future__ import annotations
 
+from vcga import _autoload
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_plugin_manager", "load_config"]
+__all__ = ["__version__", "get_plugin_manager", "load_config", "init", "Communicator"]
+
+_autoload.install()
 
 
 def __getattr__(name: str):  # lazy re-exports keep `import vcga` light
@@ -25,4 +34,8 @@ def __getattr__(name: str):  # lazy re-exports keep `import vcga` light
         from vcga.config import load_config
 
         return load_config
+    if name in ("init", "Communicator"):
+        from vcga import comm
+
+        return getattr(comm, name)
     raise AttributeError(f"module 'vcga' has no attribute {name!r}")

@@ -112,8 +112,12 @@ class VcgaCollectiveError(VcgaError, RuntimeError):
         super().__init__(prefix + message)
 
 
-class VcgaTimeoutError(VcgaError, TimeoutError):
-    """A collective did not complete within the configured timeout."""
+class VcgaTimeoutError(VcgaError, TimeoutError, RuntimeError):
+    """A collective did not complete within the configured timeout.
+
+    Also a ``RuntimeError``: torch.distributed's own backends raise ``RuntimeError`` subclasses
+    (``DistBackendError``) on timeouts, and code written against them keeps catching ours.
+    """
 
     def __init__(
         self,

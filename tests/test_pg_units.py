@@ -1,0 +1,131 @@
+"""In-process unit tests of the pieces under the ``vcga`` process group: work objects, the
+timeout rule, op conversion and the dispatcher's refusals -- no world needed."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from vcga.config import Config
+from vcga.contract import CapabilityTable, Collective, ReduceOp
+from vcga.errors import VcgaTimeoutError, VcgaUnsupportedError
+from vcga.pypg import PyWork, completed_work, reduce_op_of, torch_reduce_op
+
+
+def _work(value=None):
+    """A completed native work (torch's own future-backed work)."""
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return _create_work_from_future(fut)
+
+
+def test_pywork_runs_completion_steps_once_and_exposes_the_result() -> None:
+    t = torch.zeros(3)
+    steps = []
+    w = PyWork([_work([t])], [lambda: steps.append(1), lambda: t.add_(2)], [t])
+    assert w.wait() and w.wait()
+    assert steps == [1] and t.tolist() == [2.0, 2.0, 2.0]
+    assert w.is_completed() and w.is_success()
+    assert w.result()[0] is t
+    assert w.get_future().wait()[0] is t
+
+
+def test_pywork_future_runs_the_steps_without_wait() -> None:
+    """DDP's reducer only calls get_future(): the steps must run on completion."""
+    t = torch.ones(2)
+    w = PyWork([_work([t])], [lambda: t.mul_(5)], [t])
+    assert w.get_future().wait()[0].tolist() == [5.0, 5.0]
+    w.wait()
+    assert t.tolist() == [5.0, 5.0]  # and not twice
+
+
+class _FailingWork(dist._Work):
+    """A native work whose wait raises, as gloo's does on a timeout."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_exception(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+        return fut
+
+
+def test_pywork_translates_native_failures() -> None:
+    def translate(e: BaseException) -> BaseException:
+        return VcgaTimeoutError("all_reduce", 3.0, rank=0, seq=7, detail=str(e))
+
+    w = PyWork([_FailingWork()], [], [], translate=translate)
+    with pytest.raises(VcgaTimeoutError, match=r"all_reduce \(#7\) did not complete within 3 s") as info:
+        w.wait()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(VcgaTimeoutError):
+        w.wait()  # every waiter sees the same error
+    with pytest.raises(Exception, match="did not complete"):
+        w.get_future().wait()
+
+
+def test_completed_work() -> None:
+    w = completed_work([torch.ones(1)])
+    assert w.is_completed() and w.wait() and w.get_future().wait()[0].item() == 1.0
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_reduce_op_round_trip(op: ReduceOp) -> None:
+    factor = 0.25 if op is ReduceOp.PREMUL_SUM else None
+    back, f = reduce_op_of(torch_reduce_op(op, factor))
+    assert back is op and f == factor
+
+
+def test_timeout_rule() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    from vcga.process_group import _effective_timeout
+
+    cfg = Config(collective_timeout_s=12.0)
+    assert _effective_timeout(c10d.default_pg_timeout, cfg) == timedelta(seconds=12)  # torch's default: not given
+    assert _effective_timeout(None, cfg) == timedelta(seconds=12)
+    assert _effective_timeout(timedelta(seconds=5), cfg) == timedelta(seconds=5)  # explicit wins
+
+
+def test_refusal_names_everything_and_hints() -> None:
+    from vcga.dispatch import Dispatcher, Steps
+    from vcga.transport import Transport
+
+    class Tiny(Transport):
+        def __init__(self) -> None:
+            self.table = (CapabilityTable.builder("tiny").native([Collective.ALL_REDUCE], ["float32"], ["SUM"])
+                          .build(derive=False))
+            self.group = None
+            self.backend_name = "tiny"
+            self.device_type = "cpu"
+
+    d = Dispatcher(Tiny(), rank=0, size=2)
+    with pytest.raises(VcgaUnsupportedError) as info:
+        d.all_reduce(torch.ones(2, dtype=torch.float64), ReduceOp.SUM, None, dist.AllreduceOptions(), Steps())
+    e = info.value
+    assert (e.backend, e.collective, e.dtype, e.op) == ("tiny", "all_reduce", "float64", "SUM")
+    assert "SUM works here on: float32" in str(e)
+
+
+def test_emulation_loop_is_refused_not_followed() -> None:
+    from vcga.contract import Cell, Support
+    from vcga.dispatch import MAX_EMULATION_DEPTH, Dispatcher, Steps
+    from vcga.transport import Transport
+
+    loop = {(Collective.BROADCAST, "int16", None): Cell(Support.EMULATED, via="upcast:int32"),
+            (Collective.BROADCAST, "int32", None): Cell(Support.EMULATED, via="bitcast:int16")}
+
+    class Loop(Transport):
+        def __init__(self) -> None:
+            self.table = CapabilityTable("loop", loop)
+            self.group = None
+            self.backend_name = "loop"
+            self.device_type = "cpu"
+
+    with pytest.raises(VcgaUnsupportedError, match=f"longer than {MAX_EMULATION_DEPTH} steps"):
+        Dispatcher(Loop(), 0, 2).broadcast(torch.ones(4, dtype=torch.int16), 0, dist.BroadcastOptions(), Steps())

@@ -1,0 +1,478 @@
+"""Capability-aware dispatch: every collective goes native, emulated or refused -- never wrong.
+
+Before each call the dispatcher looks up (collective, dtype, reduce op) in the transport's
+:class:`~vcga.contract.CapabilityTable`:
+
+- **native**: the transport's group runs it (tensors made contiguous first where needed);
+- **emulated**: the cell's recipe (``via``, one of :data:`vcga.contract.EMULATIONS`) rewrites the
+  call into another call -- a different op, dtype or collective -- which is dispatched again
+  (so ``bool SUM`` can become ``bool MAX`` which can become ``uint8 MAX``), plus local steps that
+  run before the native call (scale, cast) or after it completes (divide, cast back, reduce);
+- **refused**: :class:`~vcga.errors.VcgaUnsupportedError` naming backend, collective, dtype, op,
+  the library's reason and what to do, raised before any rank touches the network. Every rank holds
+  the same table, so every rank refuses the same call.
+
+Each recipe issues exactly one native call, so an emulated collective is one native work plus
+completion steps (:class:`Steps`); the process group wraps them in a :class:`vcga.pypg.PyWork`.
+The error bound of every recipe is in ``docs/emulation.md``.
+
+The entry points take *canonical* arguments (one tensor, or plain lists); the process group
+(:mod:`vcga.process_group`) maps torch's many variants (``_coalesced``, ``_base``, list forms) onto
+them and takes the native fast path itself when the cell is native and nothing needs staging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from vcga import dtypes as _dtypes
+from vcga.contract import Cell, Collective, ReduceOp, Support
+from vcga.errors import VcgaUnsupportedError
+from vcga.pypg import options
+from vcga.transport import Transport
+
+__all__ = ["Steps", "Dispatcher", "local_reduce", "MAX_EMULATION_DEPTH"]
+
+#: Longest chain of recipes one call may go through (a table that loops is refused, not followed).
+MAX_EMULATION_DEPTH = 6
+
+AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
+BC, AG, GA, SC, A2A, P2P = (Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER, Collective.SCATTER,
+                            Collective.ALL_TO_ALL, Collective.SEND_RECV)
+
+_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+class Steps:
+    """What one collective turned into: native works to wait for, then local steps to run."""
+
+    __slots__ = ("works", "finish", "source")
+
+    def __init__(self) -> None:
+        self.works: list[Any] = []
+        self.finish: list[Callable[[], Any]] = []
+        #: for a receive from any source: the native work that knows the sender
+        self.source: Any = None
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy (the staging buffer)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _copy_back(steps: Steps, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src is not dst:
+        steps.finish.append(partial(dst.copy_, src))
+
+
+def _flat_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a 1-D tensor of ``dtype`` (same bytes, no copy)."""
+    return t.reshape(-1).view(dtype)
+
+
+def _is_complex_factor(factor: Any) -> bool:
+    if isinstance(factor, torch.Tensor):
+        return factor.is_complex()
+    return isinstance(factor, complex)
+
+
+def local_reduce(stacked: torch.Tensor, op: ReduceOp, factor: Any, group_size: int) -> torch.Tensor:
+    """Reduce ``stacked[0], stacked[1], ...`` (one row per rank) in rank order, in their own dtype.
+
+    Every rank runs the same operations in the same order, so every rank gets the same bits.
+    """
+    rows = stacked.unbind(0)
+    if op is ReduceOp.PREMUL_SUM:
+        acc = rows[0] * factor
+        for r in rows[1:]:
+            acc = acc + r * factor
+        return acc
+    acc = rows[0].clone()
+    for r in rows[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc += r
+        elif op is ReduceOp.PRODUCT:
+            acc *= r
+        elif op is ReduceOp.MIN:
+            acc = torch.minimum(acc, r)
+        elif op is ReduceOp.MAX:
+            acc = torch.maximum(acc, r)
+        elif op is ReduceOp.BAND:
+            acc &= r
+        elif op is ReduceOp.BOR:
+            acc |= r
+        elif op is ReduceOp.BXOR:
+            acc ^= r
+        else:  # pragma: no cover - every ReduceOp is handled above
+            raise AssertionError(op)
+    if op is ReduceOp.AVG:
+        acc = acc / group_size
+    return acc
+
+
+class Dispatcher:
+    """Routes canonical collective calls through one transport's capability table.
+
+    :param transport: what moves the bytes (:mod:`vcga.transport`).
+    :param rank: this process's rank in the group.
+    :param size: the group size.
+    """
+
+    def __init__(self, transport: Transport, rank: int, size: int) -> None:
+        self.transport = transport
+        self.group = transport.group
+        self.table = transport.table
+        self.backend = transport.backend_name
+        self.rank = rank
+        self.size = size
+        self._cells: dict[tuple[Collective, torch.dtype, ReduceOp | None], Cell] = {}
+
+    # -- table lookups ---------------------------------------------------------------------------
+
+    def cell(self, coll: Collective, dtype: torch.dtype, op: ReduceOp | None = None) -> Cell:
+        """The capability cell for one call (cached per (collective, dtype, op))."""
+        key = (coll, dtype, op if coll.reduces else None)
+        cell = self._cells.get(key)
+        if cell is None:
+            try:
+                name = _dtypes.from_torch(dtype)
+            except _dtypes.UnknownDTypeError:
+                cell = Cell(Support.REFUSED, note=f"VCGA has no canonical name for {dtype}")
+            else:
+                cell = self.table.lookup(coll, name, key[2])
+            self._cells[key] = cell
+        return cell
+
+    def is_native(self, coll: Collective, dtype: torch.dtype, op: ReduceOp | None = None) -> bool:
+        return self.cell(coll, dtype, op).support is Support.NATIVE
+
+    def refuse(self, coll: Collective, dtype: torch.dtype, op: ReduceOp | None, reason: str) -> VcgaUnsupportedError:
+        """The typed error for a refused cell, with a hint built from the table."""
+        name = str(dtype).removeprefix("torch.")
+        return VcgaUnsupportedError(self.backend, coll.value, name, op.value if op else None, reason,
+                                    self._hint(coll, name, op))
+
+    def _hint(self, coll: Collective, dtype: str, op: ReduceOp | None) -> str:
+        def ok(c: Collective, d: str, o: ReduceOp | None) -> bool:
+            return self.table.lookup(c, d, o).support is not Support.REFUSED
+
+        if coll.reduces and op is not None:
+            ops = [o.value for o in ReduceOp if ok(coll, dtype, o)]
+            dts = [d for d in _dtypes.ALL if ok(coll, d, op)]
+            parts = [f"{coll.value} on {dtype} works here with: {', '.join(ops) or 'no op'}",
+                     f"{op.value} works here on: {', '.join(dts) or 'no dtype'}"]
+        else:
+            dts = [d for d in _dtypes.ALL if ok(coll, d, None)]
+            parts = [f"{coll.value} works here on: {', '.join(dts) or 'no dtype'}"]
+        return ("; ".join(parts) + ". Cast the tensor or change the op, or run this collective on a group "
+                "of a backend that supports it (e.g. torch.distributed.new_group(backend='gloo') for CPU tensors)"
+                "; `vcga info --json` lists every cell")
+
+    def _recipe(self, coll: Collective, dtype: torch.dtype, op: ReduceOp | None, depth: int) -> tuple[str, str]:
+        """``(recipe, argument)`` of an emulated cell; raises for refused cells and runaway chains."""
+        cell = self.cell(coll, dtype, op)
+        if cell.support is Support.REFUSED:
+            raise self.refuse(coll, dtype, op, cell.note or "refused")
+        if depth >= MAX_EMULATION_DEPTH:
+            raise self.refuse(coll, dtype, op, f"emulation chain longer than {MAX_EMULATION_DEPTH} steps "
+                                               f"(the capability table loops at recipe {cell.via!r})")
+        assert cell.via is not None
+        base, _, arg = cell.via.partition(":")
+        return base, arg
+
+    def _bad_recipe(self, coll: Collective, dtype: torch.dtype, op: ReduceOp | None, via: str) -> VcgaUnsupportedError:
+        return self.refuse(coll, dtype, op, f"the capability table names emulation {via!r}, which does not apply "
+                                            f"to {coll.value}{' with ' + op.value if op else ''} on {dtype}")
+
+    # ===========================================================================================
+    # Reducing collectives
+    # ===========================================================================================
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp, factor: Any, like: Any, steps: Steps, depth: int = 0) -> None:
+        """All-reduce ``t`` in place."""
+        if self.is_native(AR, t.dtype, op):
+            b = _dense(t)
+            steps.works.append(self.group.allreduce([b], options("allreduce", like=like, op=op, factor=factor)))
+            _copy_back(steps, t, b)
+            return
+        via, arg = self._recipe(AR, t.dtype, op, depth)
+        d = depth + 1
+        if via == "sum_then_divide":
+            self.all_reduce(t, ReduceOp.SUM, None, like, steps, d)
+            steps.finish.append(partial(t.div_, self.size))
+        elif via == "mul_then_sum":
+            t.mul_(factor)  # the tensor is overwritten by the result anyway
+            self.all_reduce(t, ReduceOp.SUM, None, like, steps, d)
+        elif via in ("bool_as_max", "bool_as_min"):
+            self.all_reduce(t, ReduceOp.MAX if via == "bool_as_max" else ReduceOp.MIN, None, like, steps, d)
+        elif via == "upcast":
+            w = t.to(_dtypes.to_torch(arg), memory_format=torch.contiguous_format)
+            self.all_reduce(w, op, factor, like, steps, d)
+            steps.finish.append(partial(t.copy_, w))
+        elif via in ("bitcast", "as_real"):
+            if via == "as_real" and op is ReduceOp.PREMUL_SUM and _is_complex_factor(factor):
+                t.mul_(factor)  # a complex factor mixes real and imaginary parts: apply it first
+                op, factor = ReduceOp.SUM, None
+            b = _dense(t)
+            view = _flat_view(b, _REAL_OF[t.dtype] if via == "as_real" else _dtypes.to_torch(arg))
+            self.all_reduce(view, op, factor, like, steps, d)
+            _copy_back(steps, t, b)
+        elif via == "gather_then_reduce":
+            b = _dense(t)
+            buf = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+            self.all_gather(list(buf.unbind(0)), b, like, steps, d)
+            steps.finish.append(lambda: t.copy_(local_reduce(buf, op, factor, self.size).reshape(t.shape)))
+        else:
+            raise self._bad_recipe(AR, t.dtype, op, f"{via}:{arg}" if arg else via)
+
+    def reduce(self, t: torch.Tensor, root: int, op: ReduceOp, factor: Any, like: Any, steps: Steps,
+               depth: int = 0) -> None:
+        """Reduce ``t`` into ``t`` on ``root``; other ranks' ``t`` is left unchanged (as NCCL does;
+        gloo alone would leave partial sums there)."""
+        at_root = self.rank == root
+        if self.is_native(RD, t.dtype, op):
+            # Libraries may use a non-root rank's buffer as scratch (gloo does): hand them a copy there.
+            b = _dense(t) if at_root else t.clone(memory_format=torch.contiguous_format)
+            steps.works.append(self.group.reduce([b], options("reduce", like=like, op=op, factor=factor, root=root)))
+            if at_root:
+                _copy_back(steps, t, b)
+            return
+        via, arg = self._recipe(RD, t.dtype, op, depth)
+        d = depth + 1
+        if via == "sum_then_divide":
+            self.reduce(t, root, ReduceOp.SUM, None, like, steps, d)
+            if at_root:
+                steps.finish.append(partial(t.div_, self.size))
+        elif via == "mul_then_sum":
+            s = t.mul(factor)  # a copy: a non-root rank's tensor must stay as it was
+            self.reduce(s, root, ReduceOp.SUM, None, like, steps, d)
+            if at_root:
+                steps.finish.append(partial(t.copy_, s))
+        elif via in ("bool_as_max", "bool_as_min"):
+            self.reduce(t, root, ReduceOp.MAX if via == "bool_as_max" else ReduceOp.MIN, None, like, steps, d)
+        elif via == "upcast":
+            w = t.to(_dtypes.to_torch(arg), memory_format=torch.contiguous_format)
+            self.reduce(w, root, op, factor, like, steps, d)
+            if at_root:
+                steps.finish.append(partial(t.copy_, w))
+        elif via in ("bitcast", "as_real"):
+            if via == "as_real" and op is ReduceOp.PREMUL_SUM and _is_complex_factor(factor):
+                b = t.mul(factor)
+                op, factor = ReduceOp.SUM, None
+            else:
+                b = _dense(t)
+            view = _flat_view(b, _REAL_OF[t.dtype] if via == "as_real" else _dtypes.to_torch(arg))
+            self.reduce(view, root, op, factor, like, steps, d)
+            if at_root:
+                _copy_back(steps, t, b)
+        elif via == "gather_then_reduce":
+            b = _dense(t)
+            if at_root:
+                buf = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+                self.gather(list(buf.unbind(0)), b, root, like, steps, d)
+                steps.finish.append(lambda: t.copy_(local_reduce(buf, op, factor, self.size).reshape(t.shape)))
+            else:
+                self.gather([], b, root, like, steps, d)
+        else:
+            raise self._bad_recipe(RD, t.dtype, op, f"{via}:{arg}" if arg else via)
+
+    def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, factor: Any, like: Any,
+                       steps: Steps, depth: int = 0) -> None:
+        """Reduce ``ins[j]`` of every rank into ``out`` of rank ``j``."""
+        if self.is_native(RS, out.dtype, op):
+            b = _dense(out)
+            steps.works.append(self.group.reduce_scatter(
+                [b], [[_dense(x) for x in ins]], options("reduce_scatter", like=like, op=op, factor=factor)))
+            _copy_back(steps, out, b)
+            return
+        via, arg = self._recipe(RS, out.dtype, op, depth)
+        d = depth + 1
+        if via == "sum_then_divide":
+            self.reduce_scatter(out, ins, ReduceOp.SUM, None, like, steps, d)
+            steps.finish.append(partial(out.div_, self.size))
+        elif via == "mul_then_sum":
+            self.reduce_scatter(out, [x.mul(factor) for x in ins], ReduceOp.SUM, None, like, steps, d)
+        elif via in ("bool_as_max", "bool_as_min"):
+            self.reduce_scatter(out, ins, ReduceOp.MAX if via == "bool_as_max" else ReduceOp.MIN, None, like, steps, d)
+        elif via == "upcast":
+            wide = _dtypes.to_torch(arg)
+            w = torch.empty(out.shape, dtype=wide, device=out.device)
+            self.reduce_scatter(w, [x.to(wide) for x in ins], op, factor, like, steps, d)
+            steps.finish.append(partial(out.copy_, w))
+        elif via in ("bitcast", "as_real"):
+            if via == "as_real" and op is ReduceOp.PREMUL_SUM and _is_complex_factor(factor):
+                ins = [x.mul(factor) for x in ins]
+                op, factor = ReduceOp.SUM, None
+            target = _REAL_OF[out.dtype] if via == "as_real" else _dtypes.to_torch(arg)
+            b = _dense(out)
+            self.reduce_scatter(_flat_view(b, target), [_flat_view(_dense(x), target) for x in ins], op, factor,
+                                like, steps, d)
+            _copy_back(steps, out, b)
+        elif via == "gather_then_reduce":
+            # Each rank needs everyone's chunk for it: an all-to-all moves exactly that, then every
+            # rank reduces its rows in rank order in the dtype itself.
+            send = torch.stack([x.reshape(out.shape) for x in ins]) if ins else torch.empty(0, dtype=out.dtype)
+            recv = torch.empty((self.size, *out.shape), dtype=out.dtype, device=out.device)
+            self.all_to_all(recv, send, [], [], like, steps, d)
+            steps.finish.append(lambda: out.copy_(local_reduce(recv, op, factor, self.size).reshape(out.shape)))
+        else:
+            raise self._bad_recipe(RS, out.dtype, op, f"{via}:{arg}" if arg else via)
+
+    # ===========================================================================================
+    # Collectives that only move data: bitcast / as_real (same bytes) or upcast (lossless copy)
+    # ===========================================================================================
+
+    def _moving_recipe(self, coll: Collective, dtype: torch.dtype, depth: int) -> tuple[str, torch.dtype]:
+        via, arg = self._recipe(coll, dtype, None, depth)
+        if via == "bitcast":
+            return via, _dtypes.to_torch(arg)
+        if via == "as_real" and dtype in _REAL_OF:
+            return "bitcast", _REAL_OF[dtype]
+        if via == "upcast":
+            return via, _dtypes.to_torch(arg)
+        raise self._bad_recipe(coll, dtype, None, f"{via}:{arg}" if arg else via)
+
+    def broadcast(self, t: torch.Tensor, root: int, like: Any, steps: Steps, depth: int = 0) -> None:
+        if self.is_native(BC, t.dtype):
+            b = _dense(t)
+            steps.works.append(self.group.broadcast([b], options("broadcast", like=like, root=root)))
+            _copy_back(steps, t, b)
+            return
+        via, target = self._moving_recipe(BC, t.dtype, depth)
+        if via == "bitcast":
+            b = _dense(t)
+            self.broadcast(_flat_view(b, target), root, like, steps, depth + 1)
+            _copy_back(steps, t, b)
+        else:
+            w = t.to(target, memory_format=torch.contiguous_format)
+            self.broadcast(w, root, like, steps, depth + 1)
+            steps.finish.append(partial(t.copy_, w))
+
+    def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor, like: Any, steps: Steps, depth: int = 0) -> None:
+        if self.is_native(AG, inp.dtype):
+            bufs = [_dense(o) for o in outs]
+            steps.works.append(self.group.allgather([bufs], [_dense(inp)], options("allgather", like=like)))
+            for o, b in zip(outs, bufs):
+                _copy_back(steps, o, b)
+            return
+        via, target = self._moving_recipe(AG, inp.dtype, depth)
+        if via == "bitcast":
+            bufs = [_dense(o) for o in outs]
+            self.all_gather([_flat_view(b, target) for b in bufs], _flat_view(_dense(inp), target), like, steps,
+                            depth + 1)
+            for o, b in zip(outs, bufs):
+                _copy_back(steps, o, b)
+        else:
+            wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
+            self.all_gather(wide, inp.to(target), like, steps, depth + 1)
+            for o, w in zip(outs, wide):
+                steps.finish.append(partial(o.copy_, w))
+
+    def gather(self, outs: list[torch.Tensor], inp: torch.Tensor, root: int, like: Any, steps: Steps,
+               depth: int = 0) -> None:
+        """``outs`` has one tensor per rank on ``root`` and is empty elsewhere."""
+        if self.is_native(GA, inp.dtype):
+            bufs = [_dense(o) for o in outs]
+            steps.works.append(self.group.gather([bufs] if self.rank == root else [], [_dense(inp)],
+                                                 options("gather", like=like, root=root)))
+            for o, b in zip(outs, bufs):
+                _copy_back(steps, o, b)
+            return
+        via, target = self._moving_recipe(GA, inp.dtype, depth)
+        if via == "bitcast":
+            bufs = [_dense(o) for o in outs]
+            self.gather([_flat_view(b, target) for b in bufs], _flat_view(_dense(inp), target), root, like, steps,
+                        depth + 1)
+            for o, b in zip(outs, bufs):
+                _copy_back(steps, o, b)
+        else:
+            wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
+            self.gather(wide, inp.to(target), root, like, steps, depth + 1)
+            for o, w in zip(outs, wide):
+                steps.finish.append(partial(o.copy_, w))
+
+    def scatter(self, out: torch.Tensor, ins: list[torch.Tensor], root: int, like: Any, steps: Steps,
+                depth: int = 0) -> None:
+        """``ins`` has one tensor per rank on ``root`` and is empty elsewhere."""
+        if self.is_native(SC, out.dtype):
+            b = _dense(out)
+            steps.works.append(self.group.scatter([b], [[_dense(x) for x in ins]] if self.rank == root else [],
+                                                  options("scatter", like=like, root=root)))
+            _copy_back(steps, out, b)
+            return
+        via, target = self._moving_recipe(SC, out.dtype, depth)
+        if via == "bitcast":
+            b = _dense(out)
+            self.scatter(_flat_view(b, target), [_flat_view(_dense(x), target) for x in ins], root, like, steps,
+                         depth + 1)
+            _copy_back(steps, out, b)
+        else:
+            w = torch.empty(out.shape, dtype=target, device=out.device)
+            self.scatter(w, [x.to(target) for x in ins], root, like, steps, depth + 1)
+            steps.finish.append(partial(out.copy_, w))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   like: Any, steps: Steps, depth: int = 0) -> None:
+        """``all_to_all_single``: split ``inp`` along dim 0 by ``in_splits`` (equal when empty)."""
+        if self.is_native(A2A, inp.dtype):
+            b = _dense(out)
+            steps.works.append(self.group.alltoall_base(b, _dense(inp), list(out_splits), list(in_splits),
+                                                        options("alltoall", like=like)))
+            _copy_back(steps, out, b)
+            return
+        via, target = self._moving_recipe(A2A, inp.dtype, depth)
+        if via == "bitcast":
+            # Flattening turns a split of k rows into k * row_elems * ratio elements of the view.
+            ratio = inp.element_size() // torch.empty(0, dtype=target).element_size()
+
+            def scaled(splits: list[int], t: torch.Tensor) -> list[int]:
+                if not splits:
+                    return []
+                row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
+                return [s * row * ratio for s in splits]
+
+            b = _dense(out)
+            self.all_to_all(_flat_view(b, target), _flat_view(_dense(inp), target), scaled(out_splits, out),
+                            scaled(in_splits, inp), like, steps, depth + 1)
+            _copy_back(steps, out, b)
+        else:
+            w = torch.empty(out.shape, dtype=target, device=out.device)
+            self.all_to_all(w, inp.to(target), out_splits, in_splits, like, steps, depth + 1)
+            steps.finish.append(partial(out.copy_, w))
+
+    def send(self, t: torch.Tensor, dst: int, tag: int, steps: Steps, depth: int = 0) -> None:
+        if self.is_native(P2P, t.dtype):
+            steps.works.append(self.group.send([_dense(t)], dst, tag))
+            return
+        via, target = self._moving_recipe(P2P, t.dtype, depth)
+        if via == "bitcast":
+            self.send(_flat_view(_dense(t), target), dst, tag, steps, depth + 1)
+        else:
+            self.send(t.to(target), dst, tag, steps, depth + 1)
+
+    def recv(self, t: torch.Tensor, src: int | None, tag: int, steps: Steps, depth: int = 0) -> None:
+        """Receive into ``t`` from ``src`` (None: from any source; ``steps.source`` then tells who)."""
+        if self.is_native(P2P, t.dtype):
+            b = _dense(t)
+            if src is None:
+                w = self.group.recv_anysource([b], tag)
+                steps.source = w
+            else:
+                w = self.group.recv([b], src, tag)
+            steps.works.append(w)
+            _copy_back(steps, t, b)
+            return
+        via, target = self._moving_recipe(P2P, t.dtype, depth)
+        if via == "bitcast":
+            b = _dense(t)
+            self.recv(_flat_view(b, target), src, tag, steps, depth + 1)
+            _copy_back(steps, t, b)
+        else:
+            w = torch.empty(t.shape, dtype=target, device=t.device)
+            self.recv(w, src, tag, steps, depth + 1)
+            steps.finish.append(partial(t.copy_, w))
+

@@ -1,0 +1,255 @@
+"""Building blocks for process groups written in Python.
+
+Part of the public core API: the ``vcga`` process group (:mod:`vcga.process_group`) and any plugin
+whose native group is a Python ``torch.distributed.ProcessGroup`` (the simulated vendors, a
+mixed-vendor bridge) share these pieces instead of importing each other.
+
+- :class:`PyWork` -- the work object such groups return: it waits for the native works it wraps,
+  then runs the completion steps (copy a staging buffer back, divide by the group size, cast back
+  from an upcast), translates failures into typed errors, and offers a future whose value is the
+  output tensors, exactly as torch's own backends do (DDP's reducer relies on that value).
+- :func:`reduce_op_of` / :func:`torch_reduce_op` -- between ``torch.distributed.ReduceOp`` (with
+  the PREMUL_SUM factor) and :class:`vcga.contract.ReduceOp`.
+- :func:`options` -- fill a c10d options struct in one call.
+
+This module imports torch; import it only where torch is needed (never from ``vcga/__init__``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+
+from vcga.contract import ReduceOp
+
+__all__ = [
+    "PyWork",
+    "completed_work",
+    "reduce_op_of",
+    "torch_reduce_op",
+    "options",
+    "timeout_given",
+    "Translate",
+]
+
+#: Turns an exception raised by a native library into the exception the caller should see.
+Translate = Callable[[BaseException], BaseException]
+
+_RED_OP_NAMES: dict[Any, ReduceOp] = {getattr(dist.ReduceOp.RedOpType, op.value): op for op in ReduceOp}
+
+
+def reduce_op_of(torch_op: Any) -> tuple[ReduceOp, Any]:
+    """``(op, factor)`` for a ``torch.distributed.ReduceOp`` (or its ``RedOpType``).
+
+    ``factor`` is the PREMUL_SUM multiplier (a Python number or a tensor), else None.
+    """
+    kind = getattr(torch_op, "op", torch_op)
+    op = _RED_OP_NAMES[kind]
+    factor = getattr(torch_op, "factor", None) if op is ReduceOp.PREMUL_SUM else None
+    return op, factor
+
+
+def torch_reduce_op(op: ReduceOp, factor: Any = None) -> Any:
+    """The ``torch.distributed.ReduceOp`` for ``op`` (PREMUL_SUM needs ``factor``)."""
+    if op is ReduceOp.PREMUL_SUM:
+        if factor is None:
+            raise ValueError("PREMUL_SUM needs its factor")
+        return dist._make_nccl_premul_sum(factor)
+    return getattr(dist.ReduceOp, op.value)
+
+
+_OPTIONS = {
+    "allreduce": _c10d.AllreduceOptions,
+    "allreduce_coalesced": _c10d.AllreduceCoalescedOptions,
+    "reduce": _c10d.ReduceOptions,
+    "reduce_scatter": _c10d.ReduceScatterOptions,
+    "broadcast": _c10d.BroadcastOptions,
+    "allgather": _c10d.AllgatherOptions,
+    "gather": _c10d.GatherOptions,
+    "scatter": _c10d.ScatterOptions,
+    "alltoall": _c10d.AllToAllOptions,
+    "barrier": _c10d.BarrierOptions,
+}
+
+
+def options(kind: str, *, like: Any = None, op: ReduceOp | None = None, factor: Any = None,
+            root: int | None = None) -> Any:
+    """A fresh c10d options struct of ``kind`` ("allreduce", "reduce", "broadcast", ...).
+
+    :param like: copy ``timeout`` and ``asyncOp`` from these options (the caller's).
+    :param op: the reduce op to set (with ``factor`` for PREMUL_SUM).
+    :param root: the root rank to set (broadcast, reduce, gather, scatter).
+    """
+    o = _OPTIONS[kind]()
+    if like is not None:
+        o.timeout = like.timeout
+        o.asyncOp = like.asyncOp
+    if op is not None:
+        o.reduceOp = torch_reduce_op(op, factor)
+    if root is not None:
+        o.rootRank = root
+    return o
+
+
+def timeout_given(timeout: Any) -> timedelta | None:
+    """A wait timeout the caller actually set, or None.
+
+    torch passes ``timedelta(0)`` (``kNoTimeout``) from C++ and leaves options at ``-1 ms``
+    (``kUnsetTimeout``) when nobody set one.
+    """
+    if timeout is None or not isinstance(timeout, timedelta):
+        return None
+    return timeout if timeout > timedelta(0) else None
+
+
+class PyWork(dist._Work):
+    """A work object over zero or more native works plus completion steps.
+
+    :param works: native works (c10d ``Work`` objects) to wait for, in issue order.
+    :param finish: completion steps, run once, in order, after every native work succeeded.
+    :param result: the output tensors: the value of :meth:`get_future` and :meth:`result`.
+    :param translate: maps a native failure to the error the caller sees (typed VCGA errors).
+    :param source_rank: for receives from any source: a callable giving the sender's rank.
+    """
+
+    def __init__(self, works: Sequence[Any] = (), finish: Sequence[Callable[[], Any]] = (),
+                 result: Sequence[torch.Tensor] | None = None, translate: Translate | None = None,
+                 source_rank: Callable[[], int] | None = None) -> None:
+        super().__init__()
+        self._works = list(works)
+        self._finish = list(finish)
+        self._result = list(result) if result is not None else []
+        self._translate = translate
+        self._source = source_rank
+        self._lock = threading.Lock()
+        self._done = not self._works and not self._finish
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def _complete(self) -> None:
+        """Run the completion steps once (thread-safe: a future callback and wait() may race)."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for step in self._finish:
+                    step()
+            except BaseException as e:  # noqa: BLE001 - recorded and re-raised to every waiter
+                self._error = self._as_error(e)
+            finally:
+                self._done = True
+        if self._error is not None:
+            raise self._error
+
+    def _as_error(self, e: BaseException) -> BaseException:
+        if self._translate is None:
+            return e
+        out = self._translate(e)
+        if out is not e and out.__cause__ is None:
+            out.__cause__ = e
+        return out
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = self._as_error(e)
+            self._done = True
+        raise self._error
+
+    # -- the Work interface ----------------------------------------------------------------------
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until every native work finished and the completion steps ran.
+
+        :raises: the translated error of the first failing step, on every call.
+        """
+        if not self._done:
+            limit = timeout_given(timeout)
+            try:
+                for w in self._works:
+                    if limit is None:
+                        w.wait()
+                    else:
+                        w.wait(limit)
+            except BaseException as e:  # noqa: BLE001 - translated, recorded, re-raised
+                self._fail(e)
+            self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if all(w.is_completed() for w in self._works):
+            try:
+                self.wait()  # every native work finished: this only runs the completion steps
+            except BaseException:  # noqa: BLE001 - recorded; wait() and exception() report it
+                pass
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._result)
+
+    def synchronize(self) -> None:
+        for w in self._works:
+            w.synchronize()
+
+    def _source_rank(self) -> int:
+        if self._source is None:
+            raise RuntimeError("source rank is only known for a receive from any source")
+        self.wait()
+        return self._source()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the output tensors once the work (and its steps) finished."""
+        if self._future is None:
+            if not self._works:
+                fut: torch.futures.Future = torch.futures.Future()
+                try:
+                    self.wait()
+                    fut.set_result(self._result)
+                except BaseException as e:  # noqa: BLE001
+                    fut.set_exception(e)
+                self._future = fut
+            else:
+                futs = [w.get_future() for w in self._works]
+                base = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+                self._future = base.then(self._on_native_done)
+        return self._future
+
+    def _on_native_done(self, fut: torch.futures.Future) -> list[torch.Tensor]:
+        try:
+            value = fut.value()
+            if isinstance(value, list) and value and isinstance(value[0], torch.futures.Future):
+                for f in value:  # collect_all: surface the first failure
+                    f.value()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        self._complete()
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self._done else "pending")
+        return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
+
+
+def completed_work(result: Sequence[torch.Tensor] = ()) -> PyWork:
+    """A work that is already complete (nothing to communicate: world of one, empty input...)."""
+    return PyWork(result=result)

@@ -1,0 +1,108 @@
+"""The seam under the ``vcga`` process group: what actually moves the bytes.
+
+The ``vcga`` process group (:mod:`vcga.process_group`) does everything that does not depend on how
+bytes travel: argument checks, sequence numbers, debug fingerprints, typed errors and timeouts, and
+capability-aware dispatch with its emulations (:mod:`vcga.dispatch`). Underneath it sits one
+:class:`Transport`:
+
+- :class:`NativeTransport` -- every rank of the group runs the same backend: the group is that
+  backend's native process group (``Backend.create_process_group`` over a prefixed store) and the
+  table is that backend's :class:`~vcga.contract.CapabilityTable`.
+- a bridge transport (mixed vendors in one group, built on this seam later) -- native groups per
+  vendor plus a host-staged bridge between them, presented through the same two attributes.
+
+The contract of a transport is deliberately small:
+
+``table``
+    a :class:`~vcga.contract.CapabilityTable` saying what ``group`` does natively, correctly, for
+    each (collective, dtype, reduce op). The dispatcher sends ``group`` only native cells; for every
+    other cell it composes native calls (emulation) or refuses before any rank starts.
+``group``
+    an object with the c10d methods in :data:`TRANSPORT_METHODS`, each taking and returning what
+    ``torch.distributed.ProcessGroup``'s method of that name takes and returns (tensor lists, c10d
+    options, a ``Work``). A ``ProcessGroupGloo`` qualifies as is; so does any Python
+    ``dist.ProcessGroup`` subclass implementing them (see :mod:`vcga.pypg`). Tensors handed to
+    ``group`` are always contiguous and of a dtype the table calls native for that call.
+``backend_name``, ``device_type``, :meth:`describe`
+    for error messages, ``vcga info`` and debug logs.
+
+A transport is created once per ``vcga`` group by :func:`vcga.process_group.make_transport`, after
+every rank published which backend it runs (the discovery step a bridge extends with vendor, node
+and table).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vcga.contract import Backend, CapabilityTable
+
+__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport"]
+
+#: The c10d methods the dispatcher calls on ``Transport.group`` (names as on ``ProcessGroupGloo``).
+TRANSPORT_METHODS: tuple[str, ...] = (
+    "allreduce",
+    "allreduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "gather",
+    "scatter",
+    "alltoall",
+    "alltoall_base",
+    "send",
+    "recv",
+    "recv_anysource",
+    "barrier",
+)
+
+
+class Transport(abc.ABC):
+    """What the ``vcga`` process group drives (see the module docstring for the contract)."""
+
+    #: What ``group`` does natively.
+    table: CapabilityTable
+    #: The c10d-method object the dispatcher calls.
+    group: Any
+    #: A name for messages: the backend, or e.g. "bridge(sim-nccl:2,sim-hccl:2)".
+    backend_name: str
+    #: The torch device type tensors must be on when handed to ``group`` ("cpu", "cuda", ...).
+    device_type: str
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for logs and ``vcga info``."""
+        return {"transport": type(self).__name__, "backend": self.backend_name, "device_type": self.device_type}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release native resources (called when the ``vcga`` group shuts down)."""
+
+
+class NativeTransport(Transport):
+    """A single-vendor group: the backend's native process group, used directly."""
+
+    def __init__(self, backend: Backend, group: Any) -> None:
+        self.backend = backend
+        self.group = group
+        self.table = backend.capabilities()
+        self.backend_name = backend.name
+        self.device_type = backend.device_type
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["vendor"] = self.backend.vendor
+        d["dist_backend"] = self.backend.dist_backend
+        return d
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
