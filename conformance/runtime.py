@@ -368,17 +368,22 @@ def _batched(ctx: Context, dt: str, n: int) -> Verdict:
 
 
 def _any_source(ctx: Context, dt: str, n: int) -> Verdict:
-    """Every rank but 0 sends to rank 0, which receives without naming the sender."""
+    """Every rank but 0 sends to rank 0, which receives without naming the sender.
+
+    One tag per message size: a sender goes on to the next size as soon as its message is taken,
+    so without it rank 0's receive for one size could match another rank's message of the next
+    size (any-source semantics allow that; gloo then aborts the process on the size mismatch)."""
     import torch.distributed as dist
 
     rank, ws = ctx.rank, ctx.world_size
+    tag = 1000 + n
     if rank != 0:
-        dist.send(_msg(dt, n, rank, 0, 9), dst=0, tag=9)
+        dist.send(_msg(dt, n, rank, 0, 9), dst=0, tag=tag)
         return Verdict.ok()
     received = []
     for _ in range(ws - 1):  # receive everything first, then judge
         got = _empty(dt, n)
-        received.append((dist.recv(got, tag=9), got))
+        received.append((dist.recv(got, tag=tag), got))
     seen = []
     for src, got in received:
         if not isinstance(src, int) or not 0 < src < ws:
