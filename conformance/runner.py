@@ -293,12 +293,23 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="vcga-verify-parent-watch", daemon=True).start()
 
 
-def _group_cannot_mix(e: BaseException) -> BaseException | None:
+def _bridge_in_this_build() -> bool:
+    """Whether this build has the mixed-vendor bridge (issue #4: ``vcga.bridge``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vcga.bridge") is not None
+
+
+def _group_cannot_mix(e: BaseException, has_bridge: bool | None = None) -> BaseException | None:
     """The vcga group's own refusal to build a mixed-vendor world (a build without the bridge):
     a VcgaBackendUnavailable naming the group itself, possibly wrapped by torch. A vendor backend
-    failing inside a mixed world names that vendor instead, and stays a failure."""
+    failing inside a mixed world names that vendor instead, and stays a failure -- and once the
+    build has the bridge, every failure to build a mixed world is a failure (the bridge names
+    'vcga' too when its own host group cannot be created)."""
     from vcga.errors import VcgaBackendUnavailable
 
+    if has_bridge if has_bridge is not None else _bridge_in_this_build():
+        return None
     seen: BaseException | None = e
     while seen is not None:
         if isinstance(seen, VcgaBackendUnavailable) and seen.name == "vcga":

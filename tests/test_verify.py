@@ -374,9 +374,12 @@ def test_only_the_vcga_groups_own_refusal_marks_a_mixed_world_unsupported():
         except RuntimeError as outer:
             return outer
 
-    assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("vcga", "this group mixes backends"))) is not None
-    assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("sim-hccl", "native group failed"))) is None
-    assert _group_cannot_mix(ValueError("anything else")) is None
+    no_bridge = VcgaBackendUnavailable("vcga", "this group mixes backends")
+    assert _group_cannot_mix(wrapped(no_bridge), has_bridge=False) is not None
+    assert _group_cannot_mix(wrapped(VcgaBackendUnavailable("sim-hccl", "native group failed")), has_bridge=False) is None
+    assert _group_cannot_mix(ValueError("anything else"), has_bridge=False) is None
+    # with the bridge in the build, a mixed world that cannot be built is a failure, whoever is named
+    assert _group_cannot_mix(wrapped(no_bridge), has_bridge=True) is None
 
 
 def _cpu_ticks(pid: int) -> int:
