@@ -293,6 +293,10 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="vcga-verify-parent-watch", daemon=True).start()
 
 
+#: Seconds a world may take to start (spawn, import torch, create the group) before it counts as hung.
+STARTUP_S = 120.0
+
+
 def _bridge_in_this_build() -> bool:
     """Whether this build has the mixed-vendor bridge (issue #4: ``vcga.bridge``)."""
     import importlib.util
@@ -428,7 +432,11 @@ class _Attempt:
                         break
                     self._stop(states, dead, "died", {r: procs[r].exitcode for r in dead})
                     return
-                if now - last > self.stall_s:
+                # Until every rank has created its group, "no progress" is process start-up
+                # (spawn, import torch) on a machine that may be loaded; a group creation that
+                # hangs ends at its own timeout, so allow at least STARTUP_S for it.
+                limit = self.stall_s if len(ready) == n else max(self.stall_s, STARTUP_S)
+                if now - last > limit:
                     self._stop(states, [r for r, s in enumerate(states) if not s.done], "hung", {})
                     return
                 if now - start > self.deadline_s:
