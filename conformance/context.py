@@ -137,11 +137,11 @@ class Context:
         The group's own table when it exposes one (``capabilities()`` on the process group: a
         mixed-vendor group's effective table), else this rank's backend's table in a single-vendor
         world, else None (a mixed-vendor group that does not say)."""
-        group_table = getattr(self.group, "capabilities", None)
+        group_table = getattr(self.group, "capabilities", None)  # the vcga group: a property
         if callable(group_table):
-            table = group_table()
-            if isinstance(table, CapabilityTable):
-                return table
+            group_table = group_table()
+        if isinstance(group_table, CapabilityTable):
+            return group_table
         if self.vendor_set:
             return None
         return self.backend.capabilities()
