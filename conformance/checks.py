@@ -1,64 +1,64 @@
-"""Built-in conformance checks.
+"""The built-in conformance checks, registered through the contract like any plugin's.
 
-``exact-sum``: all_reduce SUM on order-independent data (small integers stored in floating point,
-as nccl-tests does): every partial sum is an integer far below 2**mantissa_bits, so every
-summation order gives the same, exactly representable result. Anything but a bit-exact match is a
-bug in the backend, not rounding.
+===  ======================  ===================================================================
+ #   name                    what it proves
+===  ======================  ===================================================================
+ 1   collectives             every collective entry point and every root is exact on this world
+ 2   exact-reduce            every reduce op is bit-exact on order-independent data; AVG ≤ 2 ulp
+ 3   random-reduce           random data stays within the Higham bound of a float64 reference
+ 4   cross-rank-identity     every rank holds the same bits (hashes compared through the store)
+ 5   dtype-matrix            every claimed capability works; every refusal raises the typed error
+ 6   layouts                 non-contiguous / offset / aliased buffers: exact, nothing else written
+ 7   sizes                   0, 1, fewer than ranks, not divisible, large
+ 8   uneven                  uneven all_to_all with zero splits; v-variants exact or cleanly refused
+ 9   async                   many outstanding async operations complete correctly
+10   faults                  mismatch -> typed error; missing rank -> timeout error, in time
+11   send-recv               pairs, ring, tags, batched and any-source point-to-point
+12   gradients               DDP gradients within the derived bound of a float64 reference
+13   mixed-vendors           the world really mixes vendors, and results cross them exactly
+===  ======================  ===================================================================
+
+docs/conformance.md explains each check and derives each bound. A vendor adds checks by returning
+objects with ``name``, ``description`` and ``run(ctx)`` from the ``vcga_conformance_checks`` hook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from vcga.contract import CheckResult, Collective, ReduceOp, Support, hookimpl
+from vcga.contract import hookimpl
 
-# Integer values in [-8, 8]: with <= 16 ranks every partial sum is within +-128, exact even in
-# bfloat16 (8 significant bits represent every integer up to 256).
-EXACT_SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
-EXACT_SUM_SIZES = (1, 7, 1024, 65537)
+from .coverage import Collectives, Layouts, Sizes, Uneven
+from .mixed import MixedVendors
+from .numerics import CrossRankIdentity, DtypeMatrix, ExactReduce, RandomReduce
+from .runtime import AsyncOps, Faults, SendRecv
+from .training import Gradients
 
-
-def rank_values(n: int, rank: int) -> Any:
-    import torch
-
-    i = torch.arange(n, dtype=torch.int64)
-    return (i * 7 + rank * 13) % 17 - 8
+__all__ = ["BUILTIN_CHECKS", "vcga_conformance_checks"]
 
 
-class ExactSum:
-    name = "exact-sum"
-    description = "all_reduce SUM is bit-exact on order-independent integer-valued data"
+def _builtin() -> list[Any]:
+    return [
+        Collectives(),
+        ExactReduce(),
+        RandomReduce(),
+        CrossRankIdentity(),
+        DtypeMatrix(),
+        Layouts(),
+        Sizes(),
+        Uneven(),
+        AsyncOps(),
+        Faults(),
+        SendRecv(),
+        Gradients(),
+        MixedVendors(),
+    ]
 
-    def run(self, context: Any) -> Iterator[CheckResult]:
-        import torch
-        import torch.distributed as dist
 
-        from vcga import dtypes
-
-        table = context.backend.capabilities()
-        for dt in EXACT_SUM_DTYPES:
-            if table.support_of(Collective.ALL_REDUCE, dt, ReduceOp.SUM) is not Support.NATIVE:
-                yield CheckResult(self.name, context.backend.name, f"all_reduce SUM {dt}", True, dtype=dt,
-                                  skipped=True, detail="not native on this backend")
-                continue
-            worst = 0.0
-            failed = ""
-            for n in EXACT_SUM_SIZES:
-                t = rank_values(n, context.rank).to(dtypes.to_torch(dt))
-                opts = dist.AllreduceOptions()
-                opts.reduceOp = dist.ReduceOp.SUM
-                context.pg.allreduce([t], opts).wait(context.timeout)
-                want = sum(rank_values(n, r) for r in range(context.world_size)).to(t.dtype)
-                err = (t.double() - want.double()).abs().max().item() if n else 0.0
-                worst = max(worst, err)
-                if not torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t, want) and not failed:
-                    failed = f"n={n}: max |error| {err:g}, expected bit-exact"
-            yield CheckResult(self.name, context.backend.name,
-                              f"all_reduce SUM {dt} n={','.join(map(str, EXACT_SUM_SIZES))} ws={context.world_size}",
-                              not failed, dtype=dt, worst_error=worst, bound=0.0, detail=failed)
+#: Built-in checks in their canonical order (the order the profiles list them in).
+BUILTIN_CHECKS: tuple[str, ...] = tuple(c.name for c in _builtin())
 
 
 @hookimpl
 def vcga_conformance_checks() -> list[Any]:
-    return [ExactSum()]
+    return _builtin()

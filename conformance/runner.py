@@ -1,34 +1,122 @@
-"""Spawns a world per backend and runs conformance checks in every rank.
+"""Spawns worlds and runs conformance checks in every rank, with deadlines.
 
-Each rank builds its backend's native process group over a TCPStore (the backend's own factory,
-exactly what the ``vcga`` process group drives), runs every check and sends its results to the
-parent, which waits with a deadline: a rank that hangs or dies becomes a failed result, never a
-hung command.
+A *world* is ``world_size`` processes on this machine, one per rank, sharing a TCP store. Each rank
+creates the default process group -- either the ``vcga`` process group (``init_process_group
+(backend="vcga")`` with ``VCGA_BACKEND`` or ``VCGA_SIM_VENDORS`` set, what users run) or the
+backend's *native* group straight from its plugin's factory (``Backend.create_process_group``,
+registered with torch under the name ``vcga_native``) -- then runs the planned checks in order.
+
+The parent never waits without a deadline. It watches every rank's messages; when no rank has made
+progress for ``stall_s`` seconds (a hung collective), when a rank dies, or when the world outlives
+its deadline, the current check gets a failed result naming the rank and the case it was in, the
+world is killed, and a fresh world runs the checks that remain (at most ``max_restarts`` times).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import multiprocessing as mp
-import queue as queue_mod
+import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from vcga.contract import CheckResult
 
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "WorldSpec",
+    "PlannedCheck",
+    "WorldOutcome",
+    "Event",
+    "vcga_group_status",
+    "run_world",
+    "free_port",
+]
+
+#: The name the runner registers a backend's native group factory under in torch.distributed.
+NATIVE_DIST_BACKEND = "vcga_native"
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """One world to spawn.
+
+    :param backend: a backend name (every rank runs it), or None for a simulated vendor set.
+    :param world_size: ranks.
+    :param sim_vendors: ``"nccl:2,hccl:2"``: ranks get simulated vendors (needs the ``vcga`` group).
+    :param group: ``"vcga"``, ``"native"`` or ``"auto"`` (``vcga`` when this VCGA build registers it).
+    """
+
+    backend: str | None
+    world_size: int
+    sim_vendors: str | None = None
+    group: str = "auto"
+
+    @property
+    def label(self) -> str:
+        """What results are reported under: the backend name, or ``sim:<vendor set>``."""
+        return self.backend if self.backend else f"sim:{self.sim_vendors}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.label} ws={self.world_size}"
+
+
+@dataclass(frozen=True)
+class PlannedCheck:
+    """A check to run, with its options (its defaults updated by the profile).
+
+    :param world_sizes: run only in worlds of these sizes (None: every world)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    world_sizes: tuple[int, ...] | None = None
+
+    def applies_to(self, spec: WorldSpec) -> bool:
+        return self.world_sizes is None or spec.world_size in self.world_sizes
+
 
 @dataclass
-class Context:
-    """What a check sees on one rank."""
+class Event:
+    """Something the runner reports while it runs (the CLI shows these as live progress).
 
-    rank: int
-    world_size: int
-    backend: Any  # vcga.contract.Backend
-    pg: Any  # torch.distributed.ProcessGroup
-    timeout: timedelta
+    kinds: ``world-start``, ``check-start``, ``case``, ``check-done``, ``world-problem``, ``world-done``.
+    """
+
+    kind: str
+    world: WorldSpec
+    check: str | None = None
+    case: str | None = None
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorldOutcome:
+    """What happened in one world.
+
+    :ivar status: ``completed``; ``stopped`` (a rank hung or died; remaining checks reran in a fresh
+        world); ``setup-failed`` (the group could not be created); ``skipped`` (cannot run in this
+        build, with the reason in ``detail``).
+    """
+
+    spec: WorldSpec
+    group_kind: str
+    status: str = "completed"
+    detail: str = ""
+    elapsed_s: float = 0.0
+    attempts: int = 0
+    results: list[CheckResult] = field(default_factory=list)
+    check_seconds: dict[str, float] = field(default_factory=dict)
+    exports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    group_resets: int = 0
 
 
 def free_port() -> int:
@@ -37,93 +125,484 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend_name: str, check_names: list[str] | None,
-            timeout_s: float, results: Any) -> None:
+def vcga_group_status() -> tuple[bool, str]:
+    """Whether ``init_process_group(backend="vcga")`` can work in this build, and why not."""
     try:
         import torch.distributed as dist
 
+        import vcga  # noqa: F401 - importing vcga registers its process group where the build has one
+    except ImportError as e:
+        return False, f"torch.distributed is not importable: {e}"
+    registered = "vcga" in getattr(dist.Backend, "backend_list", [])
+    if not registered:
+        try:  # a build may register lazily, on first use of its process-group module
+            import importlib
+
+            importlib.import_module("vcga.process_group")
+            registered = "vcga" in dist.Backend.backend_list
+        except ImportError:
+            pass
+    if registered:
+        return True, "the vcga process group is registered with torch.distributed"
+    return False, ("this VCGA build does not register the `vcga` torch.distributed backend yet "
+                   "(issue #3); only native groups can be verified")
+
+
+def resolve_group_kind(spec: WorldSpec) -> tuple[str | None, str]:
+    """``("vcga" | "native", reason)``, or ``(None, why this world cannot run)``."""
+    available, why = vcga_group_status()
+    if spec.sim_vendors:
+        if spec.group == "native":
+            return None, "a simulated vendor set needs the vcga process group; it has no native group"
+        if not available:
+            return None, f"mixed-vendor worlds run through the vcga process group and its bridge: {why}"
+        return "vcga", why
+    if spec.group == "vcga" and not available:
+        return None, why
+    if spec.group == "native" or (spec.group == "auto" and not available):
+        return "native", why
+    return "vcga", why
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rank side
+# ---------------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[PlannedCheck],
+            timeout_s: float, store_timeout_s: float, results: Any, log_path: str | None) -> None:
+    def emit(kind: str, payload: Any) -> None:
+        results.send((kind, rank, payload))  # synchronous: delivered even if this process dies next
+
+    _die_with_parent()
+    if log_path:  # native libraries write to fd 1/2 directly; keep that out of the user's terminal
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        env = {"VCGA_TIMEOUT": str(timeout_s)}
+        if spec.sim_vendors:
+            env["VCGA_SIM_VENDORS"] = spec.sim_vendors
+            os.environ.pop("VCGA_BACKEND", None)
+        else:
+            env["VCGA_BACKEND"] = spec.backend or ""
+        os.environ.update(env)
+        import torch
+        import torch.distributed as dist
+
+        from vcga.config import load_config
         from vcga.plugin_manager import get_plugin_manager
 
-        pm = get_plugin_manager()
-        backend = pm.backend(backend_name)
+        from .context import Context
+
+        torch.set_num_threads(1)  # ranks share the machine's cores; oversubscription only adds noise
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
-        pg = backend.create_process_group(dist.PrefixStore("vcga-verify", store), rank, world_size, timeout)
-        ctx = Context(rank, world_size, backend, pg, timeout)
-        for check in pm.conformance_checks():
-            if check_names is not None and check.name not in check_names:
-                continue
-            for res in check.run(ctx):
-                results.put(("result", rank, res))
-        results.put(("done", rank, None))
-    except BaseException as e:  # report, never hang the parent
-        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        store = dist.TCPStore("127.0.0.1", port, spec.world_size, rank == 0,
+                              timeout=timedelta(seconds=store_timeout_s))
+        pm = get_plugin_manager()
+        if group_kind == "native":
+            backend = pm.backend(spec.backend or "")
+            probe = pm.backend_record(backend.name).probe()
+            if not probe.available:
+                from vcga.errors import VcgaBackendUnavailable
 
+                raise VcgaBackendUnavailable(backend.name, probe.reason)
 
-def run_world(backend_name: str, world_size: int = 2, checks: list[str] | None = None,
-              timeout_s: float = 60.0) -> list[CheckResult]:
-    """Run the checks on a fresh ``world_size``-rank world; rank 0's results are returned, and a
-    rank that fails, dies or outlives the deadline becomes a failed result."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend_name, checks, timeout_s, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    merged: dict[tuple[str, str, str], CheckResult] = {}
-    failures: list[CheckResult] = []
-    done: set[int] = set()
-    deadline = time.monotonic() + timeout_s + 60
-    try:
-        while len(done) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                failures.append(CheckResult("runner", backend_name, f"world of {world_size}", False,
-                                            detail=f"ranks {sorted(set(range(world_size)) - done)} did not finish in time"))
-                break
-            try:
-                kind, rank, payload = results.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in done]
-                if dead and results.empty():
-                    failures.append(CheckResult("runner", backend_name, f"world of {world_size}", False,
-                                                detail=f"ranks {dead} exited without reporting"))
-                    break
-                continue
-            if kind == "result":
-                _merge(merged, rank, payload)
-            elif kind == "done":
-                done.add(rank)
-            else:
-                failures.append(CheckResult("runner", backend_name, f"rank {rank}", False,
-                                            detail=str(payload).splitlines()[0]))
-                done.add(rank)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return list(merged.values()) + failures
+            def create(s: Any, r: int, n: int, t: timedelta) -> Any:
+                return backend.create_process_group(s, r, n, t)
 
+            dist.Backend.register_backend(NATIVE_DIST_BACKEND, create, devices=[backend.device_type])
+            dist_backend = NATIVE_DIST_BACKEND
+        else:
+            import vcga  # noqa: F401 - registers the vcga backend
 
-def _merge(merged: dict[tuple[str, str, str], CheckResult], rank: int, res: CheckResult) -> None:
-    """One row per case across ranks: it passes only if it passed on every rank; the worst error
-    is the largest any rank saw; a failure's detail names the first rank that failed."""
-    import dataclasses
+            backend = pm.select_backend(load_config(), rank=rank, world_size=spec.world_size)
+            dist_backend = "vcga"
 
-    key = (res.check, res.backend, res.case)
-    if not res.passed and res.detail:
-        res = dataclasses.replace(res, detail=f"rank {rank}: {res.detail}")
-    prev = merged.get(key)
-    if prev is None:
-        merged[key] = res
+        generation = [0]
+
+        def init_group() -> None:
+            dist.init_process_group(dist_backend, store=dist.PrefixStore(f"pg{generation[0]}", store),
+                                    rank=rank, world_size=spec.world_size, timeout=timeout)
+
+        def reinit() -> None:
+            generation[0] += 1
+            dist.destroy_process_group()
+            init_group()
+
+        init_group()
+        ctx = Context(rank=rank, world_size=spec.world_size, backend=backend, backend_label=spec.label,
+                      group_kind=group_kind, dist_backend=dist_backend, timeout=timeout,
+                      store=dist.PrefixStore("verify", store), vendor_set=spec.sim_vendors, emit=emit,
+                      reinit=reinit)
+        checks = {c.name: c for c in pm.conformance_checks()}
+        emit("ready", {"backend": backend.name, "vendor": backend.vendor})
+    except BaseException as e:
+        if spec.sim_vendors and _group_cannot_mix(e):
+            emit("setup-unsupported", str(_group_cannot_mix(e)))
+        else:
+            emit("setup-error", f"{type(e).__name__}: {e}")
         return
-    worst = max((e for e in (prev.worst_error, res.worst_error) if e is not None), default=None)
-    merged[key] = dataclasses.replace(
-        prev,
-        passed=prev.passed and res.passed,
-        skipped=prev.skipped and res.skipped,
-        worst_error=worst,
-        detail=prev.detail if not prev.passed else res.detail,
-    )
+    for planned in plan:
+        check = checks.get(planned.name)
+        ctx.check, ctx.options = planned.name, dict(planned.options)
+        emit("check", planned.name)
+        try:
+            if check is None:
+                raise LookupError(f"no check named {planned.name!r} is registered")
+            for res in check.run(ctx):
+                emit("result", res)
+            ctx.waiting(f"end of {planned.name}")
+            ctx.exchange(f"end:{planned.name}", b"")
+        except BaseException as e:
+            # A check that raises past its cases leaves the ranks out of step: report and stop this
+            # world; the runner restarts the checks that remain in a fresh one.
+            emit("fatal", (planned.name, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            return
+        emit("check-done", planned.name)
+    emit("done", {"group_resets": ctx.group_resets})
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the results are in; a failing teardown must not turn them into an error
+        pass
+
+
+def _die_with_parent() -> None:
+    """A rank must not outlive the runner (killed, or interrupted before its cleanup ran): on Linux
+    the kernel kills it when the parent exits (PR_SET_PDEATHSIG); elsewhere a watchdog thread does."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+            if os.getppid() != parent:  # the parent died before the call took effect
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)  # a watchdog, not synchronisation: nothing waits on it
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vcga-verify-parent-watch", daemon=True).start()
+
+
+#: Seconds a world may take to start (spawn, import torch, create the group) before it counts as hung.
+STARTUP_S = 120.0
+
+
+def _bridge_in_this_build() -> bool:
+    """Whether this build has the mixed-vendor bridge (issue #4: ``vcga.bridge``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vcga.bridge") is not None
+
+
+def _group_cannot_mix(e: BaseException, has_bridge: bool | None = None) -> BaseException | None:
+    """The vcga group's own refusal to build a mixed-vendor world (a build without the bridge):
+    a VcgaBackendUnavailable naming the group itself, possibly wrapped by torch. A vendor backend
+    failing inside a mixed world names that vendor instead, and stays a failure -- and once the
+    build has the bridge, every failure to build a mixed world is a failure (the bridge names
+    'vcga' too when its own host group cannot be created)."""
+    from vcga.errors import VcgaBackendUnavailable
+
+    if has_bridge if has_bridge is not None else _bridge_in_this_build():
+        return None
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, VcgaBackendUnavailable) and seen.name == "vcga":
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parent side
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankState:
+    check: str | None = None
+    case: str | None = None
+    waiting: str | None = None
+    done: bool = False
+
+
+class _Attempt:
+    """One spawned world: runs ``plan`` until done, a stall, a death or the deadline."""
+
+    def __init__(self, spec: WorldSpec, group_kind: str, plan: list[PlannedCheck], timeout_s: float,
+                 stall_s: float, deadline_s: float, emit: Callable[[Event], None], log_dir: str | None) -> None:
+        self.spec, self.group_kind, self.plan = spec, group_kind, plan
+        self.log_dir = log_dir
+        self.timeout_s, self.stall_s, self.deadline_s = timeout_s, stall_s, deadline_s
+        self.emit = emit
+        self.results: dict[tuple[str, str], CheckResult] = {}
+        self.order: list[tuple[str, str]] = []
+        self.finished: list[str] = []  # checks every rank completed
+        self.check_seconds: dict[str, float] = {}
+        self.exports: dict[str, dict[str, Any]] = {}
+        self.problem: CheckResult | None = None  # why the attempt stopped early
+        self.problem_check: str | None = None
+        self.setup_error: str | None = None
+        self.unsupported: str | None = None  # the vcga group cannot build this (mixed-vendor) world
+        self.group_resets = 0
+
+    def run(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        store_timeout = self.stall_s * 2 + 60  # the parent decides about hangs before any store wait gives up
+        # One pipe per rank, written synchronously: a rank that dies right after a message has
+        # delivered it (a queue's feeder thread would lose it), and EOF says the rank is gone.
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.spec.world_size)]
+        procs = [ctx.Process(target=_worker, name=f"vcga-verify-{self.spec.id}-r{r}",
+                             args=(r, self.spec, self.group_kind, port, self.plan, self.timeout_s,
+                                   store_timeout, pipes[r][1], self.log_path(r)), daemon=True)
+                 for r in range(self.spec.world_size)]
+        for p in procs:
+            p.start()
+        for _, send_end in pipes:
+            send_end.close()  # the parent keeps only the read ends, so EOF means the rank exited
+        try:
+            self._watch([recv for recv, _ in pipes], procs)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.join(timeout=2 if self.problem is None and self.setup_error is None
+                           and self.unsupported is None else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            for recv, _ in pipes:
+                recv.close()
+
+    def log_path(self, rank: int) -> str | None:
+        if not self.log_dir:
+            return None
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in self.spec.id)
+        return os.path.join(self.log_dir, f"{safe}-rank{rank}.log")
+
+    def _messages(self, readers: list[Any], closed: set[int], timeout: float) -> list[tuple[str, int, Any]]:
+        """Messages ready within ``timeout``; a reader at EOF joins ``closed`` (its rank exited)."""
+        from multiprocessing.connection import wait
+
+        live = [c for r, c in enumerate(readers) if r not in closed]
+        out = []
+        for conn in wait(live, timeout=timeout) if live else []:
+            r = readers.index(conn)
+            try:
+                while conn.poll():
+                    out.append(conn.recv())
+            except (EOFError, OSError):
+                closed.add(r)
+        return out
+
+    def _watch(self, readers: list[Any], procs: list[Any]) -> None:
+        n = self.spec.world_size
+        states = [_RankState() for _ in range(n)]
+        setup_errors: dict[int, str] = {}
+        ready: set[int] = set()
+        closed: set[int] = set()
+        check_started: dict[str, float] = {}
+        done_by: dict[str, set[int]] = {}
+        start = last = time.monotonic()
+        pending: list[tuple[str, int, Any]] = []
+        while not all(s.done for s in states):
+            if setup_errors:
+                break  # a rank that cannot create its group dooms the world; the others wait forever
+            if not pending:
+                pending = self._messages(readers, closed, 0.25)
+            if not pending:
+                now = time.monotonic()
+                dead = [r for r in sorted(closed) if not states[r].done and r not in setup_errors]
+                if dead:
+                    for r in dead:
+                        procs[r].join(timeout=5)
+                    if not all(r in ready for r in dead):
+                        for r in dead:
+                            setup_errors.setdefault(r, f"exited with code {procs[r].exitcode} before its group "
+                                                       "was created")
+                        break
+                    self._stop(states, dead, "died", {r: procs[r].exitcode for r in dead})
+                    return
+                # Until every rank has created its group, "no progress" is process start-up
+                # (spawn, import torch) on a machine that may be loaded; a group creation that
+                # hangs ends at its own timeout, so allow at least STARTUP_S for it.
+                limit = self.stall_s if len(ready) == n else max(self.stall_s, STARTUP_S)
+                if now - last > limit:
+                    self._stop(states, [r for r, s in enumerate(states) if not s.done], "hung", {})
+                    return
+                if now - start > self.deadline_s:
+                    self._stop(states, [r for r, s in enumerate(states) if not s.done], "deadline", {})
+                    return
+                continue
+            kind, rank, payload = pending.pop(0)
+            last = time.monotonic()
+            st = states[rank]
+            if kind == "ready":
+                ready.add(rank)
+            elif kind == "setup-error":
+                setup_errors[rank] = payload
+                st.done = True
+            elif kind == "setup-unsupported":
+                self.unsupported = payload
+                return
+            elif kind == "check":
+                st.check, st.case, st.waiting = payload, None, None
+                if rank == 0:
+                    check_started[payload] = last
+                    self.emit(Event("check-start", self.spec, payload))
+            elif kind == "case":
+                st.check, st.case = payload
+                st.waiting = None
+                if rank == 0:
+                    self.emit(Event("case", self.spec, payload[0], payload[1]))
+            elif kind == "wait":
+                st.waiting = payload[1]
+            elif kind == "result":
+                self._add(rank, payload)
+            elif kind == "export":
+                check, key, value = payload
+                self.exports.setdefault(check, {})[key] = value
+            elif kind == "check-done":
+                done_by.setdefault(payload, set()).add(rank)
+                st.waiting = None
+                if len(done_by[payload]) == n:
+                    self.finished.append(payload)
+                    self.check_seconds[payload] = last - check_started.get(payload, last)
+                    self.emit(Event("check-done", self.spec, payload, data=self._counts(payload)))
+            elif kind == "fatal":
+                check, err, tb = payload
+                log.debug("rank %d: check %s raised:\n%s", rank, check, tb)
+                self._add(rank, CheckResult(check, self.spec.label, "(check raised)", False,
+                                            detail=f"rank {rank}: {err.splitlines()[0] if err else ''}"))
+                self.problem_check = check  # the check's own failure row says why
+                return
+            elif kind == "done":
+                st.done = True
+                self.group_resets = max(self.group_resets, int(payload.get("group_resets", 0)))
+        if setup_errors:
+            errs = sorted(setup_errors.items())
+            first = errs[0][1].splitlines()[0] if errs[0][1] else "unknown error"
+            self.setup_error = f"rank {errs[0][0]}: {first}" + (
+                f" (and {len(errs) - 1} more rank(s))" if len(errs) > 1 else "")
+
+    def _stop(self, states: list[_RankState], ranks: list[int], why: str, exitcodes: dict[int, Any]) -> None:
+        """Record why this world stops: blame the ranks that were inside a case (not waiting)."""
+        busy = [r for r in ranks if states[r].waiting is None] or ranks
+        waiting = [r for r in ranks if r not in busy]
+        culprit = busy[0]
+        check = states[culprit].check or (self.plan[0].name if self.plan else "runner")
+        case = states[culprit].case or "(between cases)"
+        who = f"rank {culprit}" if len(busy) == 1 else f"ranks {','.join(map(str, busy))}"
+        if why == "died":
+            codes = ", ".join(f"rank {r}: exit code {exitcodes[r]}" for r in busy if r in exitcodes)
+            detail = f"{who} died during '{case}' ({codes})"
+        elif why == "hung":
+            detail = f"{who} made no progress for {self.stall_s:g} s in '{case}' (hung)"
+        else:
+            detail = f"the world outlived its {self.deadline_s:g} s deadline while {who} ran '{case}'"
+        if waiting:
+            detail += f"; {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} " \
+                      f"{'was' if len(waiting) == 1 else 'were'} waiting for it"
+        detail += "; the world was stopped"
+        self.problem_check = check
+        self.problem = CheckResult(check, self.spec.label, case, False, detail=detail)
+
+    def _add(self, rank: int, res: CheckResult) -> None:
+        key = (res.check, res.case)
+        prev = self.results.get(key)
+        if prev is None:
+            self.results[key] = res
+            self.order.append(key)
+            return
+        worst = max((e for e in (prev.worst_error, res.worst_error) if e is not None), default=None)
+        bound = prev.bound if worst == prev.worst_error else res.bound
+        self.results[key] = dataclasses.replace(
+            prev, passed=prev.passed and res.passed, skipped=prev.skipped and res.skipped,
+            worst_error=worst, bound=bound,
+            detail=prev.detail if (not prev.passed or res.passed) else res.detail)
+
+    def _counts(self, check: str) -> dict[str, int]:
+        rows = [r for (c, _), r in self.results.items() if c == check]
+        return {"passed": sum(r.passed and not r.skipped for r in rows),
+                "failed": sum(not r.passed for r in rows),
+                "skipped": sum(r.skipped for r in rows)}
+
+    def rows(self) -> list[CheckResult]:
+        return [self.results[k] for k in self.order]
+
+
+def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float = 60.0,
+              stall_s: float | None = None, deadline_s: float = 1800.0, max_restarts: int = 2,
+              on_event: Callable[[Event], None] | None = None, log_dir: str | None = None) -> WorldOutcome:
+    """Run ``plan`` in a fresh world for ``spec`` and return every result.
+
+    :param timeout_s: the collective timeout each rank's group is created with.
+    :param stall_s: seconds without progress from any rank after which the world counts as hung
+        (default ``2 * timeout_s + 10``: a collective that times out properly reports well before).
+    :param deadline_s: the most one attempt may take in total.
+    :param max_restarts: fresh worlds started after a hang or death, for the checks that remain.
+    :param log_dir: where each rank's stdout/stderr go (``<world>-rank<r>.log``); None: inherited.
+    """
+    emit = on_event or (lambda e: None)
+    stall = stall_s if stall_s is not None else 2 * timeout_s + 10
+    start = time.monotonic()
+    plan = [p for p in plan if p.applies_to(spec)]
+    kind, why = resolve_group_kind(spec)
+    if kind is None:
+        out = WorldOutcome(spec, group_kind="none", status="skipped", detail=why)
+        out.results = [CheckResult(p.name, spec.label, f"world of {spec.world_size}", True, skipped=True,
+                                   detail=why) for p in plan]
+        emit(Event("world-done", spec, detail=why, data={"status": "skipped"}))
+        return out
+    out = WorldOutcome(spec, group_kind=kind)
+    remaining = list(plan)
+    while remaining:
+        out.attempts += 1
+        emit(Event("world-start", spec, data={"attempt": out.attempts, "group": kind,
+                                              "checks": [p.name for p in remaining]}))
+        attempt = _Attempt(spec, kind, remaining, timeout_s, stall, deadline_s, emit, log_dir)
+        attempt.run()
+        out.results.extend(attempt.rows())
+        out.check_seconds.update(attempt.check_seconds)
+        out.group_resets += attempt.group_resets
+        for check, values in attempt.exports.items():
+            out.exports.setdefault(check, {}).update(values)
+        if attempt.unsupported is not None:
+            why = f"this build cannot create this mixed-vendor group: {attempt.unsupported}"
+            out.status, out.detail = "skipped", why
+            out.results = [CheckResult(p.name, spec.label, f"world of {spec.world_size}", True, skipped=True,
+                                       detail=why) for p in remaining]
+            break
+        if attempt.setup_error is not None:
+            out.status, out.detail = "setup-failed", attempt.setup_error
+            out.results.append(CheckResult("runner", spec.label, f"create a {kind} group of {spec.world_size}",
+                                           False, detail=attempt.setup_error))
+            emit(Event("world-problem", spec, detail=attempt.setup_error))
+            break
+        if attempt.problem_check is None:
+            break  # every planned check finished
+        if attempt.problem is not None:
+            out.results.append(attempt.problem)
+            emit(Event("world-problem", spec, attempt.problem.check, attempt.problem.case,
+                       detail=attempt.problem.detail))
+        out.status = "stopped"
+        out.detail = attempt.problem.detail if attempt.problem else f"check {attempt.problem_check} raised"
+        done = set(attempt.finished) | {attempt.problem_check}
+        remaining = [p for p in remaining if p.name not in done]
+        if remaining and out.attempts > max_restarts:
+            for p in remaining:
+                out.results.append(CheckResult(p.name, spec.label, "(not run)", False,
+                                               detail=f"not run: the world was stopped {out.attempts} times"))
+            break
+    out.elapsed_s = time.monotonic() - start
+    emit(Event("world-done", spec, detail=out.detail, data={"status": out.status, "elapsed_s": out.elapsed_s}))
+    return out

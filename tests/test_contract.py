@@ -79,6 +79,23 @@ def test_library_reason_kept_when_not_final():
     assert cell.via == "sum_then_divide" and "lib: no AVG" in cell.note
 
 
+def test_complex_follows_its_real_cell_whatever_runs_it():
+    """as_real dispatches the real view again, so the derived complex cell must follow the real
+    cell however it runs: native, derived, stated emulated (CNCL's fp64: gather_then_reduce) --
+    and stay refused when the real cell is refused for good (vcga verify found the table refusing
+    complex128 SUM on sim-cncl while the group ran it)."""
+    t = (CapabilityTable.builder("t")
+         .native(REDUCING, ["float32"], [ReduceOp.SUM])
+         .emulate(REDUCING, ["float64"], [ReduceOp.SUM, ReduceOp.AVG], via="gather_then_reduce")
+         .refuse(REDUCING, ["float32"], [ReduceOp.PREMUL_SUM], note="never")  # mul_then_sum would apply
+         .build())
+    assert t.lookup(AR, "complex128", ReduceOp.SUM).via == "as_real"  # real cell stated emulated
+    assert t.lookup(AR, "complex128", ReduceOp.AVG).via == "as_real"
+    assert t.lookup(AR, "complex64", ReduceOp.AVG).via == "as_real"  # real cell derived (sum_then_divide)
+    assert t.lookup(AR, "float32", ReduceOp.PREMUL_SUM).support is Support.REFUSED
+    assert t.lookup(AR, "complex64", ReduceOp.PREMUL_SUM).support is Support.REFUSED  # real cell final
+
+
 def test_emulated_cell_must_name_a_known_recipe():
     with pytest.raises(ValueError, match="recipe"):
         Cell(Support.EMULATED)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -369,7 +370,7 @@ class CapabilityBuilder:
             for key in _all_keys():
                 if key in self._final or (key in cells and cells[key].support is not Support.REFUSED):
                     continue
-                derived = _derive(key, self._cells)
+                derived = _derive(key, self._cells, self._final)
                 if derived is not None:
                     reason = cells[key].note if key in cells else ""
                     note = f"VCGA emulation: {EMULATIONS[_recipe_key(derived)]}"
@@ -407,7 +408,19 @@ _UPCAST_INT: Mapping[str, tuple[str, ...]] = {
 _REAL_OF = {"complex64": "float32", "complex128": "float64"}
 
 
-def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell]) -> str | None:
+def _runs(key: CellKey, cells: Mapping[CellKey, Cell], final: AbstractSet[CellKey]) -> bool:
+    """Whether the dispatcher can run ``key`` at all: stated native or emulated, or derivable
+    (unless stated refused for good). A recipe that dispatches its rewritten call again (``as_real``)
+    works exactly when this holds for the rewritten cell -- whatever recipe that cell uses."""
+    cell = cells.get(key)
+    if cell is not None and cell.support is not Support.REFUSED:
+        return True
+    if key in final:
+        return False
+    return _derive(key, cells, final) is not None
+
+
+def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell], final: AbstractSet[CellKey] = frozenset()) -> str | None:
     coll, dt, op = key
 
     def native(c: Collective, d: str, o: ReduceOp | None) -> bool:
@@ -419,8 +432,9 @@ def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell]) -> str | None:
         assert op is not None
         if info.kind == "c":
             real = _REAL_OF[dt]
-            if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM) and (
-                    native(coll, real, op) or _derive((coll, real, op), native_cells) is not None):
+            # The real cell may itself be emulated (CNCL's fp64 reductions: gather_then_reduce):
+            # the dispatcher follows it, so the table must too.
+            if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM) and _runs((coll, real, op), native_cells, final):
                 return "as_real"
             return None
         if op is ReduceOp.AVG and info.kind == "f" and native(coll, dt, ReduceOp.SUM):
@@ -789,7 +803,14 @@ class CheckResult:
 @runtime_checkable
 class ConformanceCheck(Protocol):
     """One conformance check. It runs inside every rank of a world the runner spawned and uses
-    only the public API (``torch.distributed`` on the ``vcga`` group, and this contract)."""
+    only the public API (``torch.distributed`` on the ``vcga`` group, and this contract).
+
+    Two optional members (not part of the protocol, so existing checks stay valid): ``defaults``,
+    a dict of the options the check accepts with their defaults (profiles may override exactly
+    these); and ``compare(exports)``, called once after all worlds ran with ``{world id: {key:
+    value}}`` from the context's ``export()``, yielding :class:`CheckResult` rows that compare
+    worlds (backend against backend). See docs/conformance.md.
+    """
 
     #: Unique name, e.g. "exact-reduce".
     name: str

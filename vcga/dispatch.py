@@ -74,6 +74,11 @@ def _flat_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.reshape(-1).view(dtype)
 
 
+def _flat1d(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``t`` as a 1-D view (no copy)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _is_complex_factor(factor: Any) -> bool:
     if isinstance(factor, torch.Tensor):
         return factor.is_complex()
@@ -376,9 +381,11 @@ class Dispatcher:
                depth: int = 0) -> None:
         """``outs`` has one tensor per rank on ``root`` and is empty elsewhere."""
         if self.is_native(GA, inp.dtype):
+            # Flat views: every rank's element count was checked equal (process group); libraries
+            # compare shapes, which may legitimately differ (e.g. (2, 3) into (6,)).
             bufs = [_dense(o) for o in outs]
-            steps.works.append(self.group.gather([bufs] if self.rank == root else [], [_dense(inp)],
-                                                 options("gather", like=like, root=root)))
+            steps.works.append(self.group.gather([[_flat1d(b) for b in bufs]] if self.rank == root else [],
+                                                 [_flat1d(_dense(inp))], options("gather", like=like, root=root)))
             for o, b in zip(outs, bufs):
                 _copy_back(steps, o, b)
             return
@@ -400,7 +407,8 @@ class Dispatcher:
         """``ins`` has one tensor per rank on ``root`` and is empty elsewhere."""
         if self.is_native(SC, out.dtype):
             b = _dense(out)
-            steps.works.append(self.group.scatter([b], [[_dense(x) for x in ins]] if self.rank == root else [],
+            steps.works.append(self.group.scatter([_flat1d(b)],
+                                                  [[_flat1d(_dense(x)) for x in ins]] if self.rank == root else [],
                                                   options("scatter", like=like, root=root)))
             _copy_back(steps, out, b)
             return
@@ -444,7 +452,24 @@ class Dispatcher:
             self.all_to_all(w, inp.to(target), out_splits, in_splits, like, steps, depth + 1)
             steps.finish.append(partial(out.copy_, w))
 
+    def _empty_p2p(self, t: torch.Tensor, depth: int) -> torch.Tensor | None:
+        """The one-byte stand-in for an empty message, or None when ``t`` is not empty.
+
+        gloo's receive from any source fails an enforce on an empty message (the sender then
+        waits out the timeout), so every empty message travels as one uint8 byte, sent and
+        received alike: both ends hold empty tensors, both swap them. The tensor's own dtype is
+        still looked up first, so a refused dtype is refused even when empty."""
+        if depth or t.numel():
+            return None
+        cell = self.cell(P2P, t.dtype)
+        if cell.support is Support.REFUSED:
+            raise self.refuse(P2P, t.dtype, None, cell.note or "refused")
+        return torch.zeros(1, dtype=torch.uint8, device=t.device)
+
     def send(self, t: torch.Tensor, dst: int, tag: int, steps: Steps, depth: int = 0) -> None:
+        stand_in = self._empty_p2p(t, depth)
+        if stand_in is not None:
+            t, depth = stand_in, depth + 1
         if self.is_native(P2P, t.dtype):
             steps.works.append(self.group.send([_dense(t)], dst, tag))
             return
@@ -456,6 +481,9 @@ class Dispatcher:
 
     def recv(self, t: torch.Tensor, src: int | None, tag: int, steps: Steps, depth: int = 0) -> None:
         """Receive into ``t`` from ``src`` (None: from any source; ``steps.source`` then tells who)."""
+        stand_in = self._empty_p2p(t, depth)
+        if stand_in is not None:
+            t, depth = stand_in, depth + 1  # the byte lands in the stand-in; ``t`` has nothing to fill
         if self.is_native(P2P, t.dtype):
             b = _dense(t)
             if src is None:

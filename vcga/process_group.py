@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from vcga import dtypes as _dtypes
 from vcga.config import Config, load_config
 from vcga.contract import Backend, Collective, ReduceOp
 from vcga.debug import FingerprintCheck, fingerprint
@@ -70,6 +71,9 @@ DEVICES = ["cpu", "cuda", "npu", "mlu"]
 AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
 BC, AG, GA, SC, A2A, P2P = (Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER, Collective.SCATTER,
                             Collective.ALL_TO_ALL, Collective.SEND_RECV)
+
+#: dtype -> small integer, for exchanging dtypes in an int64 tensor (gather/scatter size checks).
+_DTYPE_CODES: dict[torch.dtype, int] = {_dtypes.to_torch(name): i for i, name in enumerate(_dtypes.ALL)}
 
 _TIMEOUT_RE = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
 
@@ -225,6 +229,27 @@ class _CheckWork:
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor as 1-D (gloo's *_base collectives compare shapes chunk by chunk)."""
     return t if t.dim() == 1 else t.view(-1)
+
+
+_COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _complex_again(t: torch.Tensor) -> torch.Tensor:
+    """The complex tensor behind ``t`` when ``t`` is ``torch.view_as_real`` of one, else ``t``.
+
+    ``torch.distributed.all_reduce`` (and ``all_reduce_coalesced``) hand backends complex tensors
+    as ``view_as_real`` views. Dispatching the view would consult the table's real cell and name
+    the real dtype in a refusal; the user passed a complex tensor, so the complex cell decides
+    (its ``as_real`` recipe views the pairs again) and a refusal names complex128. The view shares
+    the storage: the result lands in ``t``."""
+    base = t._base
+    if (base is None or not base.is_complex() or t.dim() == 0 or t.shape[-1] != 2
+            or _COMPLEX_OF.get(t.dtype) != base.dtype):
+        return t
+    try:
+        return torch.view_as_complex(t)
+    except RuntimeError:  # strides that no complex tensor has: not torch's view after all
+        return t
 
 
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -422,7 +447,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
                                      async_op=opts.asyncOp, result=tensors)
         op, factor = reduce_op_of(red)
         seq = self._next("all_reduce", t, op)
-        return self._issue("all_reduce", seq, lambda s: self._d.all_reduce(t, op, factor, opts, s), tensors,
+        c = _complex_again(t)
+        return self._issue("all_reduce", seq, lambda s: self._d.all_reduce(c, op, factor, opts, s), tensors,
                            opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -436,7 +462,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
         def build(s: Steps) -> None:
             for t in tensors:
-                self._d.all_reduce(t, op, factor, opts, s)
+                self._d.all_reduce(_complex_again(t), op, factor, opts, s)
 
         return self._issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp)
 
@@ -627,6 +653,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
             outs = []
         seq = self._next("gather", inp, root=root)
+        self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
         return self._issue("gather", seq, lambda s: self._d.gather(list(outs), inp, root, opts, s), list(outs),
                            opts.asyncOp)
 
@@ -643,6 +670,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
             ins = []
         seq = self._next("scatter", out, root=root)
+        self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
         return self._issue("scatter", seq, lambda s: self._d.scatter(out, list(ins), root, opts, s), [out],
                            opts.asyncOp)
 
@@ -699,7 +727,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "send")
         if self._debug is not None:
             self._p2p_fingerprint_send(t, dstRank, tag)
-        if self._fast_native(P2P, t):
+        if t.numel() and self._fast_native(P2P, t):  # empty messages: see Dispatcher._empty_p2p
             return self._native_call("send", None, self.native.send, tensors, dstRank, tag, async_op=True,
                                      result=tensors)
         return self._issue("send", None, lambda s: self._d.send(t, dstRank, tag, s), tensors, True)
@@ -824,6 +852,56 @@ class VcgaProcessGroup(dist.ProcessGroup):
         return PyWork(works, (), [], translate=partial(self._translate, name="coalesced collectives", seq=None))
 
     # -- argument checks -------------------------------------------------------------------------
+
+    def _agree_on_sizes(self, name: str, seq: int, mine: torch.Tensor, listed: Sequence[torch.Tensor], root: int,
+                        list_name: str) -> None:
+        """gather / scatter: every rank's tensor and every entry of the root's list must hold the
+        same number of elements of the same dtype (torch's rule), checked on every rank at once.
+
+        Only the root sees the list, so a root-only check (gloo's, NCCL's) refuses on the root
+        while the other ranks wait for the timeout. Instead every rank contributes its element
+        count and dtype -- the root also its list's -- in one small all_gather through the
+        transport, and every rank reaches the same verdict: proceed, or raise
+        :class:`~vcga.errors.VcgaMismatchError` before any data moves.
+        """
+        from vcga.errors import VcgaMismatchError
+
+        def code(dt: torch.dtype) -> int:
+            return _DTYPE_CODES.get(dt, -1)
+
+        row = [mine.numel(), code(mine.dtype)] + [-1] * (2 * self._size)
+        if self._rank == root:
+            for r, t in enumerate(listed):
+                row[2 + 2 * r], row[3 + 2 * r] = t.numel(), code(t.dtype)
+        if self._size == 1:
+            rows = [row]
+        else:
+            vec = torch.tensor(row, dtype=torch.int64, device=mine.device)
+            table = torch.empty((self._size, len(row)), dtype=torch.int64, device=mine.device)
+            steps = Steps()
+            try:
+                self._d.all_gather(list(table.unbind(0)), vec, options("allgather"), steps)
+            except (VcgaError, ValueError, TypeError):
+                raise
+            except Exception as e:
+                raise self._translate(e, name, seq) from e
+            self._wrap(name, seq, steps, [table], False)
+            rows = table.cpu().tolist()
+        want_n, want_dt = rows[root][0], rows[root][1]
+        listed_n = [rows[root][2 + 2 * r] for r in range(self._size)]
+        listed_dt = [rows[root][3 + 2 * r] for r in range(self._size)]
+        differences: dict[str, dict[int, Any]] = {}
+        if any(r[0] != want_n for r in rows):
+            differences["numel"] = {r: rows[r][0] for r in range(self._size)}
+        if any(n != want_n for n in listed_n):
+            differences[f"numel of the {list_name} entries (rank {root} is the root)"] = {root: listed_n}
+        if any(r[1] != want_dt for r in rows) or any(d != want_dt for d in listed_dt):
+            names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+            differences["dtype"] = {r: names.get(rows[r][1], "?") for r in range(self._size)}
+            if any(d != want_dt for d in listed_dt):
+                differences[f"dtype of the {list_name} entries"] = {root: [names.get(d, "?") for d in listed_dt]}
+        if differences:
+            raise VcgaMismatchError(seq, differences, rank=self._rank)
 
     def _check_count(self, items: Sequence[Any], what: str) -> None:
         if len(items) != self._size:

@@ -131,6 +131,7 @@ class PyWork(dist._Work):
         self._done = not self._works and not self._finish
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
+        self._futs: list[torch.futures.Future] | None = None
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -189,13 +190,26 @@ class PyWork(dist._Work):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if all(w.is_completed() for w in self._works):
+        if all(w.is_completed() or (f is not None and f.done()) for w, f in zip(self._works, self._watched())):
             try:
                 self.wait()  # every native work finished: this only runs the completion steps
             except BaseException:  # noqa: BLE001 - recorded; wait() and exception() report it
                 pass
             return True
         return False
+
+    def _watched(self) -> list[torch.futures.Future | None]:
+        """Per native work: its future, or for a work without one a future a watcher completes.
+
+        Some native works can only be waited on: gloo's reduce_scatter work (torch 2.13) never
+        reports ``is_completed()`` and raises on ``get_future()``. A poll loop on it would spin
+        forever and DDP-style ``get_future().then(...)`` code would fail, so such a work gets a
+        daemon thread that waits for it and completes a future. Started on first need only: code
+        that just calls ``wait()`` never pays for it."""
+        with self._lock:
+            if self._futs is None:
+                self._futs = [_future_of(w) for w in self._works]
+        return self._futs
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -229,7 +243,7 @@ class PyWork(dist._Work):
                     fut.set_exception(e)
                 self._future = fut
             else:
-                futs = [w.get_future() for w in self._works]
+                futs = self._watched()
                 base = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
                 self._future = base.then(self._on_native_done)
         return self._future
@@ -248,6 +262,28 @@ class PyWork(dist._Work):
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self._done else "pending")
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
+
+
+def _future_of(work: Any) -> torch.futures.Future:
+    """``work.get_future()``, or -- for a work that has none -- a future completed by a daemon
+    thread that waits for the work (see :meth:`PyWork._watched`)."""
+    try:
+        return work.get_future()
+    except RuntimeError as e:
+        if "not implemented" not in str(e).lower():
+            raise
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def watch() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    threading.Thread(target=watch, name="vcga-work-watch", daemon=True).start()
+    return fut
 
 
 def completed_work(result: Sequence[torch.Tensor] = ()) -> PyWork:
