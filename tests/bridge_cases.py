@@ -88,6 +88,20 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
     return failures
 
 
+def uneven_all_gather(group: Any, rank: int, size: int) -> list[str]:
+    """The list form of all_gather with a different size per rank (zero included) across vendors:
+    exact on every rank (found by `vcga verify`: it used to abort a rank inside gloo)."""
+    failures = []
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        sizes = [(3 * r + 1) % 5 for r in range(size)]  # 1, 4, 2, 0, ...
+        want = [torch.arange(sizes[r], dtype=torch.float64).mul(r + 1).to(dtype) for r in range(size)]
+        outs = [torch.full((sizes[r],), -1, dtype=dtype) for r in range(size)]
+        dist.all_gather(outs, want[rank].clone(), group=group)
+        if not all(torch.equal(o, w) for o, w in zip(outs, want)):
+            failures.append(f"uneven all_gather {dtype}: {outs} != {want}")
+    return failures
+
+
 def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]) -> dict[str, Any]:
     import vcga  # noqa: F401 - registers backend "vcga"
     from pg_cases import Matrix
@@ -100,6 +114,7 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
     out: dict[str, Any] = {"failures": [], "backend": world.transport.backend_name}
     out["matrix"] = Matrix(world, "mixed", matrix_dtypes).run()
     out["failures"] += out["matrix"]["failures"]
+    out["failures"] += uneven_all_gather(world, rank, size)
     counts = {}
     from vcga.bridge import ALGORITHMS
 

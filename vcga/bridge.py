@@ -593,10 +593,32 @@ class BridgeGroup:
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
         (outs,), (inp,) = outputs, inputs
+        if len({o.numel() for o in outs}) > 1:
+            return self._allgather_uneven(outs, inp)
         rows = self._gather_bytes(inp)
         if inp.numel():
             for r, o in enumerate(outs):
                 o.copy_(rows[r].view(inp.dtype).view(inp.shape))
+        return PyWork(result=outs)
+
+    def _allgather_uneven(self, outs: list[torch.Tensor], inp: torch.Tensor) -> PyWork:
+        """all_gather whose ranks contribute different sizes (torch's list form allows it; NCCL runs
+        it as broadcasts). Every rank knows every size from its output list, so each pads its bytes to
+        the largest, one byte all_gather moves them, and each output takes its prefix: no extra round
+        trip to agree on sizes, and gloo never sees unequal buffers (it aborts the process on those)."""
+        if inp.numel() != outs[self.rank].numel():
+            raise ValueError(f"all_gather: this rank's input has {inp.numel()} elements but output[{self.rank}] "
+                             f"has {outs[self.rank].numel()}")
+        nbytes = [o.numel() * o.element_size() for o in outs]
+        width = max(nbytes)
+        src = torch.zeros(width, dtype=torch.uint8)
+        mine = _bytes(_host(inp))
+        src[: mine.numel()] = mine
+        rows = torch.empty(self.size * width, dtype=torch.uint8)
+        self.world._allgather_base(rows, src).wait()
+        for r, o in enumerate(outs):
+            if nbytes[r]:
+                o.copy_(rows[r * width: r * width + nbytes[r]].view(o.dtype).view(o.shape))
         return PyWork(result=outs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PyWork:  # noqa: A002
