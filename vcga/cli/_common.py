@@ -32,6 +32,19 @@ def errors_as_one_line() -> Iterator[None]:
         fail("interrupted; nothing was written", code=130)
 
 
+def stdout_console(**kwargs: Any) -> Any:
+    """A rich console on stdout. When stdout is not a terminal (CI logs, a pipe) and COLUMNS is not
+    set, rich would wrap tables at 80 columns and cut cells to "pa…"; a log reads better wide."""
+    import os
+
+    from rich.console import Console
+
+    console = Console(**kwargs)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160, **kwargs)
+    return console
+
+
 @contextlib.contextmanager
 def progress_bar(enabled: bool | None) -> Iterator[Callable[[str, int, int, str], None] | None]:
     """A rich progress bar on stderr when it is a terminal (or when forced); yields the callback."""

@@ -54,10 +54,10 @@ def collect(verbose: bool = False) -> dict[str, Any]:
 
 
 def _render(data: dict[str, Any]) -> None:
-    from rich.console import Console
+    from vcga.cli._common import stdout_console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]vcga {data['vcga']}[/bold] (python {data['python']})"
                   + ("  [yellow]entry-point autoload disabled[/yellow]" if data["autoload_disabled"] else ""))
 

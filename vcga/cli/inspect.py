@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from vcga.cli._common import errors_as_one_line, human_bytes, progress_bar
+from vcga.cli._common import errors_as_one_line, human_bytes, progress_bar, stdout_console
 
 _STATUS_STYLE = {"ok": "[green]ok[/green]", "MISMATCH": "[red]MISMATCH[/red]", "computed": "computed",
                  "stored": "stored", "none": "[dim]none[/dim]"}
@@ -27,10 +27,9 @@ def inspect(file: str | None, src_format: str | None, verify: bool, as_json: boo
 
     Exit status 1 when --verify finds a checksum mismatch, 2 on a malformed file.
     """
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     if list_formats:
         from vcga import dtypes
         from vcga.convert import available_formats

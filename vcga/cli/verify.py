@@ -46,11 +46,11 @@ def verify(backends: tuple[str, ...], world_sizes: tuple[int, ...], profile: str
     """Certify that a backend's collectives are numerically right."""
     import signal
 
-    from rich.console import Console
+    from vcga.cli._common import stdout_console
 
     # SIGTERM (a CI job cancelled) unwinds like Ctrl-C, so the runner's cleanup kills every rank
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    console = Console(highlight=False)
+    console = stdout_console(highlight=False)
     try:
         if list_checks:
             _list(console)
