@@ -203,3 +203,18 @@ def test_native_group_failure_stops_every_rank_with_one_error() -> None:
     msg = results[0]["message"]
     assert "rank 2 (test-broken)" in msg and "device 1 is lost" in msg and "rank 1 " not in msg
     assert all(r["seconds"] < 60 for r in results), results
+
+
+@pytest.mark.parametrize("world,spec", [("two_vendors", "nccl:2,hccl:2"), ("three_vendors", "nccl:1,hccl:2,cncl:1")])
+def test_cli_plan_is_what_the_ranks_describe(world: str, spec: str, request: pytest.FixtureRequest) -> None:
+    """`vcga info --plan --json` for the same layout (same host, default algorithm) equals the plan
+    every rank of the spawned world describes: groups, leaders, shard peers, routes, algorithm per size."""
+    import json
+
+    from conftest import run_vcga
+
+    ranks = request.getfixturevalue(world)
+    r = run_vcga("info", "--plan", "--json", env={"VCGA_SIM_VENDORS": spec})
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)["plan"]
+    assert cli["routes"] and cli == ranks[0]["plan"]

@@ -63,6 +63,8 @@ __all__ = [
     "create_bridge_transport",
     "make_plan",
     "node_name",
+    "plan_for_layout",
+    "reduction_routes",
     "table_from_json",
 ]
 
@@ -92,6 +94,13 @@ BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
 _HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 _BRIDGE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
                ReduceOp.BXOR)
+
+
+#: The message sizes ``vcga info --plan`` and the plan's description show the algorithm for.
+PLAN_SIZES = tuple(4 << (10 + 2 * i) for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+
+#: The reductions whose route ``vcga info --plan`` shows (SUM: what DDP and most training runs use).
+ROUTE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool")
 
 
 def node_name() -> str:
@@ -171,13 +180,18 @@ class Plan:
             return AUTO_LARGE if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
         return self.algorithm
 
-    def describe(self, sizes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 64 << 20)) -> dict[str, Any]:
-        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``)."""
+    def describe(self, sizes: Sequence[int] = PLAN_SIZES,
+                 tables: Sequence[CapabilityTable] | None = None) -> dict[str, Any]:
+        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``).
+
+        With the vendor groups' ``tables`` (in plan order) it adds ``routes``: how the reductions
+        that matter cross the vendors (:func:`reduction_routes`).
+        """
         def g_rank(r: int) -> int:
             return self.global_ranks[r] if self.global_ranks else r
 
         lead = {s: self.all_reduce_algorithm(s) for s in sizes}
-        return {
+        out = {
             "size": self.size,
             "algorithm": self.algorithm,
             "contiguous": self.contiguous,
@@ -200,6 +214,48 @@ class Plan:
                 "barrier": "host bridge (gloo, whole group)",
             },
         }
+        if tables is not None:
+            out["routes"] = reduction_routes(self, tables)
+        return out
+
+
+def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequence[str] = ROUTE_DTYPES,
+                     op: ReduceOp = ReduceOp.SUM) -> list[dict[str, Any]]:
+    """How an all_reduce of each dtype in ``dtypes`` crosses the vendor groups.
+
+    Per dtype: the combined table's cell (native, or the emulation the dispatcher applies first,
+    e.g. ``upcast:float32`` for fp16), the dtype the bridge then reduces in, each vendor group's
+    route for it (:func:`group_route`, with the group's own recipe when its table emulates, e.g.
+    CNCL's fp64 ``gather_then_reduce``), and whether a host route pins the leader algorithm.
+    """
+    combined = combined_table("bridge", tables)
+    rows = []
+    for dt in dtypes:
+        cell = combined.lookup(AR, dt, op)
+        reduced = cell.via.split(":", 1)[1] if cell.via and cell.via.startswith("upcast:") else dt
+        row: dict[str, Any] = {"dtype": dt, "op": op.value, "support": cell.support.value, "via": cell.via,
+                               "reduced_as": reduced, "groups": []}
+        if cell.support is Support.REFUSED:
+            row["note"] = cell.note
+        else:
+            for g, t in zip(plan.groups, tables):
+                own = t.lookup(AR, reduced, op)
+                row["groups"].append({"backend": g.backend, "route": group_route(t, reduced, op),
+                                      "library_cell": own.support.value, "library_via": own.via})
+            row["leader_only"] = any(x["route"] == "host" for x in row["groups"])
+        rows.append(row)
+    return rows
+
+
+def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
+    """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
+    would compute -- the same facts :func:`vcga.process_group.make_transport` publishes, without
+    creating any group (``vcga info --plan``)."""
+    peers = [{"backend": b.name, "vendor": b.vendor, "device_type": b.device_type, "global_rank": r,
+              "node": n} for r, (b, n) in enumerate(zip(backends, nodes, strict=True))]
+    plan = make_plan(peers, algorithm)
+    by_name = {b.name: b for b in backends}
+    return plan, [by_name[g.backend].capabilities() for g in plan.groups]
 
 
 def _size_name(n: int) -> str:
@@ -218,7 +274,7 @@ def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
     same plan from the same facts.
     """
     if algorithm not in ("auto", *ALGORITHMS):
-        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth")
+        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth, replicated")
     node_order: dict[str, int] = {}
     for p in peers:
         node_order.setdefault(p.get("node", ""), len(node_order))
@@ -718,7 +774,7 @@ class BridgeTransport(Transport):
         d = super().describe()
         d["vendor"] = self.backend.vendor
         d["local_backend"] = self.backend.name
-        d["plan"] = self.plan.describe()
+        d["plan"] = self.plan.describe(tables=self.group.tables)
         return d
 
     def close(self) -> None:
