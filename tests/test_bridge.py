@@ -177,6 +177,13 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     assert r["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
     assert r["counts"]["leader"]["bandwidth"] == 0 and r["counts"]["leader"]["leader"] > 0
     assert r["counts"]["bandwidth"]["bandwidth"] > 0 and r["counts"]["replicated"]["replicated"] > 0
+    assert r["counts"]["bandwidth-p2p"]["bandwidth"] > 0 and r["methods"]["bandwidth-p2p"] == "p2p"
+    assert r["counts"]["bandwidth-collective"]["bandwidth"] > 0
+    # the creation-time measurement ran and chose from what it measured, the same on every rank
+    cal = r["calibration"]
+    assert cal["auto_large"] in ("bandwidth", "replicated") and set(cal["group_methods"]) == {"sim-nccl", "sim-hccl"}
+    assert cal["auto_large"] == min(cal["predicted_seconds"], key=lambda a: (cal["predicted_seconds"][a], a))
+    assert all(x["calibration"] == cal for x in two_vendors)
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
 
 
@@ -187,6 +194,7 @@ def test_three_vendors_fp64_keeps_fp64_through_sim_cncl(three_vendors: list[dict
     assert r["backend"] == "bridge(sim-nccl:1,sim-hccl:2,sim-cncl:1)"
     for alg in ("bandwidth", "replicated"):
         assert r["counts"][alg][alg] == 0 and r["counts"][alg]["leader"] > 0
+    assert r["calibration"] is None  # nothing to measure: unequal groups never shard
     assert [g["backend"] for g in r["plan"]["groups"]] == ["sim-nccl", "sim-hccl", "sim-cncl"]
 
 

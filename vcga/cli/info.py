@@ -216,6 +216,9 @@ def render_plan(data: dict[str, Any]) -> str:
     lines.append("reduce_scatter run an all_reduce of that size: the root keeps it / each rank its chunk)")
     for size, alg in p["collectives"]["all_reduce"].items():
         lines.append(f"  {size:>7}  {alg}")
+    if any("(measured)" in a for a in p["collectives"]["all_reduce"].values()):
+        lines.append("  (measured: each group times both at creation, and its reduce-scatter/all-gather through")
+        lines.append("   the library's collectives and through rings of its send/recv; describe()['calibration'])")
     lines.append("other collectives")
     for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
         lines.append(f"  {name}: {p['collectives'][name]}")
