@@ -90,8 +90,8 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
         if v == "p2p-1seg":
             groups[v].transport.group.max_segments = 1
     auto_plan = groups[variants[1]].transport.plan
-    measured = next(groups[v].transport.group.calibration for v in variants[1:]  # what "auto" measured
-                    if groups[v].transport.group.calibration is not None), None)
+    calibrated = [groups[v].transport.group.calibration for v in variants[1:]]
+    measured = next((c for c in calibrated if c is not None), None)  # what "auto" measured at creation
     sync = dist.group.WORLD
     rows = []
     for nbytes in sizes(args["min_bytes"], args["max_bytes"]):

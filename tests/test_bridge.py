@@ -24,7 +24,7 @@ def peers(*backends: str, nodes: list[str] | None = None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 
 def test_plan_groups_leaders_and_algorithm() -> None:
-    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, make_plan
+    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, PIPELINED_MIN_BYTES, make_plan
 
     p = make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"))
     assert [(g.backend, g.ranks, g.leader) for g in p.groups] == [("sim-nccl", (0, 1), 0), ("sim-hccl", (2, 3), 2)]
@@ -32,6 +32,9 @@ def test_plan_groups_leaders_and_algorithm() -> None:
     assert p.shard_peers(0) == (0, 2) and p.shard_peers(1) == (1, 3)
     assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES - 1) == "leader"
     assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES) == AUTO_LARGE
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES - 1, "bandwidth") == "bandwidth"
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES - 1, "replicated") == "replicated"
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES, "replicated") == "bandwidth"  # pipelined sizes
     assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "bandwidth").all_reduce_algorithm(1) == "bandwidth"
     assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "leader").all_reduce_algorithm(1 << 30) == "leader"
     # unequal vendor groups: shards cannot line up, leader algorithm at every size

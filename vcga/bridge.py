@@ -78,10 +78,9 @@ ALGORITHMS = ("leader", "bandwidth", "replicated")
 #: bandwidth algorithm 1.7x flat; at 1 MiB bandwidth (p2p) is the best, 1.2x against leader's 1.6x.
 BANDWIDTH_MIN_BYTES = 1 << 20
 
-#: What "auto" picks at and above BANDWIDTH_MIN_BYTES when the vendor groups have equal sizes:
-#: "replicated" measured fastest with gloo-backed vendor groups (docs/benchmarks.md), where gloo's
-#: reduce-scatter and all-gather cost more than its all-reduce; with NCCL/HCCL/CNCL, whose
-#: reduce-scatter and all-gather are bandwidth-optimal, "bandwidth" moves the fewest bytes.
+#: What "auto" picks at and above BANDWIDTH_MIN_BYTES on equal vendor groups when nothing was
+#: measured (a group created with bridge_algorithm "leader" or "replicated" never uses it; every
+#: other equal-group bridge replaces it by its measurement, :meth:`BridgeGroup.calibrate`).
 AUTO_LARGE = "replicated"
 #: How the plan (a pure function of the published facts) names auto's large-message choice, which
 #: each running group measures at creation (:meth:`BridgeGroup.calibrate`).
@@ -91,6 +90,12 @@ AUTO_LARGE_MEASURED = "bandwidth|replicated (measured)"
 #: and the previous all-gathered inside the vendor group.
 PIPELINE_SEGMENT_BYTES = 8 << 20
 PIPELINE_MAX_SEGMENTS = 8
+#: From this size on (two pipeline segments or more), "auto" runs "bandwidth" on equal vendor groups
+#: whatever the 2 MiB measurement preferred: the measurement, one segment, cannot see the
+#: pipelining, and in every run on this machine the pipelined bandwidth algorithm (p2p in-group
+#: steps) beat replicated at 16 and 64 MiB (e.g. 1.07x and 0.92x flat against 1.35x and 1.06x, in
+#: a run where the 2 MiB measurement preferred replicated; docs/benchmarks.md).
+PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
 #: Message size of the creation-time measurement (large enough to be bandwidth-bound).
 CALIBRATION_BYTES = 2 << 20
 
@@ -191,6 +196,8 @@ class Plan:
         if not self.equal_groups:
             return "leader"  # shards must line up across vendor groups
         if self.algorithm == "auto":
+            if nbytes >= PIPELINED_MIN_BYTES:
+                return "bandwidth"
             return large if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
         return self.algorithm
 
@@ -718,8 +725,9 @@ class BridgeGroup:
         host bridge), so every rank derives the same choices:
 
         - each vendor group's :attr:`group_method`: the cheaper of "collective" and "p2p";
-        - :attr:`auto_large`: "bandwidth" when its predicted cost, max over groups of
-          (reduce-scatter + all-gather) + bridge(N)/k, is below "replicated"'s, max over groups of
+        - :attr:`auto_large` (what auto runs from :data:`BANDWIDTH_MIN_BYTES` up to
+          :data:`PIPELINED_MIN_BYTES`): the cheaper prediction of "bandwidth", max over groups of
+          (reduce-scatter + all-gather) + bridge(N)/k, and "replicated", max over groups of
           all-reduce + bridge(N) (the bridge moves N/k per rank instead of N).
 
         Needs equal vendor groups of size >= 2 (the only shape these algorithms run on).
