@@ -8,7 +8,11 @@ bridge adds). Each rank holds three groups over the same four ranks:
 - ``leader``: ``vcga``, bridge forced to the leader algorithm (reduce in the vendor group, reduce
   among the leaders on the host, broadcast in the vendor group);
 - ``bandwidth``: ``vcga``, bridge forced to the bandwidth-optimal algorithm (reduce-scatter in the
-  vendor group, reduce each shard among its shard peers on the host, all-gather in the group).
+  vendor group, reduce each shard among its shard peers on the host, all-gather in the group),
+  in-group steps through the library's reduce_scatter / all_gather;
+- ``p2p``: the same algorithm with the in-group reduce-scatter / all-gather as rings over the
+  library's send/recv;
+- ``replicated``: all-reduce in the vendor group, then among the shard peers.
 
 For each size (fp32, 4 KiB .. 64 MiB) the three are called in rotating order, one call each per
 repetition, after a barrier; a call's time is the slowest rank's. Reported: median time per call
@@ -33,7 +37,11 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("flat", "leader", "bandwidth", "replicated")
+VARIANTS = ("flat", "leader", "bandwidth", "p2p", "replicated")
+#: variant -> (bridge_algorithm, in-group method of the bandwidth algorithm or None for the default)
+HYBRID = {"leader": ("leader", None), "bandwidth": ("bandwidth", "collective"), "p2p": ("bandwidth", "p2p"),
+          "replicated": ("replicated", None), "p2p-1seg": ("bandwidth", "p2p")}
+#: not run by default: "p2p" without pipelining (one segment), for --variants flat,p2p-1seg,p2p
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -72,21 +80,29 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = {"flat": dist.new_group(backend="gloo")}
-    for alg in VARIANTS[1:]:
-        groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(
+    variants = args["variants"]
+    for v in variants[1:]:
+        alg, method = HYBRID[v]
+        groups[v] = dist.new_group(backend="vcga", pg_options=VcgaOptions(
             config=replace(load_config(), bridge_algorithm=alg)))
-    auto_plan = groups["leader"].transport.plan
+        if method is not None:
+            groups[v].transport.group.group_method = method
+        if v == "p2p-1seg":
+            groups[v].transport.group.max_segments = 1
+    auto_plan = groups[variants[1]].transport.plan
+    calibrated = [groups[v].transport.group.calibration for v in variants[1:]]
+    measured = next((c for c in calibrated if c is not None), None)  # what "auto" measured at creation
     sync = dist.group.WORLD
     rows = []
     for nbytes in sizes(args["min_bytes"], args["max_bytes"]):
         n = nbytes // 4
-        bufs = {v: torch.ones(n) for v in VARIANTS}
-        for v in VARIANTS:  # warm-up: connections, buffers
+        bufs = {v: torch.ones(n) for v in variants}
+        for v in variants:  # warm-up: connections, buffers
             dist.all_reduce(bufs[v], group=groups[v])
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in variants}
         reps = reps_for(nbytes, args["reps"])
         for i in range(reps):
-            order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]  # rotate: no variant always runs first
+            order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate: no variant always runs first
             for v in order:
                 dist.barrier(group=sync)
                 t0 = time.perf_counter()
@@ -96,10 +112,11 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
                 times[v].append(float(dt))
         if rank == 0:
             row: dict[str, Any] = {"bytes": nbytes, "reps": reps,
-                                   "auto": replace(auto_plan, algorithm="auto").all_reduce_algorithm(nbytes)}
-            for v in VARIANTS:
+                                   "auto": replace(auto_plan, algorithm="auto").all_reduce_algorithm(
+                                       nbytes, measured["auto_large"] if measured else "?")}
+            for v in variants:
                 row[f"{v}_ms"] = statistics.median(times[v]) * 1e3
-            for v in VARIANTS[1:]:
+            for v in variants[1:]:
                 ratios = [h / f for h, f in zip(times[v], times["flat"])]
                 row[f"{v}_ratio"] = statistics.median(ratios)
                 row[f"{v}_range"] = (min(ratios), max(ratios))
@@ -108,11 +125,11 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
                 print(json.dumps(row), file=sys.stderr, flush=True)
     dist.destroy_process_group()
     if rank == 0:
-        queue.put(rows)
+        queue.put({"rows": rows, "calibration": measured})
 
 
-def render(rows: list[dict[str, Any]], markdown: bool) -> str:
-    algs = VARIANTS[1:]
+def render(rows: list[dict[str, Any]], markdown: bool, variants: tuple[str, ...] = VARIANTS) -> str:
+    algs = variants[1:]
     head = ["size", "reps", "flat gloo ms", *[f"{a} ms" for a in algs], *[f"{a}/flat" for a in algs], "auto"]
     lines = []
     for r in rows:
@@ -135,6 +152,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="repetitions at the largest sizes (more when small)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, flat first (default {','.join(VARIANTS)}; also p2p-1seg)")
     parser.add_argument("--progress", action="store_true", help="print each row to stderr as it is measured")
     a = parser.parse_args()
     import multiprocessing as mp
@@ -144,14 +163,23 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = {"min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress}
+    variants = tuple(a.variants.split(","))
+    if variants[0] != "flat" or len(variants) < 2 or any(v not in HYBRID for v in variants[1:]):
+        parser.error(f"--variants: flat first, then some of {', '.join(HYBRID)}")
+    args = {"variants": variants, "min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress}
     procs = [ctx.Process(target=rank_main, args=(r, 4, port, args, queue)) for r in range(4)]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=3600)
+    got = queue.get(timeout=3600)
+    rows = got["rows"]
     for p in procs:
         p.join(timeout=60)
-    print(render(rows, a.markdown))
+    print(render(rows, a.markdown, variants))
+    cal = got["calibration"]
+    if cal:
+        print(f"\ncreation-time measurement ({cal['bytes'] >> 20} MiB): in-group method per vendor group "
+              f"{cal['group_methods']}, auto's large-message algorithm: {cal['auto_large']} (predicted s: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in cal["predicted_seconds"].items()) + ")")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -52,7 +52,8 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
     """Random-data SUM / AVG through ``group``; returns failure messages (empty: all good)."""
     failures = []
     for salt, (dtype, n) in enumerate([(torch.float32, 1000), (torch.float32, 70_000), (torch.float64, 70_000),
-                                       (torch.float16, 70_000), (torch.bfloat16, 5000)]):
+                                       (torch.float16, 70_000), (torch.bfloat16, 5000), (torch.float32, 1),
+                                       (torch.float32, 7), (torch.float64, 70_001)]):
         xs = [inputs(r, n, dtype, salt) for r in range(size)]
         t = xs[rank].clone()
         dist.all_reduce(t, group=group)
@@ -78,6 +79,14 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
             if err.sum() > ring_err.sum() or err.max() > ring_err.max():
                 failures.append(f"{label} {dtype}: bridge error (sum {float(err.sum()):.3g}, max {float(err.max()):.3g}) "
                                 f"worse than an fp16 ring (sum {float(ring_err.sum()):.3g}, max {float(ring_err.max()):.3g})")
+    # int64 SUM (odd length, values near the wrap-around): exact, modulo 2**64 as a flat library
+    g = torch.Generator().manual_seed(4242 + rank)
+    t = torch.randint(-2 ** 62, 2 ** 62, (1001,), generator=g, dtype=torch.int64)
+    ref = [torch.randint(-2 ** 62, 2 ** 62, (1001,), generator=torch.Generator().manual_seed(4242 + r),
+                         dtype=torch.int64) for r in range(size)]
+    dist.all_reduce(t, group=group)
+    if not torch.equal(t, sum(ref[1:], ref[0])):
+        failures.append(f"{label} int64 SUM: not exact")
     # AVG: SUM then one division (sum_then_divide), bitwise identical everywhere
     t = inputs(rank, 777, torch.float32, 99)
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
@@ -118,11 +127,21 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
     counts = {}
     from vcga.bridge import ALGORITHMS
 
-    for alg in ALGORITHMS:
+    methods = {}
+    # the bandwidth algorithm twice: in-group steps through the library's reduce_scatter/all_gather,
+    # and through rings of its send/recv (every rank of a vendor group must use the same method)
+    for label, alg, method in [(a, a, None) for a in ALGORITHMS] + [("bandwidth-collective", "bandwidth", "collective"),
+                                                                  ("bandwidth-p2p", "bandwidth", "p2p")]:
         g = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_algorithm=alg)))
-        out["failures"] += numerics(g, check, rank, size, alg)
-        counts[alg] = dict(g.transport.group.counts)
+        if method is not None:
+            g.transport.group.group_method = method
+        methods[label] = g.transport.group.group_method
+        out["failures"] += numerics(g, check, rank, size, label)
+        counts[label] = dict(g.transport.group.counts)
+        if label == "bandwidth":
+            out["calibration"] = g.transport.describe()["calibration"]
     out["counts"] = counts
+    out["methods"] = methods
     plan = world.transport.describe()["plan"]
     plans = [None] * size
     dist.all_gather_object(plans, json.dumps(plan, sort_keys=True), group=check)

@@ -24,7 +24,7 @@ def peers(*backends: str, nodes: list[str] | None = None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 
 def test_plan_groups_leaders_and_algorithm() -> None:
-    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, make_plan
+    from vcga.bridge import AUTO_LARGE, BANDWIDTH_MIN_BYTES, PIPELINED_MIN_BYTES, make_plan
 
     p = make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"))
     assert [(g.backend, g.ranks, g.leader) for g in p.groups] == [("sim-nccl", (0, 1), 0), ("sim-hccl", (2, 3), 2)]
@@ -32,6 +32,9 @@ def test_plan_groups_leaders_and_algorithm() -> None:
     assert p.shard_peers(0) == (0, 2) and p.shard_peers(1) == (1, 3)
     assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES - 1) == "leader"
     assert p.all_reduce_algorithm(BANDWIDTH_MIN_BYTES) == AUTO_LARGE
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES - 1, "bandwidth") == "bandwidth"
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES - 1, "replicated") == "replicated"
+    assert p.all_reduce_algorithm(PIPELINED_MIN_BYTES, "replicated") == "bandwidth"  # pipelined sizes
     assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "bandwidth").all_reduce_algorithm(1) == "bandwidth"
     assert make_plan(peers("sim-nccl", "sim-nccl", "sim-hccl", "sim-hccl"), "leader").all_reduce_algorithm(1 << 30) == "leader"
     # unequal vendor groups: shards cannot line up, leader algorithm at every size
@@ -177,6 +180,13 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     assert r["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
     assert r["counts"]["leader"]["bandwidth"] == 0 and r["counts"]["leader"]["leader"] > 0
     assert r["counts"]["bandwidth"]["bandwidth"] > 0 and r["counts"]["replicated"]["replicated"] > 0
+    assert r["counts"]["bandwidth-p2p"]["bandwidth"] > 0 and r["methods"]["bandwidth-p2p"] == "p2p"
+    assert r["counts"]["bandwidth-collective"]["bandwidth"] > 0
+    # the creation-time measurement ran and chose from what it measured, the same on every rank
+    cal = r["calibration"]
+    assert cal["auto_large"] in ("bandwidth", "replicated") and set(cal["group_methods"]) == {"sim-nccl", "sim-hccl"}
+    assert cal["auto_large"] == min(cal["predicted_seconds"], key=lambda a: (cal["predicted_seconds"][a], a))
+    assert all(x["calibration"] == cal for x in two_vendors)
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
 
 
@@ -187,6 +197,7 @@ def test_three_vendors_fp64_keeps_fp64_through_sim_cncl(three_vendors: list[dict
     assert r["backend"] == "bridge(sim-nccl:1,sim-hccl:2,sim-cncl:1)"
     for alg in ("bandwidth", "replicated"):
         assert r["counts"][alg][alg] == 0 and r["counts"][alg]["leader"] > 0
+    assert r["calibration"] is None  # nothing to measure: unequal groups never shard
     assert [g["backend"] for g in r["plan"]["groups"]] == ["sim-nccl", "sim-hccl", "sim-cncl"]
 
 
@@ -203,3 +214,18 @@ def test_native_group_failure_stops_every_rank_with_one_error() -> None:
     msg = results[0]["message"]
     assert "rank 2 (test-broken)" in msg and "device 1 is lost" in msg and "rank 1 " not in msg
     assert all(r["seconds"] < 60 for r in results), results
+
+
+@pytest.mark.parametrize("world,spec", [("two_vendors", "nccl:2,hccl:2"), ("three_vendors", "nccl:1,hccl:2,cncl:1")])
+def test_cli_plan_is_what_the_ranks_describe(world: str, spec: str, request: pytest.FixtureRequest) -> None:
+    """`vcga info --plan --json` for the same layout (same host, default algorithm) equals the plan
+    every rank of the spawned world describes: groups, leaders, shard peers, routes, algorithm per size."""
+    import json
+
+    from conftest import run_vcga
+
+    ranks = request.getfixturevalue(world)
+    r = run_vcga("info", "--plan", "--json", env={"VCGA_SIM_VENDORS": spec})
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)["plan"]
+    assert cli["routes"] and cli == ranks[0]["plan"]

@@ -56,19 +56,63 @@ def test_info_reports_a_bad_config_in_one_line():
     assert "collective_timeout_s" in r.stderr and "Traceback" not in r.stderr
 
 
-def _vcga_group_registered() -> bool:
-    from vcga.conformance.runner import vcga_group_status
-
-    return vcga_group_status()[0]
-
-
-@pytest.mark.skipif(not _vcga_group_registered(),
-                    reason="plain `vcga verify` certifies through the vcga process group (issue #3), which this "
-                           "build does not register yet; tests/test_verify.py covers the native group")
 def test_plain_verify_passes_and_prints_a_table():
     """What `make verify` runs: the quick profile on gloo and the simulated mixed-vendor world."""
     r = run_vcga("verify", timeout=400, env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "vcga verify summary" in r.stdout and "FAIL" not in r.stdout and " 0 failed" in r.stdout
-    for check in ("collectives", "exact-reduce", "random-reduce", "gradients"):
+    for check in ("collectives", "exact-reduce", "random-reduce", "gradients", "mixed-vendors"):
         assert check in r.stdout
+    assert "not verified" not in r.stdout  # the mixed world ran through the bridge, it was not skipped
+
+
+# ---------------------------------------------------------------------------------------------------
+# vcga info --plan (the mixed-vendor plan; docs/bridge.md)
+# ---------------------------------------------------------------------------------------------------
+
+def test_info_plan_json_for_two_and_three_simulated_vendors():
+    r = run_vcga("info", "--plan", "--json", "--vendors", "nccl:2,hccl:2", "--nodes", "2")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["plan"]
+    assert [(g["backend"], g["ranks"], g["leader"], g["nodes"]) for g in p["groups"]] == [
+        ("sim-nccl", [0, 1], 0, ["node0"]), ("sim-hccl", [2, 3], 2, ["node1"])]
+    assert p["shard_peers"] == [[0, 2], [1, 3]]
+    sizes = list(p["collectives"]["all_reduce"])
+    assert sizes[0] == "4 KiB" and sizes[-1] == "64 MiB" and len(sizes) == 8
+    routes = {x["dtype"]: x for x in p["routes"]}
+    assert routes["float16"]["via"] == "upcast:float32" and routes["bfloat16"]["reduced_as"] == "float32"
+    assert [g["route"] for g in routes["float64"]["groups"]] == ["library", "host"] and routes["float64"]["leader_only"]
+
+    r = run_vcga("info", "--plan", "--json", env={"VCGA_SIM_VENDORS": "nccl:1,hccl:2,cncl:1",
+                                                   "VCGA_BRIDGE_ALGORITHM": "bandwidth"})
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["plan"]
+    assert p["algorithm"] == "bandwidth" and p["leaders"] == [0, 1, 3]
+    assert set(p["collectives"]["all_reduce"].values()) == {"leader"}  # unequal groups: leader at every size
+    cncl = {x["dtype"]: x for x in p["routes"]}["float64"]["groups"][2]
+    assert (cncl["backend"], cncl["route"], cncl["library_via"]) == ("sim-cncl", "library", "gather_then_reduce")
+
+
+def test_info_plan_text_is_the_sample_in_the_docs():
+    """docs/bridge.md shows this command's output literally; the doc must follow the code."""
+    from conftest import ROOT
+
+    cmd = ["info", "--plan", "--vendors", "nccl:2,hccl:2", "--nodes", "1"]
+    r = run_vcga(*cmd)
+    assert r.returncode == 0, r.stderr
+    doc = (ROOT / "docs" / "bridge.md").read_text()
+    start = doc.index("$ vcga " + " ".join(cmd) + "\n")
+    block = doc[start:doc.index("```", start)].split("\n", 1)[1]
+    assert block == r.stdout
+
+
+def test_info_plan_single_backend_and_bad_layouts_in_one_line():
+    r = run_vcga("info", "--plan", "--vendors", "hccl:2")
+    assert r.returncode == 0 and "no bridge" in r.stdout
+    for args, words in [(("--vendors", "foo:2"), "sim_vendors"), (("--vendors", "nccl:2,hccl:1", "--nodes", "2"), "--nodes"),
+                        ((), "no layout to plan"), (("--backends", "nccl:2,tpu:2"), "tpu")]:
+        r = run_vcga("info", "--plan", *args)
+        assert r.returncode != 0, (args, r.stdout, r.stderr)
+        assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = run_vcga("info", "--nodes", "2")
+    assert r.returncode == 2 and "go with --plan" in r.stderr

@@ -63,6 +63,8 @@ __all__ = [
     "create_bridge_transport",
     "make_plan",
     "node_name",
+    "plan_for_layout",
+    "reduction_routes",
     "table_from_json",
 ]
 
@@ -70,15 +72,32 @@ log = logging.getLogger(__name__)
 
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
 ALGORITHMS = ("leader", "bandwidth", "replicated")
-#: From this message size on, "auto" picks the bandwidth-optimal algorithm when every vendor group
-#: has the same size >= 2 (measured crossover: benchmarks/hybrid.py, docs/benchmarks.md).
-BANDWIDTH_MIN_BYTES = 256 * 1024
+#: From this message size on, "auto" picks the measured large-message algorithm (bandwidth or
+#: replicated) when every vendor group has the same size >= 2; below it, leader. Measured crossover
+#: (benchmarks/hybrid.py, docs/benchmarks.md): at 256 KiB leader and replicated are level and the
+#: bandwidth algorithm 1.7x flat; at 1 MiB bandwidth (p2p) is the best, 1.2x against leader's 1.6x.
+BANDWIDTH_MIN_BYTES = 1 << 20
 
-#: What "auto" picks at and above BANDWIDTH_MIN_BYTES when the vendor groups have equal sizes:
-#: "replicated" measured fastest with gloo-backed vendor groups (docs/benchmarks.md), where gloo's
-#: reduce-scatter and all-gather cost more than its all-reduce; with NCCL/HCCL/CNCL, whose
-#: reduce-scatter and all-gather are bandwidth-optimal, "bandwidth" moves the fewest bytes.
+#: What "auto" picks at and above BANDWIDTH_MIN_BYTES on equal vendor groups when nothing was
+#: measured (a group created with bridge_algorithm "leader" or "replicated" never uses it; every
+#: other equal-group bridge replaces it by its measurement, :meth:`BridgeGroup.calibrate`).
 AUTO_LARGE = "replicated"
+#: How the plan (a pure function of the published facts) names auto's large-message choice, which
+#: each running group measures at creation (:meth:`BridgeGroup.calibrate`).
+AUTO_LARGE_MEASURED = "bandwidth|replicated (measured)"
+#: The bandwidth algorithm pipelines a message in segments of at least this size (at most
+#: PIPELINE_MAX_SEGMENTS of them): one segment crosses the bridge while the next is reduce-scattered
+#: and the previous all-gathered inside the vendor group.
+PIPELINE_SEGMENT_BYTES = 8 << 20
+PIPELINE_MAX_SEGMENTS = 8
+#: From this size on (two pipeline segments or more), "auto" runs "bandwidth" on equal vendor groups
+#: whatever the 2 MiB measurement preferred: the measurement, one segment, cannot see the
+#: pipelining, and in every run on this machine the pipelined bandwidth algorithm (p2p in-group
+#: steps) beat replicated at 16 and 64 MiB (e.g. 1.07x and 0.92x flat against 1.35x and 1.06x, in
+#: a run where the 2 MiB measurement preferred replicated; docs/benchmarks.md).
+PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
+#: Message size of the creation-time measurement (large enough to be bandwidth-bound).
+CALIBRATION_BYTES = 2 << 20
 
 #: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
 #: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
@@ -92,6 +111,13 @@ BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
 _HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 _BRIDGE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
                ReduceOp.BXOR)
+
+
+#: The message sizes ``vcga info --plan`` and the plan's description show the algorithm for.
+PLAN_SIZES = tuple(4 << (10 + 2 * i) for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+
+#: The reductions whose route ``vcga info --plan`` shows (SUM: what DDP and most training runs use).
+ROUTE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool")
 
 
 def node_name() -> str:
@@ -163,21 +189,30 @@ class Plan:
         """Group ranks of local rank ``local_rank`` in every vendor group that has one (bridge order)."""
         return tuple(g.ranks[local_rank] for g in self.groups if local_rank < g.size)
 
-    def all_reduce_algorithm(self, nbytes: int) -> str:
-        """"leader" or "bandwidth" for an all_reduce of ``nbytes`` bytes."""
+    def all_reduce_algorithm(self, nbytes: int, large: str = AUTO_LARGE) -> str:
+        """The algorithm for an all_reduce of ``nbytes`` bytes; ``large`` is what "auto" uses from
+        :data:`BANDWIDTH_MIN_BYTES` on (a running group passes its measured choice, see
+        :meth:`BridgeGroup.calibrate`)."""
         if not self.equal_groups:
             return "leader"  # shards must line up across vendor groups
         if self.algorithm == "auto":
-            return AUTO_LARGE if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
+            if nbytes >= PIPELINED_MIN_BYTES:
+                return "bandwidth"
+            return large if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
         return self.algorithm
 
-    def describe(self, sizes: Sequence[int] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 64 << 20)) -> dict[str, Any]:
-        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``)."""
+    def describe(self, sizes: Sequence[int] = PLAN_SIZES,
+                 tables: Sequence[CapabilityTable] | None = None) -> dict[str, Any]:
+        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``).
+
+        With the vendor groups' ``tables`` (in plan order) it adds ``routes``: how the reductions
+        that matter cross the vendors (:func:`reduction_routes`).
+        """
         def g_rank(r: int) -> int:
             return self.global_ranks[r] if self.global_ranks else r
 
-        lead = {s: self.all_reduce_algorithm(s) for s in sizes}
-        return {
+        lead = {s: self.all_reduce_algorithm(s, large=AUTO_LARGE_MEASURED) for s in sizes}
+        out = {
             "size": self.size,
             "algorithm": self.algorithm,
             "contiguous": self.contiguous,
@@ -200,6 +235,48 @@ class Plan:
                 "barrier": "host bridge (gloo, whole group)",
             },
         }
+        if tables is not None:
+            out["routes"] = reduction_routes(self, tables)
+        return out
+
+
+def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequence[str] = ROUTE_DTYPES,
+                     op: ReduceOp = ReduceOp.SUM) -> list[dict[str, Any]]:
+    """How an all_reduce of each dtype in ``dtypes`` crosses the vendor groups.
+
+    Per dtype: the combined table's cell (native, or the emulation the dispatcher applies first,
+    e.g. ``upcast:float32`` for fp16), the dtype the bridge then reduces in, each vendor group's
+    route for it (:func:`group_route`, with the group's own recipe when its table emulates, e.g.
+    CNCL's fp64 ``gather_then_reduce``), and whether a host route pins the leader algorithm.
+    """
+    combined = combined_table("bridge", tables)
+    rows = []
+    for dt in dtypes:
+        cell = combined.lookup(AR, dt, op)
+        reduced = cell.via.split(":", 1)[1] if cell.via and cell.via.startswith("upcast:") else dt
+        row: dict[str, Any] = {"dtype": dt, "op": op.value, "support": cell.support.value, "via": cell.via,
+                               "reduced_as": reduced, "groups": []}
+        if cell.support is Support.REFUSED:
+            row["note"] = cell.note
+        else:
+            for g, t in zip(plan.groups, tables):
+                own = t.lookup(AR, reduced, op)
+                row["groups"].append({"backend": g.backend, "route": group_route(t, reduced, op),
+                                      "library_cell": own.support.value, "library_via": own.via})
+            row["leader_only"] = any(x["route"] == "host" for x in row["groups"])
+        rows.append(row)
+    return rows
+
+
+def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
+    """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
+    would compute -- the same facts :func:`vcga.process_group.make_transport` publishes, without
+    creating any group (``vcga info --plan``)."""
+    peers = [{"backend": b.name, "vendor": b.vendor, "device_type": b.device_type, "global_rank": r,
+              "node": n} for r, (b, n) in enumerate(zip(backends, nodes, strict=True))]
+    plan = make_plan(peers, algorithm)
+    by_name = {b.name: b for b in backends}
+    return plan, [by_name[g.backend].capabilities() for g in plan.groups]
 
 
 def _size_name(n: int) -> str:
@@ -218,7 +295,7 @@ def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
     same plan from the same facts.
     """
     if algorithm not in ("auto", *ALGORITHMS):
-        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth")
+        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth, replicated")
     node_order: dict[str, int] = {}
     for p in peers:
         node_order.setdefault(p.get("node", ""), len(node_order))
@@ -424,6 +501,18 @@ class BridgeGroup:
         self.inner, self.shard, self.world = inner, shard, world
         #: how often each algorithm ran (tests and benchmarks read it)
         self.counts = {a: 0 for a in ALGORITHMS}
+        #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
+        #: "collective" (the library's reduce_scatter / all_gather) or "p2p" (rings over its
+        #: send/recv). Chosen per vendor group by measured cost (:meth:`calibrate`); every rank of
+        #: a vendor group must hold the same value (other groups may differ).
+        self.group_method = "collective"
+        #: pipeline segments at most (1: no pipelining); the same on every rank of the group
+        self.max_segments = PIPELINE_MAX_SEGMENTS
+        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
+        #: what "auto" runs from BANDWIDTH_MIN_BYTES on (measured by :meth:`calibrate`)
+        self.auto_large = AUTO_LARGE
+        #: the measurements behind both choices (None: not measured)
+        self.calibration: dict[str, Any] | None = None
         self._debug = log.isEnabledFor(logging.DEBUG)
 
     # -- building blocks -------------------------------------------------------------------------
@@ -462,7 +551,7 @@ class BridgeGroup:
 
     def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
         """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
-        alg = self.plan.all_reduce_algorithm(t.numel() * t.element_size())
+        alg = self.plan.all_reduce_algorithm(t.numel() * t.element_size(), self.auto_large)
         if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
             alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
         return alg
@@ -503,20 +592,121 @@ class BridgeGroup:
             self._bridge_reduce(t, op)
         self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
 
-    def _all_reduce_bandwidth(self, t: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce-scatter in the vendor group, reduce each shard among its peers, all-gather back."""
-        k = self.vgroup.size
-        flat = t.view(-1)
+    def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The pipeline segments of a bandwidth all_reduce: a function of the size only, so every
+        vendor group cuts the same boundaries (shard peers must bridge the same elements)."""
         n = flat.numel()
+        count = max(1, min(self.max_segments, n * flat.element_size() // PIPELINE_SEGMENT_BYTES))
+        edges = [n * j // count for j in range(count + 1)]
+        return [flat[edges[j]:edges[j + 1]] for j in range(count)]
+
+    def _bridge_start(self, t: torch.Tensor, op: ReduceOp) -> Any:
+        """Start reducing ``t`` across the shard peers; a work to wait for, or None when done already
+        (dtypes gloo does not reduce, and device tensors, go the synchronous way)."""
+        if (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu" and len(self.plan.shard_peers(self.local_rank)) > 1:
+            o = dist.AllreduceOptions()
+            o.reduceOp = getattr(dist.ReduceOp, op.value)
+            return self.shard.allreduce([t], o)
+        self._bridge_reduce(t, op)
+        return None
+
+    def _all_reduce_bandwidth(self, t: torch.Tensor, op: ReduceOp, method: str | None = None,
+                              bridge: bool = True) -> None:
+        """Reduce-scatter in the vendor group, reduce each shard among its peers, all-gather back.
+
+        The tensor is cut into pipeline segments (:meth:`_segments`); shard j of a segment is its
+        elements [j*c, min((j+1)*c, m)) with c = ceil(m/k), in every vendor group, so shard peers
+        line up whichever in-group method (:attr:`group_method`) each group uses. While one
+        segment's shard crosses the bridge (gloo, asynchronous) the next is reduce-scattered and
+        the previous all-gathered.
+        """
+        use_p2p = (method or self.group_method) == "p2p"
+        step = self._segment_p2p if use_p2p else self._segment_collective
+        pending: tuple[Any, torch.Tensor] | None = None
+        for seg in self._segments(t.view(-1)):
+            mine = step(seg, op, "reduce_scatter")
+            work = self._bridge_start(mine, op) if bridge and mine.numel() else None
+            if pending is not None:
+                if pending[0] is not None:
+                    pending[0].wait()
+                step(pending[1], op, "all_gather")
+            pending = (work, seg)
+        if pending is not None:
+            if pending[0] is not None:
+                pending[0].wait()
+            step(pending[1], op, "all_gather")
+
+    def _segment_collective(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
+        """One phase of one segment through the library's reduce_scatter / all_gather; returns this
+        rank's shard (a view of ``seg``, or of a padded copy whose result is copied back)."""
+        k, i = self.vgroup.size, self.local_rank
+        n = seg.numel()
         c = -(-n // k)
-        buf = flat if c * k == n else torch.cat([flat, flat.new_zeros(c * k - n)])
+        if phase == "reduce_scatter":
+            buf = seg if c * k == n else torch.cat([seg, seg.new_zeros(c * k - n)])
+            chunks = list(buf.view(k, c).unbind(0))
+            shard = torch.empty(c, dtype=seg.dtype, device=seg.device)
+            self._in_group(lambda s: self.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
+            self._padded[seg.data_ptr()] = (buf, shard)
+            return shard[:max(0, min(c, n - i * c))]  # the padding is not bridged
+        buf, shard = self._padded.pop(seg.data_ptr())
         chunks = list(buf.view(k, c).unbind(0))
-        shard = torch.empty(c, dtype=t.dtype, device=t.device)
-        self._in_group(lambda s: self.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
-        self._bridge_reduce(shard, op)
         self._in_group(lambda s: self.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
-        if buf is not flat:
-            flat.copy_(buf[:n])
+        if buf is not seg:
+            seg.copy_(buf[:n])
+        return shard
+
+    def _segment_p2p(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
+        """One phase of one segment as a ring over the vendor library's own send/recv, in place on
+        ``seg`` (no padding, no staging copy); returns this rank's chunk.
+
+        Reduce-scatter: at step s (0..k-2) local rank i sends its partial of chunk (i-s-1) mod k to
+        rank i+1 and adds what rank i-1 sends of chunk (i-s-2) mod k into its own; after k-1 steps
+        rank i holds chunk i reduced once, along one chain (k-1 additions, in the dtype itself).
+        All-gather: the same ring copies the chunks.
+        """
+        k, i = self.vgroup.size, self.local_rank
+        n = seg.numel()
+        c = -(-n // k)
+
+        def chunk(j: int) -> torch.Tensor:
+            j %= k
+            return seg[min(j * c, n):min((j + 1) * c, n)]
+
+        nxt, prv = (i + 1) % k, (i - 1) % k
+        inner = self.inner
+        assert inner is not None
+        if phase == "reduce_scatter":
+            fn = (_COMBINE_BOOL if seg.dtype == torch.bool else _COMBINE)[op]
+            tmp = torch.empty(c, dtype=seg.dtype, device=seg.device)
+            for step in range(k - 1):
+                out_c, in_c = chunk(i - step - 1), chunk(i - step - 2)
+                got = tmp[:in_c.numel()]
+
+                def exchange(s: Steps, out_c: torch.Tensor = out_c, got: torch.Tensor = got) -> None:
+                    if out_c.numel():
+                        inner.send(out_c, nxt, 1, s)
+                    if got.numel():
+                        inner.recv(got, prv, 1, s)
+                self._ring_steps(exchange)
+                if in_c.numel():
+                    fn(in_c, got, out=in_c)
+            return chunk(i)
+        for step in range(k - 1):
+            out_c, in_c = chunk(i - step), chunk(i - step - 1)
+
+            def move(s: Steps, out_c: torch.Tensor = out_c, in_c: torch.Tensor = in_c) -> None:
+                if out_c.numel():
+                    inner.send(out_c, nxt, 2, s)
+                if in_c.numel():
+                    inner.recv(in_c, prv, 2, s)
+            self._ring_steps(move)
+        return chunk(i)
+
+    def _ring_steps(self, issue: Callable[[Steps], None]) -> None:
+        s = Steps()
+        issue(s)
+        _run(s)
 
     def _all_reduce_replicated(self, t: torch.Tensor, op: ReduceOp) -> None:
         """All-reduce in the vendor group; then every rank reduces the group's result with its shard
@@ -524,6 +714,61 @@ class BridgeGroup:
         ranks, so every shard group reduces the same inputs in the same order: the same result."""
         self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
         self._bridge_reduce(t, op)
+
+    def calibrate(self, device: torch.device, nbytes: int = CALIBRATION_BYTES, reps: int = 3) -> dict[str, Any]:
+        """Measure, once at creation, what the bandwidth algorithm's choices cost here; choose.
+
+        Every rank times (fp32 SUM of ``nbytes``, best of ``reps``, interleaved, after a barrier) its vendor
+        group's reduce-scatter + all-gather through the library's collectives and through rings of
+        its send/recv, the library's all-reduce, and the shard peers' bridge all-reduce. The
+        slowest rank's time of each group counts (max over the whole group, exchanged over the
+        host bridge), so every rank derives the same choices:
+
+        - each vendor group's :attr:`group_method`: the cheaper of "collective" and "p2p";
+        - :attr:`auto_large` (what auto runs from :data:`BANDWIDTH_MIN_BYTES` up to
+          :data:`PIPELINED_MIN_BYTES`): the cheaper prediction of "bandwidth", max over groups of
+          (reduce-scatter + all-gather) + bridge(N)/k, and "replicated", max over groups of
+          all-reduce + bridge(N) (the bridge moves N/k per rank instead of N).
+
+        Needs equal vendor groups of size >= 2 (the only shape these algorithms run on).
+        """
+        n = max(nbytes // 4, 1)
+        x = torch.ones(n, dtype=torch.float32, device=device)
+        inner = self.inner
+        assert inner is not None and self.plan.equal_groups
+        runs: dict[str, Callable[[], None]] = {
+            "collective": lambda: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
+            "p2p": lambda: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
+            "all_reduce": lambda: self._in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
+            "bridge": lambda: self._bridge_reduce(x, ReduceOp.SUM),
+        }
+        best = {k: float("inf") for k in runs}
+        for _ in range(reps):
+            for what, run in runs.items():
+                self.world.barrier().wait()
+                t0 = time.perf_counter()
+                run()
+                best[what] = min(best[what], time.perf_counter() - t0)
+        # Row g of the table: vendor group g's times; max over all ranks (each rank fills its row).
+        kinds = list(runs)
+        table = torch.zeros(len(self.plan.groups), len(kinds), dtype=torch.float64)
+        table[self.vgroup.index] = torch.tensor([best[k] for k in kinds], dtype=torch.float64)
+        o = dist.AllreduceOptions()
+        o.reduceOp = dist.ReduceOp.MAX
+        self.world.allreduce([table], o).wait()
+        rows = [dict(zip(kinds, row)) for row in table.tolist()]
+        methods = ["p2p" if r["p2p"] < r["collective"] else "collective" for r in rows]
+        k = self.vgroup.size
+        rsag = max(min(r["p2p"], r["collective"]) for r in rows)
+        bridge_n = max(r["bridge"] for r in rows)
+        predicted = {"bandwidth": rsag + bridge_n / k, "replicated": max(r["all_reduce"] for r in rows) + bridge_n}
+        self.group_method = methods[self.vgroup.index]
+        self.auto_large = min(predicted, key=lambda a: (predicted[a], a))
+        self.calibration = {"bytes": n * 4, "seconds": {g.backend: r for g, r in zip(self.plan.groups, rows)},
+                            "group_methods": {g.backend: m for g, m in zip(self.plan.groups, methods)},
+                            "predicted_seconds": predicted, "auto_large": self.auto_large}
+        log.debug("vcga bridge calibration (rank %d): %s", self.rank, json.dumps(self.calibration))
+        return self.calibration
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
@@ -740,7 +985,8 @@ class BridgeTransport(Transport):
         d = super().describe()
         d["vendor"] = self.backend.vendor
         d["local_backend"] = self.backend.name
-        d["plan"] = self.plan.describe()
+        d["plan"] = self.plan.describe(tables=self.group.tables)
+        d["calibration"] = self.group.calibration
         return d
 
     def close(self) -> None:
@@ -820,6 +1066,13 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
     group = BridgeGroup(plan, rank, inner, shard, world, tables)
+    if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
+        try:
+            device = backend.accelerator().device()
+        except Exception:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
+            device = None
+        if device is not None:
+            group.calibrate(device)
     closables = [native, *([shard] if shard is not None else []), world]
     return BridgeTransport(plan, rank, backend, table, group, closables)
 

@@ -97,11 +97,159 @@ def _render(data: dict[str, Any]) -> None:
         console.print(f"[red]no backend can be selected[/red]: {data['selection_error']}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# vcga info --plan: the mixed-vendor plan the ranks of a layout would compute
+# ---------------------------------------------------------------------------------------------------
+
+
+def _parse_counts(spec: str, option: str) -> list[tuple[str, int]]:
+    out = []
+    for part in spec.replace(" ", "").split(","):
+        name, sep, count = part.rpartition(":")
+        if not sep or not name or not count.isdigit() or int(count) < 1:
+            raise click.BadParameter(f"{spec!r}: expected name:count pairs, e.g. nccl:2,hccl:2", param_hint=option)
+        out.append((name, int(count)))
+    return out
+
+
+def collect_plan(vendors: str | None = None, backends: str | None = None, nodes: int | None = None,
+                 algorithm: str | None = None) -> dict[str, Any]:
+    """The bridge plan for a layout, as JSON-ready dict (what every rank of that layout computes).
+
+    The layout is ``backends`` (registered backend names with counts, e.g. ``nccl:8,hccl:8``), or
+    ``vendors`` (the ``VCGA_SIM_VENDORS`` syntax: simulated vendors), or else the configured
+    ``sim_vendors``/``backend``. Rank r gets its backend exactly as :func:`vcga.process_group`
+    selects it (the plugins' ``vcga_rank_backend`` answer for simulated sets); ``nodes`` splits the
+    ranks into that many equal, consecutive nodes ``node0``, ``node1``, ... (torchrun's layout);
+    without it every rank is on this host, as in a single-node run.
+    """
+    from dataclasses import replace
+
+    from vcga.bridge import node_name, plan_for_layout
+    from vcga.config import load_config, parse_sim_vendors
+    from vcga.errors import VcgaConfigError
+    from vcga.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    config = load_config()
+    if algorithm is not None:
+        config = replace(config, bridge_algorithm=algorithm)
+    if backends is not None:
+        names = [name for name, n in _parse_counts(backends, "--backends") for _ in range(n)]
+        source = f"--backends {backends}"
+    else:
+        if vendors is not None:
+            config = replace(config, sim_vendors=vendors.replace(" ", ""), backend="auto")
+            parse_sim_vendors(config.sim_vendors, "--vendors")
+        if not config.sim_vendors:
+            raise click.UsageError("no layout to plan: give --vendors nccl:2,hccl:2 (simulated vendors), "
+                                   "--backends nccl:8,hccl:8 (registered backends), or set VCGA_SIM_VENDORS")
+        size = sum(n for _, n in parse_sim_vendors(config.sim_vendors))
+        names = []
+        for r in range(size):
+            name = (config.backend if config.backend != "auto" else
+                    pm.call_first("vcga_rank_backend", rank=r, world_size=size, config=config))
+            if name is None:
+                raise VcgaConfigError("sim_vendors", config.sim_vendors, "a loaded plugin that lays out simulated "
+                                      "vendors (vcga.plugins.sim; is plugin autoload or VCGA_PLUGINS excluding it?)")
+            names.append(name)
+        source = f"sim_vendors {config.sim_vendors}" + (f", backend {config.backend}" if config.backend != "auto" else "")
+    size = len(names)
+    if nodes is not None:
+        if nodes < 1 or size % nodes:
+            raise click.BadParameter(f"{nodes}: must divide the {size} ranks into equal nodes", param_hint="--nodes")
+        node_of = [f"node{r // (size // nodes)}" for r in range(size)]
+    else:
+        node_of = [node_name()] * size
+    records = {n: pm.backend(n) for n in dict.fromkeys(names)}
+    out: dict[str, Any] = {"layout": source, "size": size, "nodes": list(dict.fromkeys(node_of)),
+                           "backends": [records[n].name for n in names], "bridge": len(records) > 1}
+    if len(records) > 1:
+        plan, tables = plan_for_layout([records[n] for n in names], node_of, config.bridge_algorithm)
+        out["plan"] = plan.describe(tables=tables)
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def render_plan(data: dict[str, Any]) -> str:
+    """``vcga info --plan`` as text (plain, so docs/bridge.md can show it literally)."""
+    lines = [f"layout: {data['layout']} -> {data['size']} ranks on {len(data['nodes'])} node(s)"]
+    if not data["bridge"]:
+        lines.append(f"one backend ({data['backends'][0]}) on every rank: no bridge, the vendor's own group")
+        return "\n".join(lines)
+    p = data["plan"]
+    lines.append(f"bridge_algorithm: {p['algorithm']}; vendor groups contiguous: {'yes' if p['contiguous'] else 'no'}")
+    lines.append("")
+    lines.append("vendor groups (bridge order)")
+    w = max(len(g["backend"]) for g in p["groups"])
+    for g in p["groups"]:
+        lines.append(f"  {g['index']}  {g['backend']:<{w}}  {g['vendor']}/{g['device_type']}  ranks {_ranks(g['ranks'])}"
+                     f"  leader {g['leader']}  node {','.join(g['nodes'])}")
+    peers = "  ".join(f"[{_ranks(s)}]" for s in p["shard_peers"])
+    lines.append(f"shard peers (a gloo bridge group each): {peers}" if len(p["shard_peers"]) > 1 else
+                 f"leaders' bridge group (unequal vendor groups: no shard peers): {peers}")
+    lines.append("")
+    lines.append("reductions across vendors (all_reduce SUM): combined cell; per vendor group, its route")
+    wd = max(len(r["dtype"]) for r in p["routes"])
+    for r in p["routes"]:
+        head = f"  {r['dtype']:<{wd}}  "
+        if r["support"] == "refused":
+            lines.append(head + f"refused: {r.get('note', '')}")
+            continue
+        how = "native" if r["support"] == "native" else f"{r['via']} (whole reduction in {r['reduced_as']})"
+        parts = []
+        for g in r["groups"]:
+            route = g["route"]
+            if route == "library" and g["library_via"]:
+                route += f" via {g['library_via']}"
+            elif route == "host":
+                route += f" (leader reduces the bytes in {r['reduced_as']})"
+            parts.append(f"{g['backend']} {route}")
+        lines.append(head + how + "; " + ", ".join(parts) + ("; leader algorithm only" if r["leader_only"] else ""))
+    lines.append("")
+    lines.append("all_reduce algorithm per message size (when every route is library; reduce and")
+    lines.append("reduce_scatter run an all_reduce of that size: the root keeps it / each rank its chunk)")
+    for size, alg in p["collectives"]["all_reduce"].items():
+        lines.append(f"  {size:>7}  {alg}")
+    if any("(measured)" in a for a in p["collectives"]["all_reduce"].values()):
+        lines.append("  (measured: each group times both at creation, and its reduce-scatter/all-gather through")
+        lines.append("   the library's collectives and through rings of its send/recv; describe()['calibration'])")
+    lines.append("other collectives")
+    for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
+        lines.append(f"  {name}: {p['collectives'][name]}")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
 @click.option("--cells", is_flag=True, help="With --json: include every capability cell.")
-def info(as_json: bool, cells: bool) -> None:
-    """Show every plugin, backend, availability with the reason, devices and capabilities."""
+@click.option("--plan", "plan", is_flag=True,
+              help="Show the mixed-vendor plan (vendor groups, leaders, shard peers, routes, algorithm per size).")
+@click.option("--vendors", metavar="SPEC", help="With --plan: simulated vendors, VCGA_SIM_VENDORS syntax (nccl:2,hccl:2).")
+@click.option("--backends", metavar="SPEC", help="With --plan: registered backends per rank (nccl:8,hccl:8).")
+@click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
+@click.option("--algorithm", type=click.Choice(["auto", "leader", "bandwidth", "replicated"]),
+              help="With --plan: bridge_algorithm (default: the configured one).")
+def info(as_json: bool, cells: bool, plan: bool, vendors: str | None, backends: str | None, nodes: int | None,
+         algorithm: str | None) -> None:
+    """Show every plugin, backend, availability with the reason, devices and capabilities.
+
+    With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
+    """
+    if plan:
+        try:
+            pdata = collect_plan(vendors, backends, nodes, algorithm)
+        except VcgaError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
+        return
+    if vendors or backends or nodes is not None or algorithm:
+        raise click.UsageError("--vendors, --backends, --nodes and --algorithm go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:
