@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 from conftest import VENV_BIN, run_vcga
 
 
