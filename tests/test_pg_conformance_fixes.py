@@ -89,22 +89,25 @@ def _scenarios(rank: int, ws: int, init_method: str) -> dict:  # noqa: C901 - on
     out["scatter_after"] = o.flatten().tolist()
 
     # -- b. zero-length messages, from any source too --------------------------------------------------
+    # One tag per message kind: an any-source receive matches whichever tag-equal message comes
+    # first, so without tags rank 1's *next* message could satisfy the receive meant for rank 2's
+    # (and gloo aborts the process on the size mismatch that follows).
     got: dict = {}
     if rank == 0:
         for _ in range(ws - 1):
-            w = dist.irecv(torch.empty(0), src=None, group=g)
+            w = dist.irecv(torch.empty(0), src=None, group=g, tag=0)
             w.wait()
             got.setdefault("empty_from", []).append(w._source_rank())
         t = torch.empty(0, dtype=torch.bool)
-        dist.recv(t, src=1, group=g)  # a specific source, another dtype
-        w = dist.irecv(torch.zeros(3), src=None, group=g)  # and a normal message after them
+        dist.recv(t, src=1, group=g, tag=1)  # a specific source, another dtype
+        w = dist.irecv(torch.zeros(3), src=None, group=g, tag=2)  # and a normal message after them
         w.wait()
         got["then_from"] = w._source_rank()
     else:
-        dist.send(torch.empty(0), 0, group=g)
+        dist.send(torch.empty(0), 0, group=g, tag=0)
         if rank == 1:
-            dist.send(torch.empty(0, dtype=torch.bool), 0, group=g)
-            dist.send(torch.ones(3), 0, group=g)
+            dist.send(torch.empty(0, dtype=torch.bool), 0, group=g, tag=1)
+            dist.send(torch.ones(3), 0, group=g, tag=2)
     out["p2p_empty"] = got
 
     # -- e. strided (non-contiguous) tensors: right values, nothing outside the view written ----------
