@@ -91,40 +91,46 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     if args.aa:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
         vcga_group = dist.new_group(backend="gloo")
     clock = time.perf_counter
-    rows = []
-    for op in args.ops:
-        for nbytes in sizes(args.min_bytes, args.max_bytes):
+    cells = [(op, nbytes) for op in args.ops for nbytes in sizes(args.min_bytes, args.max_bytes)
+             if _buffers(op, nbytes, world) is not None]
+    times: dict[tuple[str, int], dict[str, list[float]]] = {c: {"gloo": [], "vcga": []} for c in cells}
+    ratios: dict[tuple[str, int], list[float]] = {c: [] for c in cells}
+    pair = (("gloo", gloo_group), ("vcga", vcga_group))
+    # --rounds R sweeps every (op, size) R times with 1/R of its budget each: a burst of machine
+    # noise then lands on a slice of every size instead of on all of one size's samples.
+    for _ in range(args.rounds):
+        for op, nbytes in cells:
             bufs = _buffers(op, nbytes, world)
-            if bufs is None:
-                continue
             t0 = clock()
             for g in (gloo_group, vcga_group, gloo_group, vcga_group):  # warm up (and fill vcga's route cache)
                 _call(op, bufs, g)
             est = (clock() - t0) / 4
             # every rank must run the same number of pairs: rank 0 decides
-            n = torch.tensor([max(10, min(args.max_pairs, int(args.seconds / (2 * est))))], dtype=torch.int64)
+            budget = args.seconds / args.rounds
+            n = torch.tensor([max(10 // args.rounds or 1, min(args.max_pairs, int(budget / (2 * est))))],
+                             dtype=torch.int64)
             dist.broadcast(n, 0, group=gloo_group)
-            times: dict[str, list[float]] = {"gloo": [], "vcga": []}
-            ratios = []
-            pair = (("gloo", gloo_group), ("vcga", vcga_group))
             for i in range(int(n.item())):
                 one = {}
                 for name, g in (pair if i % 2 == 0 else pair[::-1]):
                     t = clock()
                     _call(op, bufs, g)
                     one[name] = clock() - t
-                    times[name].append(one[name])
-                ratios.append(one["vcga"] / one["gloo"])
-            if rank == 0:
-                tg, tv = statistics.median(times["gloo"]), statistics.median(times["vcga"])
-                f = BUS_FACTOR[op](world)
-                rows.append({"op": op, "bytes": nbytes, "pairs": len(ratios),
-                             "gloo_us": tg * 1e6, "vcga_us": tv * 1e6,
-                             "gloo_algbw": nbytes / tg / 1e9, "vcga_algbw": nbytes / tv / 1e9,
-                             "gloo_busbw": nbytes / tg / 1e9 * f, "vcga_busbw": nbytes / tv / 1e9 * f,
-                             "ratio": statistics.median(ratios)})
-                if not args.quiet:
-                    print(_row(rows[-1]), flush=True)
+                    times[(op, nbytes)][name].append(one[name])
+                ratios[(op, nbytes)].append(one["vcga"] / one["gloo"])
+            del bufs
+    rows = []
+    if rank == 0:
+        for op, nbytes in cells:
+            tg, tv = statistics.median(times[(op, nbytes)]["gloo"]), statistics.median(times[(op, nbytes)]["vcga"])
+            f = BUS_FACTOR[op](world)
+            rows.append({"op": op, "bytes": nbytes, "pairs": len(ratios[(op, nbytes)]),
+                         "gloo_us": tg * 1e6, "vcga_us": tv * 1e6,
+                         "gloo_algbw": nbytes / tg / 1e9, "vcga_algbw": nbytes / tv / 1e9,
+                         "gloo_busbw": nbytes / tg / 1e9 * f, "vcga_busbw": nbytes / tv / 1e9 * f,
+                         "ratio": statistics.median(ratios[(op, nbytes)])})
+            if not args.quiet:
+                print(_row(rows[-1]), flush=True)
     return rows
 
 
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-bytes", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--seconds", type=float, default=2.0, help="time budget per size (both groups)")
-    p.add_argument("--max-pairs", type=int, default=3000, help="most gloo/vcga call pairs per size")
+    p.add_argument("--max-pairs", type=int, default=3000, help="most gloo/vcga call pairs per size and round")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="sweep all sizes this many times, each with 1/rounds of the budget (spreads noise bursts)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--json", help="also write the rows as JSON to this file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
