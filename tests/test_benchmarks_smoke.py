@@ -1,0 +1,47 @@
+"""Every benchmark script still compiles, and the two collective benchmarks run end to end at a toy
+size (figures are not checked: tests assert behaviour, never time). A syntax error in
+benchmarks/hybrid.py once surfaced only when someone ran the benchmark."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_benchmark_compiles(script: Path, tmp_path: Path) -> None:
+    py_compile.compile(str(script), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_collectives_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    r = _run(["benchmarks/collectives.py", "--ops", "all_reduce", "reduce_scatter", "--min-bytes", "4096",
+              "--max-bytes", "8192", "--seconds", "0.05", "--rounds", "2", "--quiet", "--json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert [(x["op"], x["bytes"]) for x in rows] == [("all_reduce", 4096), ("all_reduce", 8192),
+                                                     ("reduce_scatter", 4096), ("reduce_scatter", 8192)]
+    assert all(x["ratio"] > 0 and x["pairs"] >= 2 for x in rows)
+
+
+def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    r = _run(["benchmarks/hybrid.py", "--min-bytes", "4096", "--max-bytes", "4096", "--reps", "1",
+              "--json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["bytes"] for x in rows] == [4096], rows
+    for variant in ("leader", "bandwidth", "p2p", "replicated"):
+        assert rows[0][f"{variant}_ms"] > 0 and rows[0][f"{variant}_ratio"] > 0
