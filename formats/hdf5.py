@@ -26,7 +26,7 @@ from vcga import dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import entry_array, entry_buffer
+from vcga.formatkit import ReaderContext, WriterContext, entry_array, entry_buffer
 
 __all__ = ["Hdf5Reader", "Hdf5Writer", "sniff", "SPEC", "encode_attr", "decode_attr",
            "GROUPS_KEY", "DTYPE_ATTR", "ATTR_PREFIX"]
@@ -276,7 +276,7 @@ class _Item:
         self.entry, self.path, self.mode = entry, path, mode
 
 
-class Hdf5Reader:
+class Hdf5Reader(ReaderContext):
     """Streams every dataset of an HDF5 file, one at a time, in group order.
 
     Groups are walked in their own link order (creation order for files written with
@@ -442,11 +442,6 @@ class Hdf5Reader:
         except Exception:
             pass
 
-    def __enter__(self) -> Hdf5Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _one_line(e: BaseException) -> str:
@@ -459,7 +454,7 @@ def _one_line(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-class Hdf5Writer:
+class Hdf5Writer(WriterContext):
     """Writes an HDF5 file atomically, one dataset per tensor, groups from '/' in names.
 
     :param path: the destination (appears only on :meth:`commit`).
@@ -583,14 +578,9 @@ class Hdf5Writer:
         self._af.abort()
         self._done = True
 
-    def __enter__(self) -> Hdf5Writer:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self._done
 
 
 def _set_attr(obj: Any, key: str, text: Any, where: str) -> None:

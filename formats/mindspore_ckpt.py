@@ -37,7 +37,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaChecksumError, VcgaConfigError, VcgaConversionError, VcgaFormatError
-from vcga.formatkit import pack_tensor_metadata, unpack_tensor_metadata
+from vcga.formatkit import ReaderContext, WriterContext, pack_tensor_metadata, unpack_tensor_metadata
 
 __all__ = [
     "SPEC",
@@ -231,7 +231,7 @@ class _Param:
         return n
 
 
-class MindSporeCkptReader:
+class MindSporeCkptReader(ReaderContext):
     """The ``mindspore-ckpt`` :class:`~vcga.contract.FormatReader`.
 
     :param path: the ``.ckpt`` file.
@@ -330,11 +330,6 @@ class MindSporeCkptReader:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> MindSporeCkptReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -575,7 +570,7 @@ class MindSporeCkptReader:
 # ---------------------------------------------------------------------------------------------------
 
 
-class MindSporeCkptWriter:
+class MindSporeCkptWriter(WriterContext):
     """The ``mindspore-ckpt`` :class:`~vcga.contract.FormatWriter`.
 
     :param path: the ``.ckpt`` file to create.
@@ -704,14 +699,9 @@ class MindSporeCkptWriter:
         self.out.abort()
         self.done = True
 
-    def __enter__(self) -> MindSporeCkptWriter:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc_type is None and not self.done:
-            self.commit()
-        elif not self.done:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self.done
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,7 +37,14 @@ from vcga import dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import entry_buffer, pack_tensor_metadata, read_exact, unpack_tensor_metadata
+from vcga.formatkit import (
+    ReaderContext,
+    WriterContext,
+    entry_buffer,
+    pack_tensor_metadata,
+    read_exact,
+    unpack_tensor_metadata,
+)
 
 __all__ = ["SafetensorsReader", "SafetensorsWriter", "ShardedSafetensorsReader", "ShardedSafetensorsWriter",
            "open_reader", "open_writer", "sniff", "SPEC", "LIBRARY_DTYPE_ORDER"]
@@ -81,7 +88,7 @@ def sniff(path: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-class SafetensorsReader:
+class SafetensorsReader(ReaderContext):
     """Streams the tensors of one ``.safetensors`` file in file order."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -155,11 +162,6 @@ class SafetensorsReader:
     def close(self) -> None:
         self._f.close()
 
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ def _copy_range(src: int, dst: int, src_off: int, dst_off: int, count: int) -> N
         count -= n
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(WriterContext):
     """Writes one ``.safetensors`` file atomically, tensor by tensor, with memory bounded by one tensor.
 
     :param path: the destination (appears only on :meth:`commit`).
@@ -365,15 +367,9 @@ class SafetensorsWriter:
         self._close_spool()
         self._file.abort()
 
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            if not self._file.committed:
-                self.commit()
-        else:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self._file.committed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,7 +387,7 @@ def _is_plain_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\x00" not in name
 
 
-class ShardedSafetensorsReader:
+class ShardedSafetensorsReader(ReaderContext):
     """Streams a sharded checkpoint through its ``*.safetensors.index.json``, shard after shard.
 
     Every shard name in the index must be a plain file name in the index's directory (no path
@@ -451,11 +447,6 @@ class ShardedSafetensorsReader:
         for r in self._readers:
             r.close()
 
-    def __enter__(self) -> ShardedSafetensorsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _index_path_for(path: Path) -> Path:
@@ -472,7 +463,7 @@ def open_reader(path: str | os.PathLike[str]) -> SafetensorsReader | ShardedSafe
     return SafetensorsReader(p)
 
 
-class ShardedSafetensorsWriter:
+class ShardedSafetensorsWriter(WriterContext):
     """Writes Hugging Face's sharded layout: ``<stem>-00001-of-0000N.safetensors`` + ``<name>.index.json``.
 
     Tensors go to shards in plan order, a new shard starting when the next tensor would take the
@@ -544,15 +535,9 @@ class ShardedSafetensorsWriter:
             w._close_spool()
         self._group.abort()
 
-    def __enter__(self) -> ShardedSafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            if not self._group.done:
-                self.commit()
-        else:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self._group.done
 
 
 def open_writer(path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,

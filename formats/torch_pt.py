@@ -48,7 +48,7 @@ from vcga import dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import checksum, entry_buffer
+from vcga.formatkit import ReaderContext, WriterContext, checksum, entry_buffer
 
 __all__ = ["TorchReader", "TorchWriter", "sniff", "SPEC", "TIED_TO", "SHARES_STORAGE_WITH"]
 
@@ -104,7 +104,7 @@ def _madvise_dontneed() -> Any:
         return None
 
 
-class TorchReader:
+class TorchReader(ReaderContext):
     """Streams the tensors of a torch state dict (nested containers flattened), in insertion order."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -223,11 +223,6 @@ class TorchReader:
     def close(self) -> None:
         self._tensors = []
 
-    def __enter__(self) -> TorchReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,7 +287,7 @@ def _pickle_state_dict(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-class TorchWriter:
+class TorchWriter(WriterContext):
     """Writes a torch state dict file atomically, one tensor at a time (memory: one tensor).
 
     :param path: the destination (appears only on :meth:`commit`).
@@ -463,14 +458,9 @@ class TorchWriter:
             del zip_writer
         self._af.abort()
 
-    def __enter__(self) -> TorchWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self._done
 
 
 def _legacy_dtypes() -> frozenset[str]:

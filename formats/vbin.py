@@ -44,6 +44,7 @@ from vcga import dtypes, tensors
 from vcga.atomic import AtomicFile, AtomicGroup
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaFormatError
+from vcga.formatkit import ReaderContext, WriterContext
 
 __all__ = [
     "FORMAT_NAME",
@@ -321,7 +322,7 @@ def _check_alignment(alignment: Any) -> int:
     return alignment
 
 
-class VbinWriter:
+class VbinWriter(WriterContext):
     """Writes a vendor-bin checkpoint atomically, one tensor at a time (a :class:`~vcga.contract.FormatWriter`).
 
     Nothing appears at ``path`` until :meth:`commit`; as a context manager it commits on success
@@ -439,16 +440,9 @@ class VbinWriter:
         self._group.abort()
         self._done = True
 
-    def __enter__(self) -> VbinWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._done:
-            return
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self._done
 
     # -- sharding --------------------------------------------------------------------------------
 
@@ -816,7 +810,7 @@ def _map_file(path: Path) -> _VbinFile:
     return _VbinFile(path, mm, len(mm), mm)  # closes the mapping itself if the file is bad
 
 
-class VbinReader:
+class VbinReader(ReaderContext):
     """Reads a vendor-bin checkpoint (one file or a sharded set) lazily from a mapping.
 
     A :class:`~vcga.contract.FormatReader`. Opening validates the preamble, trailer and index of
@@ -881,11 +875,6 @@ class VbinReader:
                 f.close()
         self._shards = [None] * len(self._shards)
 
-    def __enter__(self) -> VbinReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- lazy access -----------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ A format plugin imports this module instead of re-implementing the same five thi
 - :data:`TENSOR_METADATA_KEY` with :func:`pack_tensor_metadata` / :func:`unpack_tensor_metadata` --
   the convention that lets a format with only file-level string metadata (safetensors, ...) carry
   per-tensor metadata (HDF5 attributes, tie information) through a conversion;
-- :func:`read_exact` -- read a byte range or raise :class:`~vcga.errors.VcgaFormatError`.
+- :func:`read_exact` -- read a byte range or raise :class:`~vcga.errors.VcgaFormatError`;
+- :class:`ReaderContext` / :class:`WriterContext` -- the ``with`` protocol of readers (close) and
+  writers (commit on success, abort on an exception, nothing once finished).
 
 It imports numpy lazily and never imports torch.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import xxhash
 
@@ -40,7 +42,11 @@ __all__ = [
     "unpack_tensor_metadata",
     "read_exact",
     "file_size",
+    "ReaderContext",
+    "WriterContext",
 ]
+
+_Self = TypeVar("_Self")
 
 #: The one per-tensor checksum VCGA speaks: xxHash's XXH3, 64 bits (fast, well kept, not cryptographic).
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -150,3 +156,44 @@ def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> 
             raise VcgaFormatError(path, f"{what}: file ended after {got} of {size} bytes", offset=offset + got)
         got += n
     return buf
+
+
+class ReaderContext:
+    """``with reader:`` closes the reader at the end of the block (the class defines ``close``)."""
+
+    def close(self) -> None:  # pragma: no cover - every reader defines its own
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WriterContext:
+    """``with writer:`` commits when the block ends normally and aborts when it raises; a writer
+    already committed or aborted inside the block is left as it is. The class defines ``commit``,
+    ``abort`` and the ``finished`` property (both are idempotent in every writer, so the property
+    only spares the second call)."""
+
+    @property
+    def finished(self) -> bool:  # pragma: no cover - every writer defines its own
+        raise NotImplementedError
+
+    def commit(self) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self.finished:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()

@@ -30,6 +30,7 @@ import numpy as np
 from vcga import dtypes as _dtypes
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaFormatError
+from vcga.formatkit import ReaderContext
 
 from . import _format as F
 from ._index import RowLocation, read_index
@@ -338,7 +339,7 @@ class _Plan:
         return n
 
 
-class MindRecordReader:
+class MindRecordReader(ReaderContext):
     """The ``mindrecord`` :class:`~vcga.contract.FormatReader`.
 
     :param path: a shard of the dataset, or the base name of a sharded dataset.
@@ -367,11 +368,6 @@ class MindRecordReader:
     def close(self) -> None:
         self.dataset.close()
 
-    def __enter__(self) -> MindRecordReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- planning ----------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile, AtomicGroup
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
+from vcga.formatkit import WriterContext
 
 from . import _format as F
 from ._index import write_index
@@ -113,7 +114,7 @@ def _check_size(key: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-class MindRecordWriter:
+class MindRecordWriter(WriterContext):
     """The ``mindrecord`` :class:`~vcga.contract.FormatWriter`.
 
     :param path: the dataset's file name (with several shards: its base name; shards are
@@ -231,14 +232,9 @@ class MindRecordWriter:
         self.group.abort()
         self.done = True
 
-    def __enter__(self) -> MindRecordWriter:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        if exc_type is None and not self.done:
-            self.commit()
-        elif not self.done:
-            self.abort()
+    @property
+    def finished(self) -> bool:
+        return self.done
 
     def __del__(self) -> None:
         try:
