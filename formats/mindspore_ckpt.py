@@ -37,7 +37,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaChecksumError, VcgaConfigError, VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext, WriterContext, pack_tensor_metadata, unpack_tensor_metadata
+from vcga.formatkit import ReaderContext, WriterContext, pack_tensor_metadata, pread_exact, unpack_tensor_metadata
 
 __all__ = [
     "SPEC",
@@ -340,15 +340,7 @@ class MindSporeCkptReader(ReaderContext):
     # -- reading helpers ---------------------------------------------------------------------------
 
     def _pread(self, n: int, offset: int) -> bytes:
-        if n < 0 or offset < 0 or offset + n > self.size:
-            raise VcgaFormatError(self.path, f"read of {n} bytes lies beyond the end of the file", offset=offset)
-        try:
-            out = os.pread(self.fd, n, offset)
-        except OSError as e:
-            raise VcgaFormatError(self.path, f"read failed: {e.strerror}", offset=offset) from None
-        if len(out) != n:
-            raise VcgaFormatError(self.path, "file ended early (was it truncated while being read?)", offset=offset)
-        return out
+        return pread_exact(self.fd, n, offset, end=self.size, path=self.path)
 
     def _crc_range(self, crc: int, start: int, end: int) -> int:
         while start < end:

@@ -8,7 +8,8 @@ A format plugin imports this module instead of re-implementing the same five thi
 - :data:`TENSOR_METADATA_KEY` with :func:`pack_tensor_metadata` / :func:`unpack_tensor_metadata` --
   the convention that lets a format with only file-level string metadata (safetensors, ...) carry
   per-tensor metadata (HDF5 attributes, tie information) through a conversion;
-- :func:`read_exact` -- read a byte range or raise :class:`~vcga.errors.VcgaFormatError`;
+- :func:`read_exact` / :func:`pread_exact` -- read a byte range (from a file object / a descriptor) or
+  raise :class:`~vcga.errors.VcgaFormatError`;
 - :class:`ReaderContext` / :class:`WriterContext` -- the ``with`` protocol of readers (close) and
   writers (commit on success, abort on an exception, nothing once finished).
 
@@ -41,6 +42,7 @@ __all__ = [
     "pack_tensor_metadata",
     "unpack_tensor_metadata",
     "read_exact",
+    "pread_exact",
     "file_size",
     "ReaderContext",
     "WriterContext",
@@ -156,6 +158,24 @@ def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> 
             raise VcgaFormatError(path, f"{what}: file ended after {got} of {size} bytes", offset=offset + got)
         got += n
     return buf
+
+
+def pread_exact(fd: int, n: int, offset: int, *, end: int, path: Any) -> bytes:
+    """Exactly ``n`` bytes at ``offset`` of the open descriptor ``fd`` (a positioned read: no shared
+    file position, so readers can serve tensors in any order).
+
+    :raises VcgaFormatError: the range lies beyond ``end`` (the file size), the read fails, or the file ends
+        early (it was truncated while being read).
+    """
+    if n < 0 or offset < 0 or offset + n > end:
+        raise VcgaFormatError(path, f"read of {n} bytes lies beyond the end of the file", offset=offset)
+    try:
+        out = os.pread(fd, n, offset)
+    except OSError as e:
+        raise VcgaFormatError(path, f"read failed: {e.strerror}", offset=offset) from None
+    if len(out) != n:
+        raise VcgaFormatError(path, "file ended early (was it truncated while being read?)", offset=offset)
+    return out
 
 
 class ReaderContext:

@@ -30,7 +30,7 @@ import numpy as np
 from vcga import dtypes as _dtypes
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaFormatError
-from vcga.formatkit import ReaderContext
+from vcga.formatkit import ReaderContext, pread_exact
 
 from . import _format as F
 from ._index import RowLocation, read_index
@@ -107,15 +107,7 @@ class _Shard:
 
     def pread(self, n: int, offset: int) -> bytes:
         """Exactly ``n`` bytes at ``offset`` (callers have bounded both by the file size)."""
-        if n < 0 or offset < 0 or offset + n > self.size:
-            raise VcgaFormatError(self.path, f"read of {n} bytes lies beyond the end of the file", offset=offset)
-        try:
-            out = os.pread(self.fd, n, offset)
-        except OSError as e:
-            raise VcgaFormatError(self.path, f"read failed: {e.strerror}", offset=offset) from None
-        if len(out) != n:
-            raise VcgaFormatError(self.path, "file ended early (was it truncated while being read?)", offset=offset)
-        return out
+        return pread_exact(self.fd, n, offset, end=self.size, path=self.path)
 
     def preadinto(self, buf: memoryview, offset: int) -> None:
         n = len(buf)
