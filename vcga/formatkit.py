@@ -1,6 +1,6 @@
 """Helpers every checkpoint format plugin shares (public core API, like :mod:`vcga.dtypes`).
 
-A format plugin imports this module instead of re-implementing the same five things:
+A format plugin imports this module instead of re-implementing these:
 
 - :func:`checksum` -- the ``"xxh3_64:<16 hex>"`` string :class:`~vcga.contract.TensorEntry` carries;
 - :func:`entry_buffer` / :func:`entry_array` -- an entry's bytes checked against its dtype and shape,
