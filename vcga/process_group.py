@@ -288,7 +288,6 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._coalescing: list[Any] | None = None
         # collective -> (torch dtype, RedOpType or None) -> native? : the hot path's only lookup
         self._fast: dict[Collective, dict[tuple[Any, Any], bool]] = {c: {} for c in Collective}
-        self._fast_ar, self._fast_rs, self._fast_ag = self._fast[AR], self._fast[RS], self._fast[AG]
         log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
 
     # -- identity --------------------------------------------------------------------------------
@@ -419,22 +418,6 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce")
-        if self._debug is None and len(tensors) == 1:
-            # Hot path, written out: every Python call and tensor/pybind touch here costs latency
-            # on small messages (benchmarks/collectives.py).
-            t = tensors[0]
-            if t.is_contiguous() and self._fast_ar.get((t.dtype, opts.reduceOp.op)):
-                seq = next(self._seqs)
-                try:
-                    work = self.native.allreduce(tensors, opts)
-                    if not opts.asyncOp:
-                        work.wait()
-                        return work
-                except (ValueError, TypeError):
-                    raise
-                except Exception as e:
-                    raise self._translate(e, "all_reduce", seq) from e
-                return self._wrap_async(work, "all_reduce", seq, tensors)
         t = _one(tensors, "all_reduce")
         red = opts.reduceOp
         if t.layout is not torch.strided:
@@ -494,20 +477,6 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("reduce_scatter")
-        if (self._debug is None and input.is_contiguous() and output.is_contiguous()
-                and self._fast_rs.get((output.dtype, opts.reduceOp.op)) and input.dtype == output.dtype
-                and input.numel() == output.numel() * self._size):  # hot path, written out (see allreduce)
-            seq = next(self._seqs)
-            try:
-                work = self.native._reduce_scatter_base(_flat(output), _flat(input), opts)
-                if not opts.asyncOp:
-                    work.wait()
-                    return work
-            except (ValueError, TypeError):
-                raise
-            except Exception as e:
-                raise self._translate(e, "reduce_scatter_tensor", seq) from e
-            return self._wrap_async(work, "reduce_scatter_tensor", seq, (output,))
         if input.numel() != output.numel() * self._size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
                              f"{output.numel()} times the group size {self._size}")
@@ -572,20 +541,6 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("allgather")
-        if (self._debug is None and output.is_contiguous() and input.is_contiguous()
-                and self._fast_ag.get((input.dtype, None)) and output.dtype == input.dtype
-                and output.numel() == input.numel() * self._size):  # hot path, written out (see allreduce)
-            seq = next(self._seqs)
-            try:
-                work = self.native._allgather_base(_flat(output), _flat(input), opts)
-                if not opts.asyncOp:
-                    work.wait()
-                    return work
-            except (ValueError, TypeError):
-                raise
-            except Exception as e:
-                raise self._translate(e, "all_gather_into_tensor", seq) from e
-            return self._wrap_async(work, "all_gather_into_tensor", seq, (output,))
         if output.numel() != input.numel() * self._size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, expected the input's "
                              f"{input.numel()} times the group size {self._size}")
