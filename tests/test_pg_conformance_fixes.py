@@ -163,6 +163,18 @@ def _scenarios(rank: int, ws: int, init_method: str) -> dict:  # noqa: C901 - on
     value = w2.get_future().then(lambda f: f.value()[0] * 2).wait()
     out["rs_single_future"] = value.tolist() == [4.0 * ws * rank, (4.0 * rank + 2) * ws]
     out["rs_single_polled"] = polled(w2)
+    # A synchronous call hands back a completed work: waiting on it again (torch's wrappers do)
+    # must not touch the output. gloo's own reduce_scatter work copies its chunk into the output
+    # on every wait(), so returning it cost an extra copy per call and would rewrite o3 here.
+    o3 = torch.zeros(2)
+    sync = dist.ReduceScatterOptions()
+    sync.asyncOp = False
+    w3 = g.reduce_scatter_single(o3, torch.arange(2.0 * ws), sync)
+    got = o3.tolist()
+    o3.zero_()
+    w3.wait()
+    out["rs_sync_rewait_is_a_no_op"] = (got == [2.0 * ws * rank, (2.0 * rank + 1) * ws] and w3.is_completed()
+                                        and o3.tolist() == [0.0, 0.0])
 
     # -- c, d. complex128 on the simulated vendors ------------------------------------------------------
     for backend in ("sim-hccl", "sim-cncl"):
@@ -232,6 +244,11 @@ def test_reduce_scatter_work_completes_and_has_a_future(world):
     """gloo's reduce_scatter work never reports completion and has no future; vcga's does."""
     for r in world:
         assert r["rs_list_polled"] and r["rs_single_polled"] and r["rs_single_future"], r
+
+
+def test_sync_reduce_scatter_returns_a_completed_work(world):
+    """Waiting again on what a synchronous call returned changes nothing (gloo's work would copy again)."""
+    assert all(r["rs_sync_rewait_is_a_no_op"] for r in world), world
 
 
 def test_complex128_refusal_names_complex128_sim_hccl(world):
