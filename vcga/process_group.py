@@ -49,7 +49,7 @@ from vcga.errors import (
     VcgaError,
     VcgaTimeoutError,
 )
-from vcga.pypg import PyWork, options, reduce_op_of, timeout_given
+from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
 from vcga.transport import NativeTransport, Transport
 
 __all__ = [
@@ -375,7 +375,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def _wrap(self, name: str, seq: int | None, steps: Steps, result: Sequence[torch.Tensor], async_op: bool) -> Any:
         if len(steps.works) == 1 and not steps.finish and steps.source is None and not async_op:
-            return self._wait_inline(steps.works[0], name, seq, result)
+            return self._wait_inline(steps.works[0], name, seq)
         source = steps.source
         work = PyWork(steps.works, steps.finish, result, translate=partial(self._translate, name=name, seq=seq),
                       source_rank=(lambda: source._source_rank()) if source is not None else None)
@@ -385,20 +385,17 @@ class VcgaProcessGroup(dist.ProcessGroup):
             work.wait()
         return work
 
-    def _wait_inline(self, work: Any, name: str, seq: int | None, result: Sequence[torch.Tensor]) -> Any:
+    def _wait_inline(self, work: Any, name: str, seq: int | None) -> Any:
         """Wait for a synchronous call's one native work here (so a failure becomes a typed error)
-        and hand back a completed work: the caller (torch.distributed's wrappers) waits on what it
-        gets again, and a native work's wait is not always idempotent -- gloo's reduce_scatter
-        work copies the result chunk into the output on every wait (one extra output-sized copy
-        per call, measured: +375 us for 8 MiB on one rank)."""
+        and hand back a completed work (:func:`~vcga.pypg.waited_work`), not the native one:
+        torch's wrappers wait again on what they get, and gloo's reduce_scatter work copies its
+        chunk into the output on every wait (+375 us per call for 8 MiB on one rank, measured).
+        Nothing is left to collect when coalescing: the call is complete."""
         try:
             work.wait()
         except Exception as e:
             raise self._translate(e, name, seq) from e
-        done = PyWork((), (), result)
-        if self._coalescing is not None:
-            self._coalescing.append(done)
-        return done
+        return waited_work()
 
     def _wrap_async(self, work: Any, name: str, seq: int | None, result: Sequence[torch.Tensor]) -> Any:
         """An asynchronous native call's work, wrapped so its failures surface as typed errors."""
@@ -416,7 +413,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         except Exception as e:
             raise self._translate(e, name, seq) from e
         if not async_op:
-            return self._wait_inline(work, name, seq, result)
+            return self._wait_inline(work, name, seq)
         return self._wrap_async(work, name, seq, result)
 
     # ===========================================================================================

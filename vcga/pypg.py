@@ -289,3 +289,20 @@ def _future_of(work: Any) -> torch.futures.Future:
 def completed_work(result: Sequence[torch.Tensor] = ()) -> PyWork:
     """A work that is already complete (nothing to communicate: world of one, empty input...)."""
     return PyWork(result=result)
+
+
+_WAITED: PyWork | None = None
+
+
+def waited_work() -> PyWork:
+    """The handle a synchronous call returns after it waited inline: one shared, completed work
+    with an empty result.
+
+    torch's wrappers (``dist.all_reduce(..., async_op=False)`` and the rest) call ``wait()`` on
+    what a group returns and then drop it; a fresh work per call would cost an allocation on the
+    hottest path for nothing, and handing back the native work is wrong where its ``wait()`` is
+    not idempotent (gloo's reduce_scatter work copies its chunk into the output on every wait)."""
+    global _WAITED
+    if _WAITED is None:
+        _WAITED = PyWork()
+    return _WAITED
