@@ -3,6 +3,7 @@ timeout rule, op conversion and the dispatcher's refusals -- no world needed."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -41,6 +42,49 @@ def test_pywork_future_runs_the_steps_without_wait() -> None:
     assert w.get_future().wait()[0].tolist() == [5.0, 5.0]
     w.wait()
     assert t.tolist() == [5.0, 5.0]  # and not twice
+
+
+class _CopyOnWaitWork(dist._Work):
+    """Like gloo's reduce_scatter work (torch 2.13): no future, and every wait() repeats its
+    completion (gloo copies the result chunk again). The first waiter blocks until released; a
+    second waiter counts, releases the first and returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if self.waits == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        else:
+            self.release.set()
+        return True
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented for this work")
+
+
+def test_pywork_waits_on_a_watched_work_once() -> None:
+    """While get_future()'s watcher thread waits on a work without a future, wait() takes the
+    watcher's outcome instead of waiting on (and re-running) the native work a second time."""
+    native = _CopyOnWaitWork()
+    t = torch.ones(2)
+    w = PyWork([native], [], [t])
+    fut = w.get_future()
+    assert native.entered.wait(10)  # the watcher is inside the native wait
+    # Only unblocks the watcher if wait() below does not: the old code's second native wait did.
+    timer = threading.Timer(0.2, native.release.set)
+    timer.start()
+    try:
+        assert w.wait()
+    finally:
+        timer.cancel()
+    assert fut.wait()[0] is t and w.is_completed()
+    assert native.waits == 1
 
 
 class _FailingWork(dist._Work):

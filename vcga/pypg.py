@@ -132,6 +132,8 @@ class PyWork(dist._Work):
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
         self._futs: list[torch.futures.Future] | None = None
+        #: per native work, the future its watcher thread completes (None: the work has its own future)
+        self._watchers: list[torch.futures.Future | None] | None = None
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -174,9 +176,15 @@ class PyWork(dist._Work):
         """
         if not self._done:
             limit = timeout_given(timeout)
+            watched = self._watchers  # set once, under the lock, by _watched()
             try:
-                for w in self._works:
-                    if limit is None:
+                for j, w in enumerate(self._works):
+                    if watched is not None and watched[j] is not None:
+                        # A watcher thread already waits on this work; waiting on it again would
+                        # repeat its completion (gloo's reduce_scatter work copies its chunk into
+                        # the output on every wait). The watcher's future carries its outcome.
+                        watched[j].wait()
+                    elif limit is None:
                         w.wait()
                     else:
                         w.wait(limit)
@@ -208,7 +216,9 @@ class PyWork(dist._Work):
         that just calls ``wait()`` never pays for it."""
         with self._lock:
             if self._futs is None:
-                self._futs = [_future_of(w) for w in self._works]
+                pairs = [_future_of(w) for w in self._works]
+                self._watchers = [f if by_watcher else None for f, by_watcher in pairs]
+                self._futs = [f for f, _ in pairs]
         return self._futs
 
     def is_success(self) -> bool:
@@ -264,11 +274,11 @@ class PyWork(dist._Work):
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
 
 
-def _future_of(work: Any) -> torch.futures.Future:
-    """``work.get_future()``, or -- for a work that has none -- a future completed by a daemon
-    thread that waits for the work (see :meth:`PyWork._watched`)."""
+def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
+    """``(work.get_future(), False)``, or -- for a work that has none -- ``(a future completed by a
+    daemon thread that waits for the work, True)`` (see :meth:`PyWork._watched`)."""
     try:
-        return work.get_future()
+        return work.get_future(), False
     except RuntimeError as e:
         if "not implemented" not in str(e).lower():
             raise
@@ -283,7 +293,7 @@ def _future_of(work: Any) -> torch.futures.Future:
             fut.set_result(None)
 
     threading.Thread(target=watch, name="vcga-work-watch", daemon=True).start()
-    return fut
+    return fut, True
 
 
 def completed_work(result: Sequence[torch.Tensor] = ()) -> PyWork:
