@@ -175,3 +175,26 @@ def failing_world(rank: int, size: int, init_method: str, backends: list[str]) -
         return {"type": type(typed or e).__name__, "message": str(typed or e), "seconds": time.monotonic() - t0}
     dist.destroy_process_group()
     return {"type": None, "message": "", "seconds": time.monotonic() - t0}
+
+
+def no_device_world(rank: int, size: int, init_method: str, backends: list[str], no_device: list[int]) -> dict[str, Any]:
+    """Each rank picks its backend; the ranks in ``no_device`` cannot name their device. Returns
+    whether the group came up, what it measured at creation, and one all_reduce's result."""
+    import os
+    import time
+
+    os.environ["VCGA_BACKEND"] = backends[rank]
+    if rank in no_device:
+        os.environ["VCGA_TEST_NO_DEVICE"] = "1"
+    import vcga  # noqa: F401
+
+    t0 = time.monotonic()
+    dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=size)
+    created = time.monotonic() - t0
+    group = dist.group.WORLD.transport.group
+    t = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: a size where auto uses the large-message choice
+    dist.all_reduce(t)
+    out = {"created_s": created, "calibration": group.calibration, "auto_large": group.auto_large,
+           "sum_ok": bool((t == sum(range(1, size + 1))).all())}
+    dist.destroy_process_group()
+    return out

@@ -1,4 +1,10 @@
-"""A test plugin: backend ``test-broken``, whose native group cannot be created on its rank 1.
+"""A test plugin with two failing backends (loaded in spawned ranks with ``VCGA_PLUGINS=bridge_fail_plugin``).
+
+``test-nodevice``: gloo whose accelerator cannot name its device on the ranks that set
+``VCGA_TEST_NO_DEVICE=1`` -- so those ranks cannot take part in the bridge's creation-time
+measurement while the others can, and every rank must still agree on whether it runs.
+
+``test-broken``: a backend whose native group cannot be created on its rank 1.
 
 Stands for a vendor stack that fails on one device (a lost NPU, a driver error): its
 ``create_process_group`` raises :class:`VcgaBackendUnavailable` on the group's rank 1, while its
@@ -9,6 +15,7 @@ job must stop every rank with one clear error instead of hanging. Loaded in spaw
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +52,28 @@ class BrokenBackend(Backend):
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
+class _NoDeviceAccelerator(CpuAccelerator):
+    def device(self, index: int | None = None) -> Any:
+        if os.environ.get("VCGA_TEST_NO_DEVICE") == "1":
+            raise RuntimeError("cannot name this rank's device (test: injected failure)")
+        return super().device(index)
+
+
+class NoDeviceBackend(BrokenBackend):
+    name = "test-nodevice"
+
+    def probe(self) -> ProbeResult:
+        return ProbeResult(True, "gloo whose accelerator fails on some ranks (tests)", 1)
+
+    def accelerator(self) -> CpuAccelerator:
+        return _NoDeviceAccelerator()
+
+    def create_process_group(self, store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+        import torch.distributed as dist
+
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
 @hookimpl
 def vcga_backends() -> list[Backend]:
-    return [BrokenBackend()]
+    return [BrokenBackend(), NoDeviceBackend()]

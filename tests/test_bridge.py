@@ -216,6 +216,20 @@ def test_native_group_failure_stops_every_rank_with_one_error() -> None:
     assert all(r["seconds"] < 60 for r in results), results
 
 
+def test_a_rank_without_a_device_name_skips_the_measurement_on_every_rank() -> None:
+    """Fake-backed (test plugin ``test-nodevice``): the accelerator of rank 3 cannot name its device,
+    so it cannot run the creation-time measurement. Every rank agrees to skip it (auto keeps its
+    default) instead of ranks 0-2 waiting in the measurement for a rank that never comes."""
+    from bridge_cases import no_device_world
+    from vcga.bridge import AUTO_LARGE
+
+    results = run_world(no_device_world, 4, ["sim-nccl", "sim-nccl", "test-nodevice", "test-nodevice"], [3],
+                        env={"VCGA_PLUGINS": "bridge_fail_plugin", "VCGA_TIMEOUT": "20"}, timeout=90)
+    assert all(r["calibration"] is None and r["auto_large"] == AUTO_LARGE for r in results), results
+    assert all(r["sum_ok"] for r in results), results
+    assert all(r["created_s"] < 20 for r in results), results
+
+
 @pytest.mark.parametrize("world,spec", [("two_vendors", "nccl:2,hccl:2"), ("three_vendors", "nccl:1,hccl:2,cncl:1")])
 def test_cli_plan_is_what_the_ranks_describe(world: str, spec: str, request: pytest.FixtureRequest) -> None:
     """`vcga info --plan --json` for the same layout (same host, default algorithm) equals the plan

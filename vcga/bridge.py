@@ -1069,12 +1069,25 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
         try:
             device = backend.accelerator().device()
-        except Exception:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
+        except Exception as e:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
+            log.warning("vcga bridge: rank %d cannot name its %s device (%s); the creation-time measurement "
+                        "is skipped on every rank", gr[rank], backend.name, e)
             device = None
-        if device is not None:
+        # The measurement is collective: run it only if every rank can (else ranks that can would
+        # wait in it for ranks that skipped it, until the timeout). auto then keeps AUTO_LARGE.
+        if _every_rank(world, device is not None):
             group.calibrate(device)
     closables = [native, *([shard] if shard is not None else []), world]
     return BridgeTransport(plan, rank, backend, table, group, closables)
+
+
+def _every_rank(world: Any, mine: bool) -> bool:
+    """True on every rank when ``mine`` is true on every rank of the gloo group ``world``."""
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MIN
+    world.allreduce([flag], o).wait()
+    return bool(flag.item())
 
 
 #: How often a rank waiting for its native group looks for another rank's failure (seconds).
