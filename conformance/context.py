@@ -210,6 +210,14 @@ class Context:
     def result(self, case: str, passed: bool, **kw: Any) -> CheckResult:
         return CheckResult(self.check, self.backend_label, case, passed, **kw)
 
+    def run_unless(self, case: str, skip: str | None, body: Callable[[], Verdict | None], *,
+                   dtype: str | None = None) -> CheckResult:
+        """:meth:`run_case`, or -- when ``skip`` says why (:func:`conformance.base.runnable`'s answer)
+        -- the case reported as skipped for that reason, without running it."""
+        if skip:
+            return self.result(case, True, dtype=dtype, skipped=True, detail=skip)
+        return self.run_case(case, body, dtype=dtype)
+
     def run_case(self, case: str, body: Callable[[], Verdict | None], *, dtype: str | None = None) -> CheckResult:
         """Run one case on every rank and agree on its outcome.
 

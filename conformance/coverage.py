@@ -66,12 +66,8 @@ class Collectives(Check):
                 for root in roots:
                     case = f"{form}{' SUM' if op else ''} {dt}{f' root={root}' if root is not None else ''} " \
                            f"n={sizes_label(sizes)}"
-                    why = runnable(ctx, table, coll, dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, d=dt, rt=root: self._one(ctx, f, d, rt or 0, sizes),
-                                       dtype=dt)
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
+                                         lambda f=form, d=dt, rt=root: self._one(ctx, f, d, rt or 0, sizes), dtype=dt)
         if self.opt(ctx, "extras"):
             yield from self._extras(ctx, table)
 
@@ -158,10 +154,7 @@ class Collectives(Check):
                        "torch.distributed allows monitored_barrier only on a group created as 'gloo'; the vcga "
                        "group provides its own"))
         for case, body, why in extras:
-            if why:
-                yield ctx.result(case, True, skipped=True, detail=why)
-            else:
-                yield ctx.run_case(case, body)
+            yield ctx.run_unless(case, why, body)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,26 +228,17 @@ class Layouts(Check):
                         continue  # same as the input row
                     op = ReduceOp.SUM if form in REDUCING_FORMS else None
                     case = f"{form} {dt} {layout} {target}"
-                    why = runnable(ctx, table, COLLECTIVE_OF[form], dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, d=dt, lay=layout, tg=target:
-                                       self._one(ctx, f, d, lay, tg, n), dtype=dt)
+                    yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
+                                         lambda f=form, d=dt, lay=layout, tg=target: self._one(ctx, f, d, lay, tg, n),
+                                         dtype=dt)
             for form in ("all_gather_single", "reduce_scatter_single"):
                 case = f"{form} {dt} in place (aliased input and output)"
                 op = ReduceOp.SUM if form in REDUCING_FORMS else None
-                why = runnable(ctx, table, COLLECTIVE_OF[form], dt, op)
-                if why:
-                    yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                    continue
-                yield ctx.run_case(case, lambda f=form, d=dt: self._aliased(ctx, f, d, n), dtype=dt)
+                yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
+                                     lambda f=form, d=dt: self._aliased(ctx, f, d, n), dtype=dt)
             case = f"all_gather {dt} outputs are views of one buffer"
-            why = runnable(ctx, table, Collective.ALL_GATHER, dt, None)
-            if why:
-                yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-            else:
-                yield ctx.run_case(case, lambda d=dt: self._gather_views(ctx, d, n), dtype=dt)
+            yield ctx.run_unless(case, runnable(ctx, table, Collective.ALL_GATHER, dt, None),
+                                 lambda d=dt: self._gather_views(ctx, d, n), dtype=dt)
 
     def _one(self, ctx: Context, form: str, dt: str, layout: str, target: str, n: int) -> Verdict:
         import torch
@@ -403,10 +387,7 @@ class Sizes(Check):
                     sizes[f"large ({large} per rank)"] = large
                 for label, n in sizes.items():
                     case = f"{form} {dt} n={n} ({label})" if not label.startswith("large") else f"{form} {dt} {label}"
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, d=dt, k=n: self._one(ctx, f, d, k), dtype=dt)
+                    yield ctx.run_unless(case, why, lambda f=form, d=dt, k=n: self._one(ctx, f, d, k), dtype=dt)
 
     @staticmethod
     def _one(ctx: Context, form: str, dt: str, n: int) -> Verdict:
@@ -454,11 +435,8 @@ class Uneven(Check):
                                    ("gather", False), ("scatter", False), ("reduce_scatter", False)):
                     op = ReduceOp.SUM if form in REDUCING_FORMS else None
                     case = f"{form} uneven {dt} splits#{seed}"
-                    why = runnable(ctx, table, COLLECTIVE_OF[form], dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, d=dt, s=seed, m=must: self._one(ctx, f, d, s, m), dtype=dt)
+                    yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
+                                         lambda f=form, d=dt, s=seed, m=must: self._one(ctx, f, d, s, m), dtype=dt)
 
     def _one(self, ctx: Context, form: str, dt: str, seed: int, must: bool) -> Verdict:
         import torch

@@ -88,13 +88,9 @@ class ExactReduce(Check):
                         continue
                     unit = " (ulp)" if op is ReduceOp.AVG and data._kind(dt) in "fc" else ""
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}{unit}"
-                    why = runnable(ctx, table, coll, dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
                     root = ctx.world_size - 1  # a non-zero root where there is one
-                    yield ctx.run_case(case, lambda f=form, o=op, d=dt, rt=root: _merge_verdicts(
-                        [_exact_case(ctx, f, o, d, n, rt) for n in sizes]), dtype=dt)
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt, rt=root:
+                                         _merge_verdicts([_exact_case(ctx, f, o, d, n, rt) for n in sizes]), dtype=dt)
 
 
 class RandomReduce(Check):
@@ -121,11 +117,7 @@ class RandomReduce(Check):
                             or op not in data.ops_for(dt):
                         continue
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}"
-                    why = runnable(ctx, table, coll, dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, o=op, d=dt: _merge_verdicts(
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt: _merge_verdicts(
                         [self._one(ctx, f, o, d, n, s) for n in sizes for s in range(seeds)]), dtype=dt)
 
     @staticmethod
@@ -172,11 +164,8 @@ class CrossRankIdentity(Check):
                     [o for o in self.ops(ctx) if o in data.ops_for(dt)] if form in REDUCING_FORMS else [None])
                 for op in ops:
                     case = f"{form}{' ' + str(op) if op else ''} {dt} n={sizes_label(sizes)}"
-                    why = runnable(ctx, table, coll, dt, op)
-                    if why:
-                        yield ctx.result(case, True, dtype=dt, skipped=True, detail=why)
-                        continue
-                    yield ctx.run_case(case, lambda f=form, o=op, d=dt: self._one(ctx, f, o, d, sizes), dtype=dt)
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
+                                         lambda f=form, o=op, d=dt: self._one(ctx, f, o, d, sizes), dtype=dt)
 
     def _one(self, ctx: Context, form: str, op: ReduceOp | None, dt: str, sizes: list[int]) -> Verdict:
         ws = ctx.world_size

@@ -45,16 +45,12 @@ class AsyncOps(Check):
              lambda: self._futures(ctx, dt, min(k, 8), n)),
         ]
         for case, body in cases:
-            if blocked:
-                yield ctx.result(case, True, dtype=dt, skipped=True, detail=blocked[0])
-            else:
-                yield ctx.run_case(case, body, dtype=dt)
+            yield ctx.run_unless(case, blocked[0] if blocked else None, body, dtype=dt)
         case = f"{k} outstanding isend/irecv around the ring on {dt}"
         why = runnable(ctx, table, Collective.SEND_RECV, dt, None)
-        if ctx.world_size < 2 or why:
-            yield ctx.result(case, True, dtype=dt, skipped=True, detail=why or "point-to-point needs two ranks")
-        else:
-            yield ctx.run_case(case, lambda: self._p2p(ctx, dt, k, n), dtype=dt)
+        if ctx.world_size < 2:
+            why = why or "point-to-point needs two ranks"
+        yield ctx.run_unless(case, why, lambda: self._p2p(ctx, dt, k, n), dtype=dt)
 
     def _many(self, ctx: Context, dt: str, k: int, n: int) -> Verdict:
         import torch
@@ -274,13 +270,12 @@ class SendRecv(Check):
         }
         for dt in self.dtypes(ctx):
             why = runnable(ctx, table, Collective.SEND_RECV, dt, None)
+            if ctx.world_size < 2:
+                why = why or "needs two ranks"
             for name, fn in patterns.items():
                 case = f"{name} {dt} n={','.join(map(str, self.opt(ctx, 'sizes')))}"
-                if ctx.world_size < 2 or why:
-                    yield ctx.result(case, True, dtype=dt, skipped=True, detail=why or "needs two ranks")
-                    continue
-                yield ctx.run_case(case, lambda f=fn, d=dt: _all_sizes(ctx, f, d, list(self.opt(ctx, "sizes"))),
-                                   dtype=dt)
+                yield ctx.run_unless(case, why, lambda f=fn, d=dt: _all_sizes(ctx, f, d, list(self.opt(ctx, "sizes"))),
+                                     dtype=dt)
 
 
 def _all_sizes(ctx: Context, fn: Callable[[Context, str, int], Verdict], dt: str, sizes: list[int]) -> Verdict:
