@@ -676,37 +676,29 @@ class BridgeGroup:
         nxt, prv = (i + 1) % k, (i - 1) % k
         inner = self.inner
         assert inner is not None
+
+        def swap(out_t: torch.Tensor, in_t: torch.Tensor, tag: int) -> None:
+            """One ring step: send ``out_t`` to the next rank, receive ``in_t`` from the previous one."""
+            s = Steps()
+            if out_t.numel():
+                inner.send(out_t, nxt, tag, s)
+            if in_t.numel():
+                inner.recv(in_t, prv, tag, s)
+            _run(s)
+
         if phase == "reduce_scatter":
             fn = (_COMBINE_BOOL if seg.dtype == torch.bool else _COMBINE)[op]
             tmp = torch.empty(c, dtype=seg.dtype, device=seg.device)
             for step in range(k - 1):
                 out_c, in_c = chunk(i - step - 1), chunk(i - step - 2)
                 got = tmp[:in_c.numel()]
-
-                def exchange(s: Steps, out_c: torch.Tensor = out_c, got: torch.Tensor = got) -> None:
-                    if out_c.numel():
-                        inner.send(out_c, nxt, 1, s)
-                    if got.numel():
-                        inner.recv(got, prv, 1, s)
-                self._ring_steps(exchange)
+                swap(out_c, got, 1)
                 if in_c.numel():
                     fn(in_c, got, out=in_c)
             return chunk(i)
         for step in range(k - 1):
-            out_c, in_c = chunk(i - step), chunk(i - step - 1)
-
-            def move(s: Steps, out_c: torch.Tensor = out_c, in_c: torch.Tensor = in_c) -> None:
-                if out_c.numel():
-                    inner.send(out_c, nxt, 2, s)
-                if in_c.numel():
-                    inner.recv(in_c, prv, 2, s)
-            self._ring_steps(move)
+            swap(chunk(i - step), chunk(i - step - 1), 2)
         return chunk(i)
-
-    def _ring_steps(self, issue: Callable[[Steps], None]) -> None:
-        s = Steps()
-        issue(s)
-        _run(s)
 
     def _all_reduce_replicated(self, t: torch.Tensor, op: ReduceOp) -> None:
         """All-reduce in the vendor group; then every rank reduces the group's result with its shard
