@@ -38,10 +38,12 @@ import time
 from typing import Any
 
 VARIANTS = ("flat", "leader", "bandwidth", "p2p", "replicated")
-#: variant -> (bridge_algorithm, in-group method of the bandwidth algorithm or None for the default)
-HYBRID = {"leader": ("leader", None), "bandwidth": ("bandwidth", "collective"), "p2p": ("bandwidth", "p2p"),
-          "replicated": ("replicated", None), "p2p-1seg": ("bandwidth", "p2p")}
-#: not run by default: "p2p" without pipelining (one segment), for --variants flat,p2p-1seg,p2p
+#: variant -> (bridge_algorithm, in-group method of the bandwidth algorithm or None for the default, bridge_shm)
+HYBRID = {"leader": ("leader", None, True), "bandwidth": ("bandwidth", "collective", True),
+          "p2p": ("bandwidth", "p2p", True), "replicated": ("replicated", None, True),
+          "p2p-1seg": ("bandwidth", "p2p", True), "p2p-gloo": ("bandwidth", "p2p", False)}
+#: not run by default: "p2p" without pipelining (one segment), for --variants flat,p2p-1seg,p2p; "p2p" with the
+#: shard peers reducing through gloo instead of shared memory (bridge_shm false), for --variants flat,p2p-gloo,p2p
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -82,9 +84,9 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
     groups = {"flat": dist.new_group(backend="gloo")}
     variants = args["variants"]
     for v in variants[1:]:
-        alg, method = HYBRID[v]
+        alg, method, shm = HYBRID[v]
         groups[v] = dist.new_group(backend="vcga", pg_options=VcgaOptions(
-            config=replace(load_config(), bridge_algorithm=alg)))
+            config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
         if method is not None:
             groups[v].transport.group.group_method = method
         if v == "p2p-1seg":

@@ -129,10 +129,15 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
 
     methods = {}
     # the bandwidth algorithm twice: in-group steps through the library's reduce_scatter/all_gather,
-    # and through rings of its send/recv (every rank of a vendor group must use the same method)
-    for label, alg, method in [(a, a, None) for a in ALGORITHMS] + [("bandwidth-collective", "bandwidth", "collective"),
-                                                                  ("bandwidth-p2p", "bandwidth", "p2p")]:
-        g = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_algorithm=alg)))
+    # and through rings of its send/recv (every rank of a vendor group must use the same method);
+    # the shard peers (all on this host) reduce through shared memory, except in the "-gloo" groups
+    exchanges = {}
+    for label, alg, method, shm in [(a, a, None, True) for a in ALGORITHMS] + [
+            ("bandwidth-collective", "bandwidth", "collective", True), ("bandwidth-p2p", "bandwidth", "p2p", True),
+            ("leader-gloo", "leader", None, False), ("bandwidth-p2p-gloo", "bandwidth", "p2p", False)]:
+        g = dist.new_group(backend="vcga", pg_options=VcgaOptions(
+            config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
+        exchanges[label] = g.transport.describe()["shard_exchange"]
         if method is not None:
             g.transport.group.group_method = method
         methods[label] = g.transport.group.group_method
@@ -142,6 +147,7 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
             out["calibration"] = g.transport.describe()["calibration"]
     out["counts"] = counts
     out["methods"] = methods
+    out["exchanges"] = exchanges
     plan = world.transport.describe()["plan"]
     plans = [None] * size
     dist.all_gather_object(plans, json.dumps(plan, sort_keys=True), group=check)

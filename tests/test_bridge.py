@@ -188,6 +188,18 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     assert cal["auto_large"] == min(cal["predicted_seconds"], key=lambda a: (cal["predicted_seconds"][a], a))
     assert all(x["calibration"] == cal for x in two_vendors)
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
+    assert r["counts"]["bandwidth-p2p-gloo"]["bandwidth"] > 0 and r["counts"]["leader-gloo"]["leader"] > 0
+
+
+def test_same_node_shard_peers_exchange_through_shared_memory(two_vendors: list[dict], three_vendors: list[dict]) -> None:
+    """Every shard peer is on this host: the bridge reduces through shared memory by default, through
+    gloo with bridge_shm off (both groups passed the numerics of the world above)."""
+    for r in two_vendors:
+        ex = r["exchanges"]
+        assert ex["leader"] == ex["bandwidth-p2p"] == "shared memory", ex
+        assert ex["leader-gloo"] == ex["bandwidth-p2p-gloo"] == "gloo", ex
+    # nccl:1,hccl:2,cncl:1: unequal groups, so only the leaders (ranks 0, 1, 3) have shard peers
+    assert [r["exchanges"]["leader"] for r in three_vendors] == ["shared memory", "shared memory", None, "shared memory"]
 
 
 def test_three_vendors_fp64_keeps_fp64_through_sim_cncl(three_vendors: list[dict]) -> None:

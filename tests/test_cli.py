@@ -76,6 +76,7 @@ def test_info_plan_json_for_two_and_three_simulated_vendors():
     assert [(g["backend"], g["ranks"], g["leader"], g["nodes"]) for g in p["groups"]] == [
         ("sim-nccl", [0, 1], 0, ["node0"]), ("sim-hccl", [2, 3], 2, ["node1"])]
     assert p["shard_peers"] == [[0, 2], [1, 3]]
+    assert json.loads(r.stdout)["shard_exchange"] == ["gloo", "gloo"]  # each set spans the two nodes
     sizes = list(p["collectives"]["all_reduce"])
     assert sizes[0] == "4 KiB" and sizes[-1] == "64 MiB" and len(sizes) == 8
     routes = {x["dtype"]: x for x in p["routes"]}
@@ -87,6 +88,9 @@ def test_info_plan_json_for_two_and_three_simulated_vendors():
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)["plan"]
     assert p["algorithm"] == "bandwidth" and p["leaders"] == [0, 1, 3]
+    assert json.loads(r.stdout)["shard_exchange"] == ["shared memory"]  # the leaders, all on this host
+    r = run_vcga("info", "--plan", "--json", env={"VCGA_SIM_VENDORS": "nccl:2,hccl:2", "VCGA_BRIDGE_SHM": "0"})
+    assert r.returncode == 0 and json.loads(r.stdout)["shard_exchange"] == ["gloo", "gloo"], r.stderr
     assert set(p["collectives"]["all_reduce"].values()) == {"leader"}  # unequal groups: leader at every size
     cncl = {x["dtype"]: x for x in p["routes"]}["float64"]["groups"][2]
     assert (cncl["backend"], cncl["route"], cncl["library_via"]) == ("sim-cncl", "library", "gather_then_reduce")

@@ -49,6 +49,7 @@ from vcga import dtypes as _dtypes
 from vcga.contract import Backend, CapabilityTable, Cell, Collective, ReduceOp, Support
 from vcga.dispatch import Dispatcher, Steps
 from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
+from vcga.hostbridge import SharedMemoryBridge, combine_rows, combiner, every_rank
 from vcga.pypg import PyWork, reduce_op_of
 from vcga.transport import NativeTransport, Transport
 
@@ -446,31 +447,6 @@ def _put(t: torch.Tensor, h: torch.Tensor) -> None:
 _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
                  for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
 
-_COMBINE: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
-    ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
-}
-_COMBINE_BOOL: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: torch.logical_or, ReduceOp.MAX: torch.logical_or, ReduceOp.BOR: torch.logical_or,
-    ReduceOp.PRODUCT: torch.logical_and, ReduceOp.MIN: torch.logical_and, ReduceOp.BAND: torch.logical_and,
-    ReduceOp.BXOR: torch.logical_xor,
-}
-
-
-def combine_rows(rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
-    """``out = rows[0] op rows[1] op ...`` left to right, in ``rows``' dtype.
-
-    Every peer runs these same correctly rounded elementwise operations on the same bytes in the
-    same order, so every peer gets the same bits (the "computed once" of docs/bridge.md).
-    """
-    fn = (_COMBINE_BOOL if rows.dtype == torch.bool else _COMBINE)[op]
-    if rows.shape[0] == 1:
-        out.copy_(rows[0])
-        return
-    fn(rows[0], rows[1], out=out)
-    for r in rows[2:]:
-        fn(out, r, out=out)
-
 
 # ===================================================================================================
 # The group the dispatcher drives
@@ -489,16 +465,18 @@ class BridgeGroup:
     :param inner: this rank's vendor-group dispatcher (None when the vendor group has one rank).
     :param shard: gloo group of this rank's shard peers (leaders for local rank 0), or None.
     :param world: gloo group over the whole ``vcga`` group.
+    :param shm: the shard peers' shared segment (:class:`~vcga.hostbridge.SharedMemoryBridge`, all
+        peers on this node), or None: they reduce through ``shard``.
     """
 
     def __init__(self, plan: Plan, rank: int, inner: Dispatcher | None, shard: Any, world: Any,
-                 tables: Sequence[CapabilityTable]) -> None:
+                 tables: Sequence[CapabilityTable], shm: SharedMemoryBridge | None = None) -> None:
         self.plan, self.rank, self.size = plan, rank, plan.size
         self.tables = list(tables)
         self._routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]] = {}
         self.vgroup = plan.group_of(rank)
         self.local_rank = self.vgroup.ranks.index(rank)
-        self.inner, self.shard, self.world = inner, shard, world
+        self.inner, self.shard, self.world, self.shm = inner, shard, world, shm
         #: how often each algorithm ran (tests and benchmarks read it)
         self.counts = {a: 0 for a in ALGORITHMS}
         #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
@@ -527,7 +505,10 @@ class BridgeGroup:
         """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
         peers = len(self.plan.shard_peers(self.local_rank))
         h = _host(t)
-        if peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
+        if self.shm is not None:
+            # Same node: through the shared segment, every dtype and op (combine_rows in peer order).
+            self.shm.all_reduce(h, op)
+        elif peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
             # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
             # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
             o = dist.AllreduceOptions()
@@ -602,8 +583,9 @@ class BridgeGroup:
 
     def _bridge_start(self, t: torch.Tensor, op: ReduceOp) -> Any:
         """Start reducing ``t`` across the shard peers; a work to wait for, or None when done already
-        (dtypes gloo does not reduce, and device tensors, go the synchronous way)."""
-        if (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu" and len(self.plan.shard_peers(self.local_rank)) > 1:
+        (dtypes gloo does not reduce, device tensors, and shared memory go the synchronous way)."""
+        if (self.shm is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
+                and len(self.plan.shard_peers(self.local_rank)) > 1):
             o = dist.AllreduceOptions()
             o.reduceOp = getattr(dist.ReduceOp, op.value)
             return self.shard.allreduce([t], o)
@@ -687,7 +669,7 @@ class BridgeGroup:
             _run(s)
 
         if phase == "reduce_scatter":
-            fn = (_COMBINE_BOOL if seg.dtype == torch.bool else _COMBINE)[op]
+            fn = combiner(seg.dtype, op)
             tmp = torch.empty(c, dtype=seg.dtype, device=seg.device)
             for step in range(k - 1):
                 out_c, in_c = chunk(i - step - 1), chunk(i - step - 2)
@@ -979,11 +961,14 @@ class BridgeTransport(Transport):
         d["local_backend"] = self.backend.name
         d["plan"] = self.plan.describe(tables=self.group.tables)
         d["calibration"] = self.group.calibration
+        #: how this rank's shard peers reduce on the host (None: it has none)
+        d["shard_exchange"] = ("shared memory" if self.group.shm is not None
+                               else "gloo" if self.group.shard is not None else None)
         return d
 
     def close(self) -> None:
         for pg in self._closables:
-            shutdown = getattr(pg, "shutdown", None)
+            shutdown = getattr(pg, "shutdown", None) or getattr(pg, "close", None)
             if callable(shutdown):
                 try:
                     shutdown()
@@ -1003,7 +988,8 @@ def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int,
 
 def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, peers: Sequence[dict[str, Any]],
                             timeout: timedelta, algorithm: str = "auto",
-                            apply_env: Callable[[Backend], None] | None = None) -> BridgeTransport:
+                            apply_env: Callable[[Backend], None] | None = None,
+                            shared_memory: bool = True) -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.process_group.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -1011,6 +997,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     :param timeout: the collective timeout (also bounds every wait here).
     :param algorithm: config ``bridge_algorithm``.
     :param apply_env: sets the vendor's environment before its native group is created.
+    :param shared_memory: config ``bridge_shm``: shard peers on one node may reduce through shared
+        memory (:class:`~vcga.hostbridge.SharedMemoryBridge`) instead of gloo.
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
@@ -1044,12 +1032,14 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
 
     # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo.
     try:
-        shard = None
+        shard, shm = None, None
         if local == 0 or plan.equal_groups:
             peers_i = plan.shard_peers(local)
             if len(peers_i) > 1:
                 shard = dist.ProcessGroupGloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store),
                                               peers_i.index(rank), len(peers_i), timeout)
+                same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
+                shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds())
         world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
     except VcgaError:
         raise
@@ -1057,7 +1047,9 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         raise VcgaBackendUnavailable("vcga", f"rank {gr[rank]}: creating the mixed-vendor host bridge (gloo) failed: "
                                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
-    group = BridgeGroup(plan, rank, inner, shard, world, tables)
+    group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
+    log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank],
+              "shared memory" if shm is not None else "gloo" if shard is not None else "(no shard peers)")
     if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
         try:
             device = backend.accelerator().device()
@@ -1067,19 +1059,10 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
             device = None
         # The measurement is collective: run it only if every rank can (else ranks that can would
         # wait in it for ranks that skipped it, until the timeout). auto then keeps AUTO_LARGE.
-        if _every_rank(world, device is not None):
+        if every_rank(world, device is not None):
             group.calibrate(device)
-    closables = [native, *([shard] if shard is not None else []), world]
+    closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
     return BridgeTransport(plan, rank, backend, table, group, closables)
-
-
-def _every_rank(world: Any, mine: bool) -> bool:
-    """True on every rank when ``mine`` is true on every rank of the gloo group ``world``."""
-    flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
-    o = dist.AllreduceOptions()
-    o.reduceOp = dist.ReduceOp.MIN
-    world.allreduce([flag], o).wait()
-    return bool(flag.item())
 
 
 #: How often a rank waiting for its native group looks for another rank's failure (seconds).

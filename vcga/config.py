@@ -55,6 +55,8 @@ class Config:
     sim_vendors: str | None = None
     #: Mixed-vendor all_reduce algorithm: "auto" (by size and group shape), "leader", "bandwidth" or "replicated".
     bridge_algorithm: str = "auto"
+    #: Mixed-vendor: shard peers on one node reduce through shared memory rather than gloo over TCP.
+    bridge_shm: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -73,6 +75,7 @@ ENV: Mapping[str, str] = {
     "debug": "VCGA_DEBUG",
     "sim_vendors": "VCGA_SIM_VENDORS",
     "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
+    "bridge_shm": "VCGA_BRIDGE_SHM",
 }
 
 _ALLOWED = {
@@ -85,6 +88,7 @@ _ALLOWED = {
     "sim_vendors": "comma-separated vendor:count pairs with vendors from "
     + "/".join(SIM_VENDOR_NAMES) + ", e.g. 'nccl:2,hccl:2', or null",
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
+    "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -144,7 +148,7 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if len(set(out)) != len(out):
             raise VcgaConfigError(key, v, "a list of distinct device indices", src)
         return tuple(out)
-    if key in ("deterministic", "debug"):
+    if key in ("deterministic", "debug", "bridge_shm"):
         return _bool(key, v, src)
     if key == "sim_vendors":
         if v is None or (isinstance(v, str) and not v.strip()):

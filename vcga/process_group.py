@@ -190,7 +190,7 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
     from vcga.bridge import create_bridge_transport
 
     return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
-                                   apply_env=partial(_apply_vendor_env, config=config))
+                                   apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm)
 
 
 # ===================================================================================================

@@ -167,6 +167,9 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
     if len(records) > 1:
         plan, tables = plan_for_layout([records[n] for n in names], node_of, config.bridge_algorithm)
         out["plan"] = plan.describe(tables=tables)
+        # how each set of shard peers reduces on the host (docs/bridge.md, "The host exchange")
+        out["shard_exchange"] = ["shared memory" if config.bridge_shm and len({node_of[r] for r in peers}) == 1
+                                 else "gloo" for peers in out["plan"]["shard_peers"]]
     return out
 
 
@@ -190,8 +193,8 @@ def render_plan(data: dict[str, Any]) -> str:
     for g in p["groups"]:
         lines.append(f"  {g['index']}  {g['backend']:<{w}}  {g['vendor']}/{g['device_type']}  ranks {_ranks(g['ranks'])}"
                      f"  leader {g['leader']}  node {','.join(g['nodes'])}")
-    peers = "  ".join(f"[{_ranks(s)}]" for s in p["shard_peers"])
-    lines.append(f"shard peers (a gloo bridge group each): {peers}" if len(p["shard_peers"]) > 1 else
+    peers = "  ".join(f"[{_ranks(s)}] {how}" for s, how in zip(p["shard_peers"], data["shard_exchange"]))
+    lines.append(f"shard peers (a host bridge group each): {peers}" if len(p["shard_peers"]) > 1 else
                  f"leaders' bridge group (unequal vendor groups: no shard peers): {peers}")
     lines.append("")
     lines.append("reductions across vendors (all_reduce SUM): combined cell; per vendor group, its route")

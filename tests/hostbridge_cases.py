@@ -1,0 +1,108 @@
+"""What each rank checks of :class:`vcga.hostbridge.SharedMemoryBridge` (run by tests/test_hostbridge.py
+on spawned worlds over plain gloo; no vendor, real shared memory and real pipes)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vcga.contract import ReduceOp
+
+
+def _input(rank: int, n: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * salt + rank)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) < 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * (rank + 1)).to(dtype)
+    lo = 0 if dtype == torch.uint8 else -1000
+    return torch.randint(lo, 256 if dtype == torch.uint8 else 1000, (n,), generator=g, dtype=dtype)
+
+
+#: (dtype, op, element count): pieces of one slot, several slots (pieces alternate between the two
+#: slot sets), odd counts, one element, none
+CASES = [(torch.float32, ReduceOp.SUM, 1), (torch.float32, ReduceOp.SUM, 70_001),
+         (torch.float32, ReduceOp.SUM, (10 << 20) // 4 + 3), (torch.float64, ReduceOp.SUM, (5 << 20) // 8 + 1),
+         (torch.bfloat16, ReduceOp.SUM, 3_000_001), (torch.float16, ReduceOp.MAX, 1001),
+         (torch.int64, ReduceOp.PRODUCT, 999), (torch.int32, ReduceOp.BXOR, (6 << 20) // 4),
+         (torch.bool, ReduceOp.SUM, 12_345), (torch.uint8, ReduceOp.MIN, 5), (torch.float32, ReduceOp.SUM, 0)]
+
+
+def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
+    """Every case bitwise equal to combine_rows over all ranks' inputs in rank order, on every rank;
+    nothing left in /dev/shm once the segment is open."""
+    from vcga.hostbridge import SharedMemoryBridge, combine_rows
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    pg = dist.group.WORLD
+    b = SharedMemoryBridge.open(pg, True, 30.0)
+    assert b is not None
+    dist.barrier()
+    left = [p for p in [b.path, *(f"{b.path}.{q}" for q in range(size))] if os.path.exists(p)]
+    failures = []
+    for salt, (dtype, op, n) in enumerate(CASES * 2):  # twice: the second round starts in the other slot set
+        xs = [_input(r, n, dtype, salt) for r in range(size)]
+        want = torch.empty(n, dtype=dtype)
+        combine_rows(torch.stack(xs) if n else torch.empty(size, 0, dtype=dtype), op, want)
+        got = xs[rank].clone()
+        b.all_reduce(got, op)
+        if not torch.equal(got.view(torch.uint8) if n else got, want.view(torch.uint8) if n else want):
+            failures.append(f"{dtype} {op.value} n={n}: differs from the in-order reference")
+    b.close()
+    dist.destroy_process_group()
+    return {"left": left, "failures": failures, "path": b.path}
+
+
+def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
+    """Peers that reduce different sizes fail on every rank with a typed error; a peer that never
+    comes makes the others fail after the timeout (not hang)."""
+    from vcga.errors import VcgaCollectiveError
+    from vcga.hostbridge import SharedMemoryBridge
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    pg = dist.group.WORLD
+    out: dict[str, Any] = {}
+    b = SharedMemoryBridge.open(pg, True, 30.0)
+    try:
+        b.all_reduce(torch.ones(100 * (rank + 1)), ReduceOp.SUM)
+        out["mismatch"] = None
+    except VcgaCollectiveError as e:
+        out["mismatch"] = str(e)
+    b.close()
+    b = SharedMemoryBridge.open(pg, True, 1.5)
+    t0 = time.monotonic()
+    if rank != size - 1:  # the last rank stays away
+        try:
+            b.all_reduce(torch.ones(10), ReduceOp.SUM)
+            out["timeout"] = None
+        except TimeoutError as e:
+            out["timeout"] = str(e)
+    out["waited_s"] = time.monotonic() - t0
+    dist.barrier()
+    b.close()
+    dist.destroy_process_group()
+    return out
+
+
+def fallback_world(rank: int, size: int, init_method: str, how: str) -> dict[str, Any]:
+    """One rank cannot take part; every rank gets None (and then reduces through gloo), nothing is
+    left behind. ``how``: "no-dir" (peer 0 cannot make the segment), "attach" (the last peer maps
+    something else), "unwanted" (the last peer's config says no)."""
+    import vcga.hostbridge as hb
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    last = rank == size - 1
+    before = set(os.listdir(hb.SHM_DIR))
+    if how == "no-dir" and rank == 0:
+        hb.SHM_DIR = "/nonexistent-vcga-test-dir"
+    if how == "attach" and last:
+        hb._attach = lambda path, size, token: None
+    b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
+    dist.barrier()
+    made = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("vcga-bridge-"))
+    dist.destroy_process_group()
+    return {"bridge": b is not None, "left": made}

@@ -1,0 +1,322 @@
+"""The host side of the mixed-vendor bridge: combining the shard peers' values, and exchanging
+them through shared memory when the peers share a node.
+
+A bridge reduction (docs/bridge.md) combines one value per vendor group -- the *shard peers*,
+one rank of each vendor group -- on the host. Across nodes that goes through gloo over TCP. When
+every shard peer runs on the same node (one machine with cards of two vendors, or the simulated
+vendors of ``VCGA_SIM_VENDORS``) the network is not needed: :class:`SharedMemoryBridge` gives the
+peers one shared segment, each copies its value into its own slot, the peers meet at a barrier,
+and each combines all slots in peer order into its own tensor (:func:`combine_rows`). Per rank
+and byte that is one copy in and one combining pass, where gloo's two-peer ring sends, receives
+(each a copy through the kernel's socket buffers, plus the syscalls) and combines; measured in
+docs/benchmarks.md ("Shared memory between same-node shard peers"). NCCL takes the same route
+between ranks of one node without a direct link (its SHM transport).
+
+Why the segment is made by hand (``os.open`` in ``/dev/shm``, ``posix_fallocate``, ``mmap``)
+rather than with :mod:`multiprocessing.shared_memory`: on Python 3.11 every process that attaches
+a ``SharedMemory`` registers it with its resource tracker, which unlinks the segment when that
+process exits and warns about a "leak" (fixed only by ``track=False`` in 3.13); and
+``SharedMemory`` does not reserve the pages, so a full ``/dev/shm`` (64 MiB in a default Docker
+container) would kill the process with SIGBUS on first write. Here the pages are reserved when
+the segment is made (a full ``/dev/shm`` makes creation fail, and the peers fall back to gloo),
+and the file is unlinked as soon as every peer has mapped it: nothing is left behind when a
+process dies later.
+
+Switch it off with config ``bridge_shm: false`` (env ``VCGA_BRIDGE_SHM=0``), as NCCL has
+``NCCL_SHM_DISABLE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vcga.contract import ReduceOp
+from vcga.errors import VcgaCollectiveError
+
+__all__ = ["combine_rows", "combiner", "every_rank", "SharedMemoryBridge", "SHM_DIR", "SLOT_BYTES"]
+
+log = logging.getLogger("vcga.bridge")
+
+_COMBINE: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
+}
+_COMBINE_BOOL: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: torch.logical_or, ReduceOp.MAX: torch.logical_or, ReduceOp.BOR: torch.logical_or,
+    ReduceOp.PRODUCT: torch.logical_and, ReduceOp.MIN: torch.logical_and, ReduceOp.BAND: torch.logical_and,
+    ReduceOp.BXOR: torch.logical_xor,
+}
+
+
+def combiner(dtype: torch.dtype, op: ReduceOp) -> Callable[..., Any]:
+    """The elementwise ``fn(a, b, out=...)`` that applies ``op`` in ``dtype`` (bool: logical ops)."""
+    return (_COMBINE_BOOL if dtype == torch.bool else _COMBINE)[op]
+
+
+def combine_rows(rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
+    """``out = rows[0] op rows[1] op ...`` left to right, in ``rows``' dtype.
+
+    Every peer runs these same correctly rounded elementwise operations on the same bytes in the
+    same order, so every peer gets the same bits (the "computed once" of docs/bridge.md).
+    """
+    fn = combiner(rows.dtype, op)
+    if rows.shape[0] == 1:
+        out.copy_(rows[0])
+        return
+    fn(rows[0], rows[1], out=out)
+    for r in rows[2:]:
+        fn(out, r, out=out)
+
+
+def every_rank(pg: Any, mine: bool) -> bool:
+    """True on every rank when ``mine`` is true on every rank of the gloo group ``pg`` (collective)."""
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MIN
+    pg.allreduce([flag], o).wait()
+    return bool(flag.item())
+
+
+#: Where segments are made (a tmpfs on Linux). Module-level so a test can point one rank elsewhere.
+SHM_DIR = "/dev/shm"
+#: Bytes per peer slot. A reduction larger than this goes in slot-sized pieces, one barrier each.
+#: A segment holds two sets of slots (see :meth:`SharedMemoryBridge.all_reduce`): 16 MiB for two
+#: peers, 24 MiB for three, per shard group -- small beside the 64 MiB of a default container's
+#: ``/dev/shm``, and large enough that a piece's copy and combine dwarf its barrier.
+SLOT_BYTES = 4 << 20
+_HEADER_BYTES = 4096  # the token, then (sequence number, bytes) per slot; the slots start page-aligned
+_TOKEN_BYTES = 16
+_NAME_BYTES = 128
+
+
+class SharedMemoryBridge:
+    """The shard peers' reduction through one shared segment (all peers on one node).
+
+    Make it with :meth:`open` (collective over the peers' gloo group), use :meth:`all_reduce`
+    (collective: every peer calls it in the same order with the same element count and dtype),
+    and :meth:`close` it with the group.
+
+    The peers meet at a barrier made of named pipes (FIFOs), one per peer: arriving, a peer
+    writes one byte into every other peer's pipe, then reads one byte per other peer from its own
+    (``poll`` with the collective timeout). A gloo barrier costs ~290 us on the development
+    machine, a pipe barrier ~5 us (two processes, idle machine; /tmp/fifo-style loop, see
+    docs/benchmarks.md). Counting bytes is a correct barrier even when a fast peer's byte for the
+    next barrier arrives early: the first peer to pass barrier k has read k bytes from every other
+    peer, and no peer writes its (k+1)-th before passing k.
+    """
+
+    def __init__(self, mm: mmap.mmap, peers: int, me: int, pipe_in: int, pipes_out: list[int],
+                 timeout_s: float, path: str = "") -> None:
+        self.peers, self.me, self.timeout_s = peers, me, timeout_s
+        #: the segment's name when it was made (unlinked since: for messages and tests); the
+        #: pipes were ``<path>.<peer>``
+        self.path = path
+        self._mm, self._in, self._out = mm, pipe_in, pipes_out
+        self._poll = select.poll()
+        self._poll.register(pipe_in, select.POLLIN)
+        self._one = b"\1"
+        #: (set, peer) -> [sequence number, bytes] of the piece in that slot: checked after each
+        #: barrier, so peers that disagree on what they reduce fail loudly instead of mixing data
+        self._heads = np.frombuffer(mm, dtype=np.int64, count=2 * peers * 2, offset=_TOKEN_BYTES).reshape(2, peers, 2)
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER_BYTES, count=2 * peers * SLOT_BYTES)
+        self._slots = data.view(2, peers, SLOT_BYTES)
+        self._seq = 0
+
+    @staticmethod
+    def segment_bytes(peers: int) -> int:
+        return _HEADER_BYTES + 2 * peers * SLOT_BYTES
+
+    @classmethod
+    def open(cls, pg: Any, wanted: bool, timeout_s: float) -> SharedMemoryBridge | None:
+        """Make the segment on peer 0 and a pipe per peer, map and open them on every peer, unlink
+        them; collective over the peers' gloo group ``pg``.
+
+        ``wanted``: this rank may use shared memory (enabled in its config, and every peer on its
+        node). Returns None on every peer -- which then reduce through gloo -- unless every peer
+        wanted it and could map the same segment and open every pipe (a different ``/dev/shm``, as
+        in separate containers, or one too small, is found here, not later).
+        """
+        if not every_rank(pg, wanted):
+            return None
+        me, peers = pg.rank(), pg.size()
+        size = cls.segment_bytes(peers)
+        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES, dtype=torch.uint8)
+        path, mm = "", None
+        if me == 0:
+            path, mm = _create(size)
+            if mm is not None:
+                msg[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+                msg[_NAME_BYTES:] = torch.frombuffer(bytearray(mm[:_TOKEN_BYTES]), dtype=torch.uint8)
+        o = dist.BroadcastOptions()
+        o.rootRank = 0
+        pg.broadcast([msg], o).wait()
+        raw = bytes(msg.tolist())
+        path = raw[:_NAME_BYTES].rstrip(b"\0").decode()
+        if not path:
+            return None  # peer 0 could not make it (logged there); every peer got the empty name
+        if me != 0:
+            mm = _attach(path, size, raw[_NAME_BYTES:])
+        fds: list[int] = []
+        pipe_in = -1
+        try:
+            if mm is not None:
+                pipe_in = _own_pipe(f"{path}.{me}")
+            # every peer has mapped the segment (or failed to) and made its pipe: open the others'
+            ok = every_rank(pg, pipe_in >= 0)
+            if ok:
+                try:
+                    fds = [os.open(f"{path}.{q}", os.O_WRONLY | os.O_NONBLOCK) for q in range(peers) if q != me]
+                except OSError as e:
+                    log.info("vcga bridge: cannot open a shard peer's pipe (%s); using gloo", e)
+                    fds = []
+                ok = every_rank(pg, len(fds) == peers - 1)
+        finally:
+            # every peer is past its opens (or failed): nothing needs the names any more
+            for name in ([f"{path}.{me}"] if pipe_in >= 0 else []) + ([path] if me == 0 else []):
+                try:
+                    os.unlink(name)
+                except OSError:
+                    pass
+        if not ok:
+            for fd in fds + ([pipe_in] if pipe_in >= 0 else []):
+                os.close(fd)
+            if mm is not None:
+                mm.close()
+            return None
+        return cls(mm, peers, me, pipe_in, fds, timeout_s, path)  # type: ignore[arg-type]
+
+    def _barrier(self) -> None:
+        for fd in self._out:
+            try:
+                os.write(fd, self._one)
+            except BrokenPipeError:
+                raise VcgaCollectiveError("bridge shared-memory barrier: a shard peer's process is gone "
+                                          "(its pipe has no reader); see that rank's log") from None
+        need = self.peers - 1
+        deadline = time.monotonic() + self.timeout_s
+        while need:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll.poll(left * 1000):
+                raise TimeoutError(f"bridge shared-memory barrier: {need} of {self.peers - 1} shard peers did "
+                                   f"not arrive within {self.timeout_s:g} s")
+            try:
+                need -= len(os.read(self._in, need))
+            except BlockingIOError:
+                pass
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce host tensor ``t`` (contiguous) across the peers, in place, in slot-sized pieces.
+
+        Per piece: copy it into this peer's slot, barrier, combine every slot in peer order into
+        ``t``. The slots alternate between two sets, so a piece needs one barrier, not two: a
+        peer writes set s for piece k only after passing the barrier of piece k-1, which no peer
+        enters before it has finished reading piece k-2, the last one in set s.
+        """
+        flat = t.view(-1)
+        es = flat.element_size()
+        per = SLOT_BYTES // es
+        n = flat.numel()
+        for lo in range(0, n, per):
+            piece = flat[lo:lo + per]
+            nbytes = piece.numel() * es
+            s = self._seq & 1
+            slots = self._slots[s]
+            slots[self.me, :nbytes].copy_(piece.view(torch.uint8))
+            heads = self._heads[s]
+            heads[self.me] = (self._seq, nbytes)
+            self._barrier()
+            if not ((heads[:, 0] == self._seq).all() and (heads[:, 1] == nbytes).all()):
+                raise VcgaCollectiveError(
+                    f"bridge shared-memory reduction: the shard peers disagree on piece {self._seq} "
+                    f"(sequence numbers {heads[:, 0].tolist()}, bytes {heads[:, 1].tolist()}); every peer must "
+                    "reduce the same element count and dtype in the same order")
+            combine_rows(slots[:, :nbytes].view(t.dtype), op, piece)
+            self._seq += 1
+
+    def close(self) -> None:
+        """Close the pipes and unmap the segment (no tensor of ours views it any more)."""
+        if self._mm is None:
+            return
+        self._slots = self._heads = None  # type: ignore[assignment]
+        for fd in [self._in, *self._out]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass
+        self._mm = None  # type: ignore[assignment]
+
+
+def _own_pipe(path: str) -> int:
+    """Make this peer's pipe and open it for reading (O_RDWR: never blocks, never sees EOF), or -1."""
+    try:
+        os.mkfifo(path, 0o600)
+    except OSError as e:
+        log.info("vcga bridge: cannot make a pipe in %s (%s); the shard peers reduce through gloo", SHM_DIR, e)
+        return -1
+    try:
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    except OSError as e:
+        log.info("vcga bridge: cannot open the pipe %s (%s); the shard peers reduce through gloo", path, e)
+        os.unlink(path)
+        return -1
+
+
+def _create(size: int) -> tuple[str, mmap.mmap | None]:
+    """A new segment of ``size`` bytes with its pages reserved and a random token in front."""
+    path = os.path.join(SHM_DIR, f"vcga-bridge-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        log.info("vcga bridge: no shared memory in %s (%s); the shard peers reduce through gloo", SHM_DIR, e)
+        return "", None
+    try:
+        os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
+        mm = mmap.mmap(fd, size)
+        mm[:_TOKEN_BYTES] = secrets.token_bytes(_TOKEN_BYTES)
+        return path, mm
+    except OSError as e:
+        log.info("vcga bridge: cannot reserve %d bytes in %s (%s); the shard peers reduce through gloo",
+                 size, SHM_DIR, e)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return "", None
+    finally:
+        os.close(fd)
+
+
+def _attach(path: str, size: int, token: bytes) -> mmap.mmap | None:
+    """Map the segment peer 0 made, if this process sees the same one (same token)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        log.info("vcga bridge: cannot open the shard peers' segment %s (%s: another /dev/shm?); using gloo", path, e)
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        mm = mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if mm[:_TOKEN_BYTES] != token:
+        mm.close()
+        return None
+    return mm
