@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -217,20 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        import multiprocessing as mp
+        from _ranks import run_ranks
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue))
-                 for r in range(args.world_size)]
-        for proc in procs:
-            proc.start()
-        rows = queue.get(timeout=3600)
-        for proc in procs:
-            proc.join(timeout=60)
+        rows = run_ranks(_worker, args.world_size, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from typing import Any
+
+from _ranks import run_ranks, table
 
 VARIANTS = ("flat", "leader", "bandwidth", "p2p", "replicated")
 #: variant -> (bridge_algorithm, in-group method of the bandwidth algorithm or None for the default, bridge_shm)
@@ -62,8 +63,9 @@ def human(n: int) -> str:
 
 
 def reps_for(nbytes: int, base: int) -> int:
-    """More repetitions for small messages (cheap and noisier), at least ``base``."""
-    return max(base, min(50, (4 << 20) // max(nbytes, 1) * base // 4))
+    """More repetitions for smaller messages (cheaper, and noisier on a shared machine): ``base`` at
+    64 MiB, 4x at 4 MiB (where the target is closest), at most 50."""
+    return max(base, min(50, (64 << 20) // max(nbytes, 1) * base // 4))
 
 
 def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
@@ -138,13 +140,7 @@ def render(rows: list[dict[str, Any]], markdown: bool, variants: tuple[str, ...]
         lines.append([human(r["bytes"]), str(r["reps"]), f"{r['flat_ms']:.2f}", *[f"{r[a + '_ms']:.2f}" for a in algs],
                       *[f"{r[a + '_ratio']:.2f} ({r[a + '_range'][0]:.2f}–{r[a + '_range'][1]:.2f})" for a in algs],
                       r["auto"]])
-    if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        out += ["| " + " | ".join(line) + " |" for line in lines]
-        return "\n".join(out)
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+    return table(head, lines, markdown)
 
 
 def main() -> None:
@@ -158,24 +154,12 @@ def main() -> None:
                         help=f"comma-separated, flat first (default {','.join(VARIANTS)}; also p2p-1seg)")
     parser.add_argument("--progress", action="store_true", help="print each row to stderr as it is measured")
     a = parser.parse_args()
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     variants = tuple(a.variants.split(","))
     if variants[0] != "flat" or len(variants) < 2 or any(v not in HYBRID for v in variants[1:]):
         parser.error(f"--variants: flat first, then some of {', '.join(HYBRID)}")
     args = {"variants": variants, "min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress}
-    procs = [ctx.Process(target=rank_main, args=(r, 4, port, args, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    got = queue.get(timeout=3600)
+    got = run_ranks(rank_main, 4, args)
     rows = got["rows"]
-    for p in procs:
-        p.join(timeout=60)
     print(render(rows, a.markdown, variants))
     cal = got["calibration"]
     if cal:

@@ -45,3 +45,9 @@ def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert [x["bytes"] for x in rows] == [4096], rows
     for variant in ("leader", "bandwidth", "p2p", "replicated"):
         assert rows[0][f"{variant}_ms"] > 0 and rows[0][f"{variant}_ratio"] > 0
+
+
+def test_host_exchange_benchmark_runs_at_a_toy_size() -> None:
+    r = _run(["benchmarks/host_exchange.py", "--reps", "1"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "barrier" in r.stdout and "all_reduce 8 MiB" in r.stdout, r.stdout

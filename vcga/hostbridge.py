@@ -109,8 +109,8 @@ class SharedMemoryBridge:
 
     The peers meet at a barrier made of named pipes (FIFOs), one per peer: arriving, a peer
     writes one byte into every other peer's pipe, then reads one byte per other peer from its own
-    (``poll`` with the collective timeout). A gloo barrier costs ~290 us on the development
-    machine, a pipe barrier ~5 us (two processes, idle machine; /tmp/fifo-style loop, see
+    (``poll`` with the collective timeout). Between two processes on the development machine a
+    gloo barrier takes 250-295 us, this one 32-34 us (benchmarks/host_exchange.py, figures in
     docs/benchmarks.md). Counting bytes is a correct barrier even when a fast peer's byte for the
     next barrier arrives early: the first peer to pass barrier k has read k bytes from every other
     peer, and no peer writes its (k+1)-th before passing k.
