@@ -90,8 +90,9 @@ def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
 
 def fallback_world(rank: int, size: int, init_method: str, how: str) -> dict[str, Any]:
     """One rank cannot take part; every rank gets None (and then reduces through gloo), nothing is
-    left behind. ``how``: "no-dir" (peer 0 cannot make the segment), "attach" (the last peer maps
-    something else), "unwanted" (the last peer's config says no)."""
+    left behind. ``how``: "no-dir" (peer 0 cannot make the segment), "no-space" (peer 0 cannot
+    reserve its pages), "attach" (the last peer maps something else), "unwanted" (the last peer's
+    config says no)."""
     import vcga.hostbridge as hb
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
@@ -101,6 +102,10 @@ def fallback_world(rank: int, size: int, init_method: str, how: str) -> dict[str
         hb.SHM_DIR = "/nonexistent-vcga-test-dir"
     if how == "attach" and last:
         hb._attach = lambda path, size, token: None
+    if how == "no-space" and rank == 0:  # a full /dev/shm: reserving the pages fails (ENOSPC)
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(28, "No space left on device")
+        hb.os.posix_fallocate = full
     b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
     dist.barrier()
     made = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("vcga-bridge-"))

@@ -28,7 +28,7 @@ def test_disagreeing_or_missing_peers_fail_typed_and_bounded() -> None:
     assert 1.4 < results[0]["waited_s"] < 30, results[0]
 
 
-@pytest.mark.parametrize("how", ["no-dir", "attach", "unwanted"])
+@pytest.mark.parametrize("how", ["no-dir", "no-space", "attach", "unwanted"])
 def test_one_peer_unable_means_gloo_on_every_peer(how: str) -> None:
     from hostbridge_cases import fallback_world
 
