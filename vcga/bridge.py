@@ -14,7 +14,8 @@ their simulated stand-ins), :func:`vcga.process_group.make_transport` hands over
 3. **creates** each rank's native vendor group (its plugin's ``create_process_group`` over the
    prefixed store ``vcga/bridge/native/<group>``) and the host bridge: gloo groups among the shard
    peers (local rank i of every vendor group; peers of local rank 0 are the leaders) and one over
-   the whole group for data movement and point-to-point. A rank whose native group cannot be
+   the whole group for data movement and point-to-point; shard peers that share a node also share
+   a memory segment for their reductions (:mod:`vcga.hostbridge`). A rank whose native group cannot be
    created makes every rank raise the same :class:`~vcga.errors.VcgaBackendUnavailable` naming it,
    within the timeout;
 4. presents it all as a :class:`~vcga.transport.Transport` (:class:`BridgeTransport`): ``table``
@@ -23,8 +24,8 @@ their simulated stand-ins), :func:`vcga.process_group.make_transport` hands over
 
 Inside a vendor group every step goes through that vendor's own :class:`~vcga.dispatch.Dispatcher`
 (its capability table, its emulations: CNCL's fp64 is reduced on the host in fp64, not by CNCL as
-fp32). Across vendor groups bytes travel through gloo on the host and reductions are computed on
-the host in the tensor's dtype, in plan order; each cross-vendor result is computed from the same
+fp32). Across vendor groups bytes travel through gloo on the host (or shared memory, for shard
+peers on one node) and reductions are computed on the host in the tensor's dtype, in plan order; each cross-vendor result is computed from the same
 bytes by the same operations in the same order on every peer and then copied, so every rank ends
 with the same bits. Algorithms and error bounds: ``docs/bridge.md``.
 """
