@@ -111,3 +111,50 @@ def fallback_world(rank: int, size: int, init_method: str, how: str) -> dict[str
     made = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("vcga-bridge-"))
     dist.destroy_process_group()
     return {"bridge": b is not None, "left": made}
+
+
+def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, Any]:
+    """The last peer lets go of its pipes as its process's death would: ``how`` "all" (every end:
+    the others' writes fail) or "writes" (its write ends only: the others read end-of-file). The
+    others fail at once with a typed error naming it, not after the (60 s) timeout."""
+    from vcga.errors import VcgaCollectiveError
+    from vcga.hostbridge import SharedMemoryBridge
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=[f"rank {r}" for r in range(size)])
+    b.all_reduce(torch.ones(10), ReduceOp.SUM)  # works while everyone is there
+    out: dict[str, Any] = {}
+    if rank == size - 1:
+        for fd in b._out if how == "writes" else [*b._out, *b._in.values()]:
+            os.close(fd)
+        b._out, b._in = [], {}
+    dist.barrier()
+    if rank != size - 1:
+        t0 = time.monotonic()
+        try:
+            b.all_reduce(torch.ones(10), ReduceOp.SUM)
+            out["error"] = None
+        except VcgaCollectiveError as e:
+            out["error"] = str(e)
+        out["seconds"] = time.monotonic() - t0
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def killed_peer(rank: int, port: int, queue: Any) -> None:
+    """Rank 1 dies (os._exit) right after the segment is open; rank 0 reports what its next
+    reduction raised and how long it took (not a run_world target: a rank that dies cannot report)."""
+    from vcga.hostbridge import SharedMemoryBridge
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=["rank 0", "rank 1"])
+    b.all_reduce(torch.ones(10), ReduceOp.SUM)
+    if rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        b.all_reduce(torch.ones(10), ReduceOp.SUM)
+        queue.put((None, time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        queue.put((f"{type(e).__name__}: {e}", time.monotonic() - t0))

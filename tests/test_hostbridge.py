@@ -28,6 +28,42 @@ def test_disagreeing_or_missing_peers_fail_typed_and_bounded() -> None:
     assert 1.4 < results[0]["waited_s"] < 30, results[0]
 
 
+@pytest.mark.parametrize("how", ["all", "writes"])
+def test_a_peer_that_lets_go_of_its_pipes_fails_the_others_at_once(how: str) -> None:
+    from hostbridge_cases import gone_world
+
+    results = run_world(gone_world, 3, how, timeout=120)
+    for r in results[:-1]:
+        assert r["error"] and "the process of rank 2 is gone" in r["error"], r
+        assert r["seconds"] < 30, r  # the timeout is 60 s
+
+
+def test_a_killed_peer_fails_the_other_at_once() -> None:
+    """Rank 1's process exits (os._exit) after the segment is open: rank 0's next reduction raises
+    a typed error naming it, well before the 60 s collective timeout."""
+    import multiprocessing as mp
+
+    from hostbridge_cases import killed_peer
+    from pg_world import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=killed_peer, args=(r, port, queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        error, seconds = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == 3
+    assert error and error.startswith("VcgaCollectiveError") and "rank 1 is gone" in error, error
+    assert seconds < 30, seconds
+
+
 @pytest.mark.parametrize("how", ["no-dir", "no-space", "attach", "unwanted"])
 def test_one_peer_unable_means_gloo_on_every_peer(how: str) -> None:
     from hostbridge_cases import fallback_world

@@ -1040,7 +1040,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                 shard = dist.ProcessGroupGloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store),
                                               peers_i.index(rank), len(peers_i), timeout)
                 same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
-                shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds())
+                shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
+                                              names=[f"rank {gr[r]}" for r in peers_i])
         world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
     except VcgaError:
         raise

@@ -34,7 +34,7 @@ import os
 import secrets
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,24 +108,29 @@ class SharedMemoryBridge:
     (collective: every peer calls it in the same order with the same element count and dtype),
     and :meth:`close` it with the group.
 
-    The peers meet at a barrier made of named pipes (FIFOs), one per peer: arriving, a peer
-    writes one byte into every other peer's pipe, then reads one byte per other peer from its own
-    (``poll`` with the collective timeout). Between two processes on the development machine a
-    gloo barrier takes 250-295 us, this one 32-34 us (benchmarks/host_exchange.py, figures in
-    docs/benchmarks.md). Counting bytes is a correct barrier even when a fast peer's byte for the
-    next barrier arrives early: the first peer to pass barrier k has read k bytes from every other
-    peer, and no peer writes its (k+1)-th before passing k.
+    The peers meet at a barrier made of named pipes (FIFOs), one per ordered pair of peers:
+    arriving, a peer writes one byte into its pipe to every other peer, then reads one byte from
+    each other peer's pipe to it (``poll`` with the collective timeout). Between two processes on
+    the development machine a gloo barrier takes 250-295 us, this one 32-34 us
+    (benchmarks/host_exchange.py, figures in docs/benchmarks.md). One byte per pair and barrier
+    keeps it exact when a fast peer's byte for the next barrier arrives early (it waits in the pipe
+    for the next read). A pipe per pair also tells which peer is gone: when a peer's process dies,
+    its write ends close (the reader sees end-of-file) and its read ends close (a writer gets
+    EPIPE), so the others fail at once naming it -- as gloo does on a closed connection -- instead
+    of waiting for the timeout.
     """
 
-    def __init__(self, mm: mmap.mmap, peers: int, me: int, pipe_in: int, pipes_out: list[int],
-                 timeout_s: float, path: str = "") -> None:
+    def __init__(self, mm: mmap.mmap, peers: int, me: int, pipes_in: dict[int, int], pipes_out: list[int],
+                 timeout_s: float, path: str = "", names: Sequence[str] = ()) -> None:
         self.peers, self.me, self.timeout_s = peers, me, timeout_s
         #: the segment's name when it was made (unlinked since: for messages and tests); the
-        #: pipes were ``<path>.<peer>``
+        #: pipes were ``<path>.<from>-<to>``
         self.path = path
-        self._mm, self._in, self._out = mm, pipe_in, pipes_out
-        self._poll = select.poll()
-        self._poll.register(pipe_in, select.POLLIN)
+        #: how messages name each peer (e.g. "rank 2")
+        self.names = list(names) or [f"shard peer {q}" for q in range(peers)]
+        self._mm, self._in, self._out = mm, pipes_in, pipes_out
+        self._from = {fd: q for q, fd in pipes_in.items()}
+        self._to = list(zip([q for q in range(peers) if q != me], pipes_out))  # (peer, write end)
         self._one = b"\1"
         #: (set, peer) -> [sequence number, bytes] of the piece in that slot: checked after each
         #: barrier, so peers that disagree on what they reduce fail loudly instead of mixing data
@@ -139,9 +144,9 @@ class SharedMemoryBridge:
         return _HEADER_BYTES + 2 * peers * SLOT_BYTES
 
     @classmethod
-    def open(cls, pg: Any, wanted: bool, timeout_s: float) -> SharedMemoryBridge | None:
-        """Make the segment on peer 0 and a pipe per peer, map and open them on every peer, unlink
-        them; collective over the peers' gloo group ``pg``.
+    def open(cls, pg: Any, wanted: bool, timeout_s: float, names: Sequence[str] = ()) -> SharedMemoryBridge | None:
+        """Make the segment on peer 0 and the pipes, map and open them on every peer, unlink them;
+        collective over the peers' gloo group ``pg``. ``names``: how messages name each peer.
 
         ``wanted``: this rank may use shared memory (enabled in its config, and every peer on its
         node). Returns None on every peer -- which then reduce through gloo -- unless every peer
@@ -168,53 +173,65 @@ class SharedMemoryBridge:
             return None  # peer 0 could not make it (logged there); every peer got the empty name
         if me != 0:
             mm = _attach(path, size, raw[_NAME_BYTES:])
-        fds: list[int] = []
-        pipe_in = -1
+        others = [q for q in range(peers) if q != me]
+        pipes_in: dict[int, int] = {}
+        pipes_out: list[int] = []
         try:
             if mm is not None:
-                pipe_in = _own_pipe(f"{path}.{me}")
-            # every peer has mapped the segment (or failed to) and made its pipe: open the others'
-            ok = every_rank(pg, pipe_in >= 0)
+                pipes_in = _own_pipes(path, me, others)
+            # every peer has mapped the segment (or failed to) and made its pipes: open the others'
+            ok = every_rank(pg, len(pipes_in) == len(others))
             if ok:
                 try:
-                    fds = [os.open(f"{path}.{q}", os.O_WRONLY | os.O_NONBLOCK) for q in range(peers) if q != me]
+                    pipes_out = [os.open(f"{path}.{me}-{q}", os.O_WRONLY | os.O_NONBLOCK) for q in others]
                 except OSError as e:
                     log.info("vcga bridge: cannot open a shard peer's pipe (%s); using gloo", e)
-                    fds = []
-                ok = every_rank(pg, len(fds) == peers - 1)
+                ok = every_rank(pg, len(pipes_out) == len(others))
         finally:
             # every peer is past its opens (or failed): nothing needs the names any more
-            for name in ([f"{path}.{me}"] if pipe_in >= 0 else []) + ([path] if me == 0 else []):
+            for name in [f"{path}.{q}-{me}" for q in pipes_in] + ([path] if me == 0 else []):
                 try:
                     os.unlink(name)
                 except OSError:
                     pass
         if not ok:
-            for fd in fds + ([pipe_in] if pipe_in >= 0 else []):
+            for fd in [*pipes_out, *pipes_in.values()]:
                 os.close(fd)
             if mm is not None:
                 mm.close()
             return None
-        return cls(mm, peers, me, pipe_in, fds, timeout_s, path)  # type: ignore[arg-type]
+        return cls(mm, peers, me, pipes_in, pipes_out, timeout_s, path, names)  # type: ignore[arg-type]
+
+    def _gone(self, q: int) -> VcgaCollectiveError:
+        return VcgaCollectiveError(f"bridge shared-memory barrier: the process of {self.names[q]} is gone "
+                                   "(its pipe closed); see that rank's log")
 
     def _barrier(self) -> None:
-        for fd in self._out:
+        for q, fd in self._to:
             try:
                 os.write(fd, self._one)
             except BrokenPipeError:
-                raise VcgaCollectiveError("bridge shared-memory barrier: a shard peer's process is gone "
-                                          "(its pipe has no reader); see that rank's log") from None
-        need = self.peers - 1
+                raise self._gone(q) from None
+        pending = dict(self._from)  # read end -> the peer it comes from
+        waiting = select.poll()
+        for fd in pending:
+            waiting.register(fd, select.POLLIN)
         deadline = time.monotonic() + self.timeout_s
-        while need:
+        while pending:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._poll.poll(left * 1000):
-                raise TimeoutError(f"bridge shared-memory barrier: {need} of {self.peers - 1} shard peers did "
-                                   f"not arrive within {self.timeout_s:g} s")
-            try:
-                need -= len(os.read(self._in, need))
-            except BlockingIOError:
-                pass
+            events = waiting.poll(left * 1000) if left > 0 else []
+            if not events:
+                who = ", ".join(self.names[q] for q in sorted(pending.values()))
+                raise TimeoutError(f"bridge shared-memory barrier: {who} did not arrive within {self.timeout_s:g} s")
+            for fd, _ in events:
+                try:
+                    got = os.read(fd, 1)  # one byte per pair and barrier; a next one stays queued
+                except BlockingIOError:
+                    continue
+                if not got:  # end of file: every write end closed, the peer's process is gone
+                    raise self._gone(pending[fd])
+                waiting.unregister(fd)
+                del pending[fd]
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce host tensor ``t`` (contiguous) across the peers, in place, in slot-sized pieces.
@@ -250,7 +267,7 @@ class SharedMemoryBridge:
         if self._mm is None:
             return
         self._slots = self._heads = None  # type: ignore[assignment]
-        for fd in [self._in, *self._out]:
+        for fd in [*self._in.values(), *self._out]:
             try:
                 os.close(fd)
             except OSError:
@@ -262,19 +279,31 @@ class SharedMemoryBridge:
         self._mm = None  # type: ignore[assignment]
 
 
-def _own_pipe(path: str) -> int:
-    """Make this peer's pipe and open it for reading (O_RDWR: never blocks, never sees EOF), or -1."""
+def _own_pipes(path: str, me: int, others: Sequence[int]) -> dict[int, int]:
+    """Make the pipes from every other peer to this one and open their read ends; {} on failure.
+
+    O_RDONLY | O_NONBLOCK: the open does not wait for a writer, and once the writer has come and
+    gone, a read returns end-of-file -- how a dead peer shows."""
+    made: dict[int, int] = {}
     try:
-        os.mkfifo(path, 0o600)
+        for q in others:
+            name = f"{path}.{q}-{me}"
+            os.mkfifo(name, 0o600)
+            try:
+                made[q] = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError:
+                os.unlink(name)
+                raise
+        return made
     except OSError as e:
         log.info("vcga bridge: cannot make a pipe in %s (%s); the shard peers reduce through gloo", SHM_DIR, e)
-        return -1
-    try:
-        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    except OSError as e:
-        log.info("vcga bridge: cannot open the pipe %s (%s); the shard peers reduce through gloo", path, e)
-        os.unlink(path)
-        return -1
+        for q, fd in made.items():
+            os.close(fd)
+            try:
+                os.unlink(f"{path}.{q}-{me}")
+            except OSError:
+                pass
+        return {}
 
 
 def _create(size: int) -> tuple[str, mmap.mmap | None]:
