@@ -7,7 +7,9 @@ first on ``sys.path``.
 
 from __future__ import annotations
 
+import queue as queue_mod
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,9 +27,22 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    got = queue.get(timeout=timeout)
-    for p in procs:
-        p.join(timeout=60)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                got = queue.get(timeout=1.0)
+                break
+            except queue_mod.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise SystemExit(f"benchmark ranks {failed} failed (see their tracebacks above)" if failed
+                                     else f"no result within {timeout:g} s")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     return got
 
 

@@ -42,9 +42,11 @@ VARIANTS = ("flat", "leader", "bandwidth", "p2p", "replicated")
 #: variant -> (bridge_algorithm, in-group method of the bandwidth algorithm or None for the default, bridge_shm)
 HYBRID = {"leader": ("leader", None, True), "bandwidth": ("bandwidth", "collective", True),
           "p2p": ("bandwidth", "p2p", True), "replicated": ("replicated", None, True),
-          "p2p-1seg": ("bandwidth", "p2p", True), "p2p-gloo": ("bandwidth", "p2p", False)}
+          "p2p-1seg": ("bandwidth", "p2p", True), "p2p-gloo": ("bandwidth", "p2p", False),
+          "p2p-ar": ("bandwidth", "p2p", True)}
 #: not run by default: "p2p" without pipelining (one segment), for --variants flat,p2p-1seg,p2p; "p2p" with the
-#: shard peers reducing through gloo instead of shared memory (bridge_shm false), for --variants flat,p2p-gloo,p2p
+#: shard peers reducing through gloo instead of shared memory (bridge_shm false), for --variants flat,p2p-gloo,p2p;
+#: "p2p" with reduce_scatter as an all_reduce of the whole buffer (not hierarchical), for --collective reduce_scatter
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -82,6 +84,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
     from vcga.process_group import VcgaOptions
 
     torch.set_num_threads(1)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = {"flat": dist.new_group(backend="gloo")}
     variants = args["variants"]
@@ -91,6 +94,8 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
             config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
         if method is not None:
             groups[v].transport.group.group_method = method
+        if v == "p2p-ar":
+            groups[v].transport.group.hierarchical_reduce_scatter = False
         if v == "p2p-1seg":
             groups[v].transport.group.max_segments = 1
     auto_plan = groups[variants[1]].transport.plan
@@ -101,8 +106,16 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
     for nbytes in sizes(args["min_bytes"], args["max_bytes"]):
         n = nbytes // 4
         bufs = {v: torch.ones(n) for v in variants}
+        outs = {v: torch.empty(n // world) for v in variants}
+
+        def call(v: str) -> None:
+            if args["collective"] == "reduce_scatter":
+                reduce_scatter(outs[v], bufs[v], group=groups[v])
+            else:
+                dist.all_reduce(bufs[v], group=groups[v])
+
         for v in variants:  # warm-up: connections, buffers
-            dist.all_reduce(bufs[v], group=groups[v])
+            call(v)
         times: dict[str, list[float]] = {v: [] for v in variants}
         reps = reps_for(nbytes, args["reps"])
         for i in range(reps):
@@ -110,7 +123,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
             for v in order:
                 dist.barrier(group=sync)
                 t0 = time.perf_counter()
-                dist.all_reduce(bufs[v], group=groups[v])
+                call(v)
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync)
                 times[v].append(float(dt))
@@ -153,11 +166,15 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, flat first (default {','.join(VARIANTS)}; also p2p-1seg)")
     parser.add_argument("--progress", action="store_true", help="print each row to stderr as it is measured")
+    parser.add_argument("--collective", choices=("all_reduce", "reduce_scatter"), default="all_reduce",
+                        help="reduce_scatter: reduce_scatter_tensor (gloo's own for flat; the bridge's "
+                             "hierarchical one, or under leader an all_reduce, for the vcga groups)")
     a = parser.parse_args()
     variants = tuple(a.variants.split(","))
     if variants[0] != "flat" or len(variants) < 2 or any(v not in HYBRID for v in variants[1:]):
         parser.error(f"--variants: flat first, then some of {', '.join(HYBRID)}")
-    args = {"variants": variants, "min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress}
+    args = {"variants": variants, "min_bytes": a.min_bytes, "max_bytes": a.max_bytes, "reps": a.reps, "progress": a.progress,
+            "collective": a.collective}
     got = run_ranks(rank_main, 4, args)
     rows = got["rows"]
     print(render(rows, a.markdown, variants))

@@ -97,6 +97,41 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
     return failures
 
 
+def reduce_scatters(group: Any, rank: int, size: int, label: str) -> list[str]:
+    """reduce_scatter_tensor and the list form: int64 exact, fp32 / fp64 within the SUM bound of an
+    extended-precision reference, bool MAX exact; chunks of one element, odd sizes, and 1.2 MB
+    (several pieces through shared memory are covered in tests/test_hostbridge.py)."""
+    failures = []
+    for salt, (dtype, c) in enumerate([(torch.int64, 1), (torch.int64, 1001), (torch.float32, 7),
+                                       (torch.float32, 300_001), (torch.float64, 4097), (torch.bool, 333)]):
+        xs = [inputs(r, size * c, torch.float64, 50 + salt) for r in range(size)]
+        if dtype == torch.int64:
+            xs = [(x * 1000).to(torch.int64) for x in xs]
+        elif dtype == torch.bool:
+            xs = [x > 0.5 for x in xs]
+        else:
+            xs = [x.to(dtype) for x in xs]
+        op = dist.ReduceOp.MAX if dtype == torch.bool else dist.ReduceOp.SUM
+        for form in ("tensor", "list"):
+            out = torch.empty(c, dtype=dtype)
+            if form == "tensor":
+                dist.reduce_scatter_tensor(out, xs[rank].clone(), op=op, group=group)
+            else:
+                dist.reduce_scatter(out, list(xs[rank].clone().view(size, c).unbind(0)), op=op, group=group)
+            mine = [x.view(size, c)[rank] for x in xs]
+            if dtype == torch.bool:
+                ok = torch.equal(out, torch.stack(mine).any(0))
+            elif dtype == torch.int64:
+                ok = torch.equal(out, sum(mine[1:], mine[0]))
+            else:
+                exact = sum(x.double().numpy().astype(np.longdouble) for x in mine)
+                err = np.abs(out.double().numpy().astype(np.longdouble) - exact)
+                ok = bool((err <= bound(dtype, size, mine, exact)).all())
+            if not ok:
+                failures.append(f"{label} reduce_scatter ({form}) {dtype} chunk={c}: wrong or outside the bound")
+    return failures
+
+
 def uneven_all_gather(group: Any, rank: int, size: int) -> list[str]:
     """The list form of all_gather with a different size per rank (zero included) across vendors:
     exact on every rank (found by `vcga verify`: it used to abort a rank inside gloo)."""
@@ -142,7 +177,8 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
             g.transport.group.group_method = method
         methods[label] = g.transport.group.group_method
         out["failures"] += numerics(g, check, rank, size, label)
-        counts[label] = dict(g.transport.group.counts)
+        out["failures"] += reduce_scatters(g, rank, size, label)
+        counts[label] = {**g.transport.group.counts, "hierarchical_rs": g.transport.group.hierarchical_reduce_scatters}
         if label == "bandwidth":
             out["calibration"] = g.transport.describe()["calibration"]
     out["counts"] = counts

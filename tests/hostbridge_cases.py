@@ -52,6 +52,19 @@ def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         b.all_reduce(got, op)
         if not torch.equal(got.view(torch.uint8) if n else got, want.view(torch.uint8) if n else want):
             failures.append(f"{dtype} {op.value} n={n}: differs from the in-order reference")
+    # reduce_scatter: each peer gets its own row of everyone's rows, combined in peer order
+    from vcga.hostbridge import SLOT_BYTES
+
+    for salt, (dtype, op, c) in enumerate([(torch.float32, ReduceOp.SUM, 1), (torch.int64, ReduceOp.SUM, 1001),
+                                           (torch.float32, ReduceOp.SUM, SLOT_BYTES // (size * 4) * 2 + 5),
+                                           (torch.bool, ReduceOp.MAX, 777)]):
+        xs = [_input(r, size * c, dtype, 100 + salt).view(size, c) for r in range(size)]
+        want = torch.empty(c, dtype=dtype)
+        combine_rows(torch.stack([x[rank] for x in xs]), op, want)
+        got = torch.empty(c, dtype=dtype)
+        b.reduce_scatter(xs[rank], op, got)
+        if not torch.equal(got, want):
+            failures.append(f"reduce_scatter {dtype} {op.value} c={c}: differs from the in-order reference")
     b.close()
     dist.destroy_process_group()
     return {"left": left, "failures": failures, "path": b.path}
@@ -88,29 +101,43 @@ def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     return out
 
 
-def fallback_world(rank: int, size: int, init_method: str, how: str) -> dict[str, Any]:
-    """One rank cannot take part; every rank gets None (and then reduces through gloo), nothing is
-    left behind. ``how``: "no-dir" (peer 0 cannot make the segment), "no-space" (peer 0 cannot
-    reserve its pages), "attach" (the last peer maps something else), "unwanted" (the last peer's
-    config says no)."""
+#: the ways one peer cannot take part (fallback_world)
+FALLBACKS = ("no-dir", "no-space", "attach", "unwanted")
+
+
+def fallback_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
+    """One round per way one peer cannot take part: every rank gets None (and then reduces through
+    gloo), nothing is left behind; then a round where all can, to show the patches are undone.
+    "no-dir": peer 0 cannot make the segment; "no-space": peer 0 cannot reserve its pages (a full
+    /dev/shm, ENOSPC); "attach": the last peer maps something else (another /dev/shm);
+    "unwanted": the last peer's config says no."""
     import vcga.hostbridge as hb
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     last = rank == size - 1
-    before = set(os.listdir(hb.SHM_DIR))
-    if how == "no-dir" and rank == 0:
-        hb.SHM_DIR = "/nonexistent-vcga-test-dir"
-    if how == "attach" and last:
-        hb._attach = lambda path, size, token: None
-    if how == "no-space" and rank == 0:  # a full /dev/shm: reserving the pages fails (ENOSPC)
-        def full(fd: int, offset: int, length: int) -> None:
-            raise OSError(28, "No space left on device")
-        hb.os.posix_fallocate = full
-    b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
-    dist.barrier()
-    made = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("vcga-bridge-"))
+    shm_dir, attach, fallocate = hb.SHM_DIR, hb._attach, hb.os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    out: dict[str, Any] = {}
+    for how in (*FALLBACKS, "none"):
+        before = set(os.listdir(shm_dir))
+        if how == "no-dir" and rank == 0:
+            hb.SHM_DIR = "/nonexistent-vcga-test-dir"
+        if how == "attach" and last:
+            hb._attach = lambda path, size, token: None
+        if how == "no-space" and rank == 0:
+            hb.os.posix_fallocate = full
+        b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
+        hb.SHM_DIR, hb._attach, hb.os.posix_fallocate = shm_dir, attach, fallocate
+        dist.barrier()
+        made = sorted(n for n in set(os.listdir(shm_dir)) - before if n.startswith("vcga-bridge-"))
+        out[how] = {"bridge": b is not None, "left": made}
+        if b is not None:
+            b.close()
     dist.destroy_process_group()
-    return {"bridge": b is not None, "left": made}
+    return out
 
 
 def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, Any]:

@@ -36,10 +36,11 @@ def test_collectives_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert all(x["ratio"] > 0 and x["pairs"] >= 2 for x in rows)
 
 
-def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path, collective: str) -> None:
     out = tmp_path / "rows.json"
     r = _run(["benchmarks/hybrid.py", "--min-bytes", "4096", "--max-bytes", "4096", "--reps", "1",
-              "--json", str(out)])
+              "--collective", collective, "--json", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
     assert [x["bytes"] for x in rows] == [4096], rows

@@ -189,6 +189,11 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     assert all(x["calibration"] == cal for x in two_vendors)
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
     assert r["counts"]["bandwidth-p2p-gloo"]["bandwidth"] > 0 and r["counts"]["leader-gloo"]["leader"] > 0
+    # reduce_scatter: hierarchical wherever the bandwidth algorithm runs, through both in-group
+    # methods and both shard exchanges; as an all_reduce under the leader algorithm
+    for label in ("bandwidth", "bandwidth-collective", "bandwidth-p2p", "bandwidth-p2p-gloo"):
+        assert r["counts"][label]["hierarchical_rs"] > 0, (label, r["counts"][label])
+    assert r["counts"]["leader"]["hierarchical_rs"] == 0 and r["counts"]["leader-gloo"]["hierarchical_rs"] == 0
 
 
 def test_same_node_shard_peers_exchange_through_shared_memory(two_vendors: list[dict], three_vendors: list[dict]) -> None:

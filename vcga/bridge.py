@@ -480,6 +480,11 @@ class BridgeGroup:
         self.inner, self.shard, self.world, self.shm = inner, shard, world, shm
         #: how often each algorithm ran (tests and benchmarks read it)
         self.counts = {a: 0 for a in ALGORITHMS}
+        #: reduce_scatter hierarchically where the bandwidth algorithm would run (see _reduce_scatter);
+        #: False: always as an all_reduce of the whole buffer (the same on every rank; benchmarks compare)
+        self.hierarchical_reduce_scatter = True
+        #: reduce_scatters that ran hierarchically (the rest ran as an all_reduce, see _reduce_scatter)
+        self.hierarchical_reduce_scatters = 0
         #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
         #: "collective" (the library's reduce_scatter / all_gather) or "p2p" (rings over its
         #: send/recv). Chosen per vendor group by measured cost (:meth:`calibrate`); every rank of
@@ -772,17 +777,52 @@ class BridgeGroup:
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
         (out,), (ins,) = outputs, inputs
         op, _ = reduce_op_of(opts.reduceOp)
-        buf = torch.cat([x.reshape(-1) for x in ins])
-        self.all_reduce(buf, op)
-        out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))
+        self._reduce_scatter(out, [x.reshape(-1) for x in ins], op)
         return PyWork(result=outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PyWork:  # noqa: A002
         op, _ = reduce_op_of(opts.reduceOp)
-        buf = input.reshape(-1).clone()
-        self.all_reduce(buf, op)
-        output.copy_(buf.view(self.size, -1)[self.rank].view(output.shape))
+        self._reduce_scatter(output, list(input.reshape(self.size, -1).unbind(0)), op)
         return PyWork(result=[output])
+
+    def _reduce_scatter(self, out: torch.Tensor, chunks: list[torch.Tensor], op: ReduceOp) -> None:
+        """Reduce ``chunks[r]`` of every rank into ``out`` of rank r (chunks: equal, flat).
+
+        Hierarchical when the bandwidth algorithm would run at this size: reduce-scatter in the
+        vendor group, then among the shard peers -- each rank moves about half of what an all_reduce
+        of the whole buffer would. Otherwise (and for unequal groups, host routes, or a forced
+        leader algorithm) an all_reduce of the whole buffer, keeping this rank's chunk.
+        """
+        nbytes = sum(c.numel() for c in chunks) * out.element_size()
+        if (not self.hierarchical_reduce_scatter or not self.plan.equal_groups
+                or any(r != "library" for r in self.routes(out.dtype, op))
+                or self.plan.all_reduce_algorithm(nbytes, self.auto_large) == "leader" or out.numel() == 0):
+            buf = torch.cat(chunks)
+            self.all_reduce(buf, op)
+            out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))
+            return
+        self.hierarchical_reduce_scatters += 1
+        k, groups = self.vgroup.size, self.plan.groups
+        # Row-major (local rank i, vendor group g): after the in-group reduce-scatter, local rank i
+        # holds its vendor group's partial of the chunks of ranks (g, i) for every g, in bridge order.
+        buf = torch.cat([chunks[g.ranks[i]] for i in range(k) for g in groups])
+        c = out.numel()
+        if self.group_method == "p2p":
+            mine = self._segment_p2p(buf, op, "reduce_scatter")
+        else:
+            mine = torch.empty(len(groups) * c, dtype=buf.dtype, device=buf.device)
+            self._in_group(lambda s: self.inner.reduce_scatter(  # type: ignore[union-attr]
+                mine, list(buf.view(k, -1).unbind(0)), op, None, None, s))
+        rows = _host(mine).view(len(groups), c)
+        g = self.vgroup.index
+        if self.shm is not None:
+            flat = out.view(-1)
+            h = _host(flat)
+            self.shm.reduce_scatter(rows, op, h)
+            _put(flat, h)
+        else:
+            self._bridge_reduce(rows, op)
+            out.copy_(rows[g].view(out.shape))
 
     # -- data movement ---------------------------------------------------------------------------
 

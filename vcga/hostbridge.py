@@ -254,13 +254,41 @@ class SharedMemoryBridge:
             heads = self._heads[s]
             heads[self.me] = (self._seq, nbytes)
             self._barrier()
-            if not ((heads[:, 0] == self._seq).all() and (heads[:, 1] == nbytes).all()):
-                raise VcgaCollectiveError(
-                    f"bridge shared-memory reduction: the shard peers disagree on piece {self._seq} "
-                    f"(sequence numbers {heads[:, 0].tolist()}, bytes {heads[:, 1].tolist()}); every peer must "
-                    "reduce the same element count and dtype in the same order")
+            self._check(heads, nbytes)
             combine_rows(slots[:, :nbytes].view(t.dtype), op, piece)
             self._seq += 1
+
+    def reduce_scatter(self, rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
+        """``out`` = row ``me`` of every peer's ``rows`` combined in peer order (host tensors,
+        contiguous; ``rows`` has one row per peer, ``out`` one row's length).
+
+        Per piece of columns: each peer copies its rows' columns into its slot, barrier, and each
+        combines, from every slot, its own row. Same slots, headers and barrier as
+        :meth:`all_reduce` (the sequence numbers run on across both).
+        """
+        p, c = rows.shape
+        es = rows.element_size()
+        width = max(1, SLOT_BYTES // (p * es))
+        for lo in range(0, c, width):
+            w = min(width, c - lo)
+            nbytes = p * w * es
+            s = self._seq & 1
+            slots = self._slots[s]
+            slots[self.me, :nbytes].view(rows.dtype).view(p, w).copy_(rows[:, lo:lo + w])
+            heads = self._heads[s]
+            heads[self.me] = (self._seq, nbytes)
+            self._barrier()
+            self._check(heads, nbytes)
+            mine = slots[:, :nbytes].view(rows.dtype).view(p, p, w)[:, self.me]
+            combine_rows(mine, op, out[lo:lo + w])
+            self._seq += 1
+
+    def _check(self, heads: np.ndarray, nbytes: int) -> None:
+        if not ((heads[:, 0] == self._seq).all() and (heads[:, 1] == nbytes).all()):
+            raise VcgaCollectiveError(
+                f"bridge shared-memory reduction: the shard peers disagree on piece {self._seq} "
+                f"(sequence numbers {heads[:, 0].tolist()}, bytes {heads[:, 1].tolist()}); every peer must "
+                "reduce the same element count and dtype in the same order")
 
     def close(self) -> None:
         """Close the pipes and unmap the segment (no tensor of ours views it any more)."""
