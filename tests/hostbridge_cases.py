@@ -70,6 +70,16 @@ def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     return {"left": left, "failures": failures, "path": b.path}
 
 
+def _attempt(b: Any, expected: type[BaseException]) -> tuple[str | None, float]:
+    """One small reduction through ``b``: (the ``expected`` error's message or None, seconds taken)."""
+    t0 = time.monotonic()
+    try:
+        b.all_reduce(torch.ones(10), ReduceOp.SUM)
+        return None, time.monotonic() - t0
+    except expected as e:
+        return str(e), time.monotonic() - t0
+
+
 def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     """Peers that reduce different sizes fail on every rank with a typed error; a peer that never
     comes makes the others fail after the timeout (not hang)."""
@@ -87,14 +97,8 @@ def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         out["mismatch"] = str(e)
     b.close()
     b = SharedMemoryBridge.open(pg, True, 1.5)
-    t0 = time.monotonic()
     if rank != size - 1:  # the last rank stays away
-        try:
-            b.all_reduce(torch.ones(10), ReduceOp.SUM)
-            out["timeout"] = None
-        except TimeoutError as e:
-            out["timeout"] = str(e)
-    out["waited_s"] = time.monotonic() - t0
+        out["timeout"], out["waited_s"] = _attempt(b, TimeoutError)
     dist.barrier()
     b.close()
     dist.destroy_process_group()
@@ -157,13 +161,7 @@ def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, An
         b._out, b._in = [], {}
     dist.barrier()
     if rank != size - 1:
-        t0 = time.monotonic()
-        try:
-            b.all_reduce(torch.ones(10), ReduceOp.SUM)
-            out["error"] = None
-        except VcgaCollectiveError as e:
-            out["error"] = str(e)
-        out["seconds"] = time.monotonic() - t0
+        out["error"], out["seconds"] = _attempt(b, VcgaCollectiveError)
     dist.barrier()
     dist.destroy_process_group()
     return out
