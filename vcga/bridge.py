@@ -499,6 +499,11 @@ class BridgeGroup:
         self.calibration: dict[str, Any] | None = None
         self._debug = log.isEnabledFor(logging.DEBUG)
 
+    @property
+    def shard_exchange(self) -> str | None:
+        """How this rank's shard peers reduce on the host: "shared memory", "gloo", or None (it has none)."""
+        return "shared memory" if self.shm is not None else "gloo" if self.shard is not None else None
+
     # -- building blocks -------------------------------------------------------------------------
 
     def _in_group(self, issue: Callable[[Steps], None]) -> None:
@@ -1002,9 +1007,7 @@ class BridgeTransport(Transport):
         d["local_backend"] = self.backend.name
         d["plan"] = self.plan.describe(tables=self.group.tables)
         d["calibration"] = self.group.calibration
-        #: how this rank's shard peers reduce on the host (None: it has none)
-        d["shard_exchange"] = ("shared memory" if self.group.shm is not None
-                               else "gloo" if self.group.shard is not None else None)
+        d["shard_exchange"] = self.group.shard_exchange
         return d
 
     def close(self) -> None:
@@ -1090,8 +1093,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
-    log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank],
-              "shared memory" if shm is not None else "gloo" if shard is not None else "(no shard peers)")
+    log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
         try:
             device = backend.accelerator().device()

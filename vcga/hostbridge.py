@@ -242,21 +242,10 @@ class SharedMemoryBridge:
         enters before it has finished reading piece k-2, the last one in set s.
         """
         flat = t.view(-1)
-        es = flat.element_size()
-        per = SLOT_BYTES // es
-        n = flat.numel()
-        for lo in range(0, n, per):
+        per = SLOT_BYTES // flat.element_size()
+        for lo in range(0, flat.numel(), per):
             piece = flat[lo:lo + per]
-            nbytes = piece.numel() * es
-            s = self._seq & 1
-            slots = self._slots[s]
-            slots[self.me, :nbytes].copy_(piece.view(torch.uint8))
-            heads = self._heads[s]
-            heads[self.me] = (self._seq, nbytes)
-            self._barrier()
-            self._check(heads, nbytes)
-            combine_rows(slots[:, :nbytes].view(t.dtype), op, piece)
-            self._seq += 1
+            combine_rows(self._exchange(piece).view(t.dtype), op, piece)
 
     def reduce_scatter(self, rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
         """``out`` = row ``me`` of every peer's ``rows`` combined in peer order (host tensors,
@@ -267,21 +256,26 @@ class SharedMemoryBridge:
         :meth:`all_reduce` (the sequence numbers run on across both).
         """
         p, c = rows.shape
-        es = rows.element_size()
-        width = max(1, SLOT_BYTES // (p * es))
+        width = max(1, SLOT_BYTES // (p * rows.element_size()))
         for lo in range(0, c, width):
             w = min(width, c - lo)
-            nbytes = p * w * es
-            s = self._seq & 1
-            slots = self._slots[s]
-            slots[self.me, :nbytes].view(rows.dtype).view(p, w).copy_(rows[:, lo:lo + w])
-            heads = self._heads[s]
-            heads[self.me] = (self._seq, nbytes)
-            self._barrier()
-            self._check(heads, nbytes)
-            mine = slots[:, :nbytes].view(rows.dtype).view(p, p, w)[:, self.me]
-            combine_rows(mine, op, out[lo:lo + w])
-            self._seq += 1
+            every = self._exchange(rows[:, lo:lo + w]).view(rows.dtype).view(p, p, w)
+            combine_rows(every[:, self.me], op, out[lo:lo + w])
+
+    def _exchange(self, piece: torch.Tensor) -> torch.Tensor:
+        """Copy ``piece`` into this peer's slot of the current set, meet the others, check that
+        every peer put the same piece; return every peer's slot as (peers, bytes) uint8 (readable
+        until the piece after next, which reuses the set)."""
+        nbytes = piece.numel() * piece.element_size()
+        s = self._seq & 1
+        slots = self._slots[s]
+        slots[self.me, :nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+        heads = self._heads[s]
+        heads[self.me] = (self._seq, nbytes)
+        self._barrier()
+        self._check(heads, nbytes)
+        self._seq += 1
+        return slots[:, :nbytes]
 
     def _check(self, heads: np.ndarray, nbytes: int) -> None:
         if not ((heads[:, 0] == self._seq).all() and (heads[:, 1] == nbytes).all()):
