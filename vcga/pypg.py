@@ -17,6 +17,8 @@ This module imports torch; import it only where torch is needed (never from ``vc
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from vcga.contract import ReduceOp
+
+log = logging.getLogger("vcga.work")
 
 __all__ = [
     "PyWork",
@@ -255,7 +259,9 @@ class PyWork(dist._Work):
             else:
                 futs = self._watched()
                 base = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
-                self._future = base.then(self._on_native_done)
+                # Done already: torch runs the callback right here, in this thread. Otherwise it
+                # runs in the thread that completes the future: counted for the exit drain.
+                self._future = base.then(self._on_native_done if base.done() else _NativeDone(self))
         return self._future
 
     def _on_native_done(self, fut: torch.futures.Future) -> list[torch.Tensor]:
@@ -272,6 +278,62 @@ class PyWork(dist._Work):
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self._done else "pending")
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
+
+
+class _NativeDone:
+    """The callback a :class:`PyWork` hangs on its native future, counted while it exists.
+
+    Why counted: torch runs a Python callback of a native future in the thread that completes the
+    future (gloo's worker) and then destroys it there, taking the GIL in a ``noexcept`` destructor
+    (``PythonFunctionGuard``). If the interpreter has begun finalizing by then, Python 3.11 ends
+    that thread with ``pthread_exit`` and the process aborts ("terminate called without an active
+    exception") -- plain gloo with a ``then`` does the same. It happens when a process leaves with
+    a collective in flight, or within a few ms of one completing. :func:`_drain_at_exit` waits,
+    before finalization, until every such callback has run and been destroyed."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: PyWork) -> None:
+        self._work = work
+        with _LIVE_CALLBACKS:
+            if not _LIVE[1]:
+                atexit.register(_drain_at_exit)
+                _LIVE[1] = True
+            _LIVE[0] += 1
+
+    def __call__(self, fut: torch.futures.Future) -> list[torch.Tensor]:
+        work = self._work
+        # A failure's traceback keeps this frame alive (the work records the error): it must not
+        # keep the callback alive too, or the count would not drop when torch releases it.
+        del self
+        return work._on_native_done(fut)
+
+    def __del__(self) -> None:
+        if _LIVE_CALLBACKS is None:  # module globals already cleared (a late collection at exit)
+            return
+        with _LIVE_CALLBACKS:
+            _LIVE[0] -= 1
+            _LIVE_CALLBACKS.notify_all()
+
+
+_LIVE_CALLBACKS = threading.Condition()
+_LIVE = [0, False]  # callbacks alive; whether the atexit hook is registered
+#: how long a leaving process waits for callbacks of collectives still in flight
+EXIT_DRAIN_SECONDS = 10.0
+
+
+def _drain_at_exit(limit: float | None = None) -> bool:
+    """atexit hook: wait (GIL released) until no :class:`_NativeDone` is alive, at most ``limit``
+    seconds. atexit hooks run before the interpreter starts finalizing, so a worker thread that
+    needs the GIL for a callback still gets it. True if none was left."""
+    limit = EXIT_DRAIN_SECONDS if limit is None else limit
+    with _LIVE_CALLBACKS:
+        done = _LIVE_CALLBACKS.wait_for(lambda: _LIVE[0] <= 0, timeout=limit)
+        left = _LIVE[0]
+    if not done:
+        log.warning("vcga: leaving with %d collective(s) still in flight after waiting %.0f s; "
+                    "wait for every work (or destroy_process_group()) before exiting", left, limit)
+    return done
 
 
 def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
