@@ -4,6 +4,7 @@ on spawned worlds over plain gloo; no vendor, real shared memory and real pipes)
 from __future__ import annotations
 
 import os
+import select
 import time
 from typing import Any
 
@@ -167,19 +168,43 @@ def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, An
     return out
 
 
-def killed_peer(rank: int, port: int, queue: Any) -> None:
-    """Rank 1 dies (os._exit) right after the segment is open; rank 0 reports what its next
-    reduction raised and how long it took (not a run_world target: a rank that dies cannot report)."""
+def _say(queue: Any, *message: Any) -> None:
+    """Put on the queue and flush it: the callers leave with os._exit, which would drop it."""
+    queue.put(message)
+    queue.close()
+    queue.join_thread()
+
+
+def killed_peer(rank: int, port: int, queue: Any, with_child: bool = False) -> None:
+    """Rank 1 dies (os._exit) right after the segment is open; rank 0 reports ("rank 0", what its
+    next reduction raised, how long it took) -- not a run_world target: a dying rank cannot report.
+
+    ``with_child``: rank 1 first forks a child that outlives it by 45 s, as a DataLoader worker
+    would; rank 1 reports ("child", its pid) for the test to kill it. The child must not hold
+    rank 1's pipes open, and reports ("child refused", whether the bridge refused to reduce there)."""
+    from vcga.errors import VcgaCollectiveError
     from vcga.hostbridge import SharedMemoryBridge
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=["rank 0", "rank 1"])
     b.all_reduce(torch.ones(10), ReduceOp.SUM)
     if rank == 1:
+        if with_child:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    b.all_reduce(torch.ones(10), ReduceOp.SUM)
+                    refused = False
+                except VcgaCollectiveError:
+                    refused = True
+                _say(queue, "child refused", refused)
+                select.select([], [], [], 45.0)  # a worker that lives on (not a synchronisation)
+                os._exit(0)
+            _say(queue, "child", pid)
         os._exit(3)
     t0 = time.monotonic()
     try:
         b.all_reduce(torch.ones(10), ReduceOp.SUM)
-        queue.put((None, time.monotonic() - t0))
+        queue.put(("rank 0", None, time.monotonic() - t0))
     except Exception as e:  # noqa: BLE001 - reported to the test
-        queue.put((f"{type(e).__name__}: {e}", time.monotonic() - t0))
+        queue.put(("rank 0", f"{type(e).__name__}: {e}", time.monotonic() - t0))

@@ -3,6 +3,8 @@ memory, real pipes, no vendor."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pg_world import run_world
 
@@ -38,10 +40,13 @@ def test_a_peer_that_lets_go_of_its_pipes_fails_the_others_at_once(how: str) -> 
         assert r["seconds"] < 30, r  # the timeout is 60 s
 
 
-def test_a_killed_peer_fails_the_other_at_once() -> None:
+@pytest.mark.parametrize("with_child", [False, True], ids=["alone", "forked-child-lives-on"])
+def test_a_killed_peer_fails_the_other_at_once(with_child: bool) -> None:
     """Rank 1's process exits (os._exit) after the segment is open: rank 0's next reduction raises
-    a typed error naming it, well before the 60 s collective timeout."""
+    a typed error naming it, well before the 60 s collective timeout -- also when rank 1 forked a
+    child that lives on for 45 s (a DataLoader worker): the child lets go of the inherited pipes."""
     import multiprocessing as mp
+    import signal
 
     from hostbridge_cases import killed_peer
     from pg_world import free_port
@@ -49,16 +54,27 @@ def test_a_killed_peer_fails_the_other_at_once() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=killed_peer, args=(r, port, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=killed_peer, args=(r, port, queue, with_child), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
+    said: dict[str, tuple] = {}
     try:
-        error, seconds = queue.get(timeout=120)
+        while len(said) < (3 if with_child else 1):
+            tag, *rest = queue.get(timeout=120)
+            said[tag] = tuple(rest)
     finally:
+        if "child" in said:  # first: it holds rank 1's gloo connection, which rank 0's exit waits for
+            try:
+                os.kill(said["child"][0], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    error, seconds = said["rank 0"]
+    if with_child:
+        assert said["child refused"] == (True,)
     assert procs[1].exitcode == 3
     assert error and error.startswith("VcgaCollectiveError") and "rank 1 is gone" in error, error
     assert seconds < 30, seconds

@@ -34,6 +34,7 @@ import os
 import secrets
 import select
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,6 +139,9 @@ class SharedMemoryBridge:
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER_BYTES, count=2 * peers * SLOT_BYTES)
         self._slots = data.view(2, peers, SLOT_BYTES)
         self._seq = 0
+        #: set in a forked child (see :func:`_forget_in_child`): the pipes are closed there
+        self._forked = False
+        _track(self)
 
     @staticmethod
     def segment_bytes(peers: int) -> int:
@@ -266,6 +270,9 @@ class SharedMemoryBridge:
         """Copy ``piece`` into this peer's slot of the current set, meet the others, check that
         every peer put the same piece; return every peer's slot as (peers, bytes) uint8 (readable
         until the piece after next, which reuses the set)."""
+        if self._forked:
+            raise VcgaCollectiveError("bridge shared-memory reduction called in a forked child process: the "
+                                      "bridge belongs to the rank that made it; reduce in that process")
         nbytes = piece.numel() * piece.element_size()
         s = self._seq & 1
         slots = self._slots[s]
@@ -299,6 +306,33 @@ class SharedMemoryBridge:
         except (BufferError, ValueError):
             pass
         self._mm = None  # type: ignore[assignment]
+
+
+_OPEN: weakref.WeakSet[SharedMemoryBridge] = weakref.WeakSet()
+_AT_FORK = [False]
+
+
+def _track(bridge: SharedMemoryBridge) -> None:
+    """Remember an open bridge, so that a forked child can let go of its pipes."""
+    if not _AT_FORK[0] and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _AT_FORK[0] = True
+    _OPEN.add(bridge)
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker, a subprocess before exec): close the inherited
+    pipe ends. Why: a peer learns that a rank died from its pipes closing -- end-of-file, EPIPE --
+    and a child still holding them would hide the death until the collective timeout. The child
+    never reduces through the bridge (it is not a rank); the mapping stays, harmlessly."""
+    for b in list(_OPEN):
+        for fd in [*b._in.values(), *b._out]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        b._in, b._out, b._from, b._to = {}, [], {}, []
+        b._forked = True
 
 
 def _own_pipes(path: str, me: int, others: Sequence[int]) -> dict[int, int]:
