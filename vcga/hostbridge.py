@@ -296,11 +296,14 @@ class SharedMemoryBridge:
         if self._mm is None:
             return
         self._slots = self._heads = None  # type: ignore[assignment]
+        _OPEN.discard(self)
         for fd in [*self._in.values(), *self._out]:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        # forget the numbers: the system reuses them for the next file this process opens
+        self._in, self._out, self._from, self._to = {}, [], {}, []
         try:
             self._mm.close()
         except (BufferError, ValueError):
