@@ -139,6 +139,20 @@ def test_exit_drain_waits_for_callbacks_of_native_futures(monkeypatch, caplog) -
     assert fut.wait()[0].tolist() == [3.0, 3.0]
 
 
+def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
+    """A work without a future gets a watcher thread blocked in the native wait(): the exit drain
+    waits for it too (its return into the interpreter needs the GIL, like a callback)."""
+    monkeypatch.setattr(pypg, "_LIVE", [0, True])
+    native = _CopyOnWaitWork()
+    w = PyWork([native], [], [])
+    fut = w.get_future()
+    assert native.entered.wait(10) and pypg._LIVE[0] == 2  # the watcher, and the callback on its future
+    assert not pypg._drain_at_exit(0.05)
+    native.release.set()
+    assert pypg._drain_at_exit(30) and pypg._LIVE[0] == 0
+    assert fut.done()
+
+
 def test_a_rank_leaving_with_a_collective_in_flight_exits_cleanly() -> None:
     """A rank that returns from its script with an all_reduce in flight (its future taken, as DDP's
     reducer does) exits with 0, not SIGABRT: before the exit drain, gloo's worker thread ran and

@@ -280,26 +280,62 @@ class PyWork(dist._Work):
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
 
 
-class _NativeDone:
-    """The callback a :class:`PyWork` hangs on its native future, counted while it exists.
+# -- leaving the process with work in flight -------------------------------------------------------
+#
+# torch runs a Python callback of a native future in the thread that completes the future (gloo's
+# worker) and then destroys it there, taking the GIL in a ``noexcept`` destructor
+# (``PythonFunctionGuard``); a watcher thread (below) returns from a native ``wait()`` into a
+# ``noexcept`` GIL re-acquisition too. If the interpreter has begun finalizing by then, Python 3.11
+# ends that thread with ``pthread_exit`` and the process aborts ("terminate called without an
+# active exception") -- plain gloo with a ``then`` does the same. It happens when a process leaves
+# with a collective in flight, or within a few ms of one completing. So both are counted while
+# they exist, and an atexit hook -- atexit runs before finalization -- waits for the count to drop.
 
-    Why counted: torch runs a Python callback of a native future in the thread that completes the
-    future (gloo's worker) and then destroys it there, taking the GIL in a ``noexcept`` destructor
-    (``PythonFunctionGuard``). If the interpreter has begun finalizing by then, Python 3.11 ends
-    that thread with ``pthread_exit`` and the process aborts ("terminate called without an active
-    exception") -- plain gloo with a ``then`` does the same. It happens when a process leaves with
-    a collective in flight, or within a few ms of one completing. :func:`_drain_at_exit` waits,
-    before finalization, until every such callback has run and been destroyed."""
+_IN_FLIGHT = threading.Condition()
+_LIVE = [0, False]  # callbacks and watchers alive; whether the atexit hook is registered
+#: how long a leaving process waits for callbacks and watchers of collectives still in flight
+EXIT_DRAIN_SECONDS = 10.0
+
+
+def _hold() -> None:
+    with _IN_FLIGHT:
+        if not _LIVE[1]:
+            atexit.register(_drain_at_exit)
+            _LIVE[1] = True
+        _LIVE[0] += 1
+
+
+def _release() -> None:
+    if _IN_FLIGHT is None:  # module globals already cleared (a late collection at exit)
+        return
+    with _IN_FLIGHT:
+        _LIVE[0] -= 1
+        _IN_FLIGHT.notify_all()
+
+
+def _drain_at_exit(limit: float | None = None) -> bool:
+    """atexit hook: wait (GIL released) until nothing counted is alive, at most ``limit`` seconds
+    (:data:`EXIT_DRAIN_SECONDS`), so a thread that needs the GIL for it still gets it; then warn.
+    True if nothing was left."""
+    limit = EXIT_DRAIN_SECONDS if limit is None else limit
+    with _IN_FLIGHT:
+        done = _IN_FLIGHT.wait_for(lambda: _LIVE[0] <= 0, timeout=limit)
+        left = _LIVE[0]
+    if not done:
+        log.warning("vcga: leaving with %d collective(s) still in flight after waiting %.0f s; "
+                    "wait for every work (or destroy_process_group()) before exiting", left, limit)
+    return done
+
+
+class _NativeDone:
+    """The callback a :class:`PyWork` hangs on its native future, counted while it exists (see
+    above: torch destroys it in the thread that completed the future)."""
 
     __slots__ = ("_work",)
 
     def __init__(self, work: PyWork) -> None:
         self._work = work
-        with _LIVE_CALLBACKS:
-            if not _LIVE[1]:
-                atexit.register(_drain_at_exit)
-                _LIVE[1] = True
-            _LIVE[0] += 1
+        _hold()
 
     def __call__(self, fut: torch.futures.Future) -> list[torch.Tensor]:
         work = self._work
@@ -309,36 +345,13 @@ class _NativeDone:
         return work._on_native_done(fut)
 
     def __del__(self) -> None:
-        if _LIVE_CALLBACKS is None:  # module globals already cleared (a late collection at exit)
-            return
-        with _LIVE_CALLBACKS:
-            _LIVE[0] -= 1
-            _LIVE_CALLBACKS.notify_all()
-
-
-_LIVE_CALLBACKS = threading.Condition()
-_LIVE = [0, False]  # callbacks alive; whether the atexit hook is registered
-#: how long a leaving process waits for callbacks of collectives still in flight
-EXIT_DRAIN_SECONDS = 10.0
-
-
-def _drain_at_exit(limit: float | None = None) -> bool:
-    """atexit hook: wait (GIL released) until no :class:`_NativeDone` is alive, at most ``limit``
-    seconds. atexit hooks run before the interpreter starts finalizing, so a worker thread that
-    needs the GIL for a callback still gets it. True if none was left."""
-    limit = EXIT_DRAIN_SECONDS if limit is None else limit
-    with _LIVE_CALLBACKS:
-        done = _LIVE_CALLBACKS.wait_for(lambda: _LIVE[0] <= 0, timeout=limit)
-        left = _LIVE[0]
-    if not done:
-        log.warning("vcga: leaving with %d collective(s) still in flight after waiting %.0f s; "
-                    "wait for every work (or destroy_process_group()) before exiting", left, limit)
-    return done
+        _release()
 
 
 def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
     """``(work.get_future(), False)``, or -- for a work that has none -- ``(a future completed by a
-    daemon thread that waits for the work, True)`` (see :meth:`PyWork._watched`)."""
+    daemon thread that waits for the work, True)`` (see :meth:`PyWork._watched`). The watcher is
+    counted until it has finished (see above)."""
     try:
         return work.get_future(), False
     except RuntimeError as e:
@@ -353,7 +366,10 @@ def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
             fut.set_exception(e)
         else:
             fut.set_result(None)
+        finally:
+            _release()
 
+    _hold()
     threading.Thread(target=watch, name="vcga-work-watch", daemon=True).start()
     return fut, True
 
