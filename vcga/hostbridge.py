@@ -297,6 +297,14 @@ class SharedMemoryBridge:
             return
         self._slots = self._heads = None  # type: ignore[assignment]
         _OPEN.discard(self)
+        self._close_pipes()
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass
+        self._mm = None  # type: ignore[assignment]
+
+    def _close_pipes(self) -> None:
         for fd in [*self._in.values(), *self._out]:
             try:
                 os.close(fd)
@@ -304,11 +312,6 @@ class SharedMemoryBridge:
                 pass
         # forget the numbers: the system reuses them for the next file this process opens
         self._in, self._out, self._from, self._to = {}, [], {}, []
-        try:
-            self._mm.close()
-        except (BufferError, ValueError):
-            pass
-        self._mm = None  # type: ignore[assignment]
 
 
 _OPEN: weakref.WeakSet[SharedMemoryBridge] = weakref.WeakSet()
@@ -329,12 +332,7 @@ def _forget_in_child() -> None:
     and a child still holding them would hide the death until the collective timeout. The child
     never reduces through the bridge (it is not a rank); the mapping stays, harmlessly."""
     for b in list(_OPEN):
-        for fd in [*b._in.values(), *b._out]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        b._in, b._out, b._from, b._to = {}, [], {}, []
+        b._close_pipes()
         b._forked = True
 
 
