@@ -153,6 +153,22 @@ def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
     assert fut.done()
 
 
+def test_a_forked_child_does_not_wait_for_its_parents_work(monkeypatch) -> None:
+    """A child forked while a callback is pending starts with nothing in flight: it has none of the
+    parent's threads, so waiting for them at its exit would only cost the whole drain limit."""
+    monkeypatch.setattr(pypg, "_LIVE", [0, True])
+    native = torch.futures.Future()
+    PyWork([_create_work_from_future(native)], [], []).get_future()
+    assert pypg._LIVE[0] == 1
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if pypg._LIVE[0] == 0 and pypg._drain_at_exit(0.0) else 1)
+    _, status = os.waitpid(pid, 0)
+    native.set_result(None)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pypg._drain_at_exit(30)
+
+
 def test_a_rank_leaving_with_a_collective_in_flight_exits_cleanly() -> None:
     """A rank that returns from its script with an all_reduce in flight (its future taken, as DDP's
     reducer does) exits with 0, not SIGABRT: before the exit drain, gloo's worker thread ran and

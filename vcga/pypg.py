@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -295,6 +296,19 @@ _IN_FLIGHT = threading.Condition()
 _LIVE = [0, False]  # callbacks and watchers alive; whether the atexit hook is registered
 #: how long a leaving process waits for callbacks and watchers of collectives still in flight
 EXIT_DRAIN_SECONDS = 10.0
+
+
+def _forget_in_child() -> None:
+    """After a fork: the child has none of the parent's threads, so nothing of the count is its
+    own (a child that exits normally would wait for them in vain); the lock may have been held by
+    a thread that does not exist here."""
+    global _IN_FLIGHT
+    _IN_FLIGHT = threading.Condition()
+    _LIVE[0] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _hold() -> None:
