@@ -7,43 +7,18 @@ first on ``sys.path``.
 
 from __future__ import annotations
 
-import queue as queue_mod
-import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from vcga import spawn
+
 
 def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 3600) -> Any:
-    """Spawn ``world`` processes running ``target(rank, world, port, *args, queue)`` with a free TCP
-    port for their rendezvous; return the first thing a rank puts on ``queue`` (rank 0's results)."""
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
+    """:func:`vcga.spawn.run_ranks`; a failed rank ends the benchmark with its message."""
     try:
-        while True:
-            try:
-                got = queue.get(timeout=1.0)
-                break
-            except queue_mod.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise SystemExit(f"benchmark ranks {failed} failed (see their tracebacks above)" if failed
-                                     else f"no result within {timeout:g} s")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return got
+        return spawn.run_ranks(target, world, *args, timeout=timeout)
+    except spawn.RanksFailed as e:
+        raise SystemExit(f"benchmark {e}") from None
 
 
 def table(head: Sequence[str], lines: Sequence[Sequence[str]], markdown: bool) -> str:

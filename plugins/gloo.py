@@ -331,25 +331,9 @@ def _measure_worker(rank: int, world_size: int, port: int, queue: Any) -> None:
 
 def measure_in_subprocesses(world_size: int = 2) -> dict[tuple, tuple[bool, str]]:
     """Spawn a real ``world_size``-rank gloo world and measure every cell."""
-    import multiprocessing as mp
-    import socket
+    from vcga.spawn import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_measure_worker, args=(r, world_size, port, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return result
+    return run_ranks(_measure_worker, world_size, timeout=600)
 
 
 def write_table(path: Path = TABLE_FILE) -> None:

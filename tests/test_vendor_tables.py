@@ -138,7 +138,7 @@ def test_refused_cells_say_what_to_do():
 # --- architecture wall -----------------------------------------------------------------------------
 
 PUBLIC_CORE = {"vcga", "vcga.contract", "vcga.errors", "vcga.dtypes", "vcga.config", "vcga.cpu", "vcga.atomic",
-               "vcga.vendor"}
+               "vcga.spawn", "vcga.vendor"}
 
 
 @pytest.mark.parametrize("plugin", ["nccl", "hccl", "mlu"])
