@@ -124,7 +124,7 @@ def test_pywork_translates_native_failures() -> None:
 def test_exit_drain_waits_for_callbacks_of_native_futures(monkeypatch, caplog) -> None:
     """The atexit hook waits until the completion callback a PyWork hung on a native future has
     run and been destroyed -- and only as long as it is told to, warning when one is left."""
-    monkeypatch.setattr(pypg, "_LIVE", [0, True])  # this test's count only; the hook is not re-registered
+    monkeypatch.setattr(pypg, "_LIVE", [0])  # this test's count only
     native = torch.futures.Future()
     t = torch.ones(2)
     w = PyWork([_create_work_from_future(native)], [lambda: t.mul_(3)], [t])
@@ -142,7 +142,7 @@ def test_exit_drain_waits_for_callbacks_of_native_futures(monkeypatch, caplog) -
 def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
     """A work without a future gets a watcher thread blocked in the native wait(): the exit drain
     waits for it too (its return into the interpreter needs the GIL, like a callback)."""
-    monkeypatch.setattr(pypg, "_LIVE", [0, True])
+    monkeypatch.setattr(pypg, "_LIVE", [0])
     native = _CopyOnWaitWork()
     w = PyWork([native], [], [])
     fut = w.get_future()
@@ -156,7 +156,7 @@ def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
 def test_a_forked_child_does_not_wait_for_its_parents_work(monkeypatch) -> None:
     """A child forked while a callback is pending starts with nothing in flight: it has none of the
     parent's threads, so waiting for them at its exit would only cost the whole drain limit."""
-    monkeypatch.setattr(pypg, "_LIVE", [0, True])
+    monkeypatch.setattr(pypg, "_LIVE", [0])
     native = torch.futures.Future()
     PyWork([_create_work_from_future(native)], [], []).get_future()
     assert pypg._LIVE[0] == 1

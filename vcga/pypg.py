@@ -293,7 +293,7 @@ class PyWork(dist._Work):
 # they exist, and an atexit hook -- atexit runs before finalization -- waits for the count to drop.
 
 _IN_FLIGHT = threading.Condition()
-_LIVE = [0, False]  # callbacks and watchers alive; whether the atexit hook is registered
+_LIVE = [0]  # callbacks and watchers alive
 #: how long a leaving process waits for callbacks and watchers of collectives still in flight
 EXIT_DRAIN_SECONDS = 10.0
 
@@ -313,9 +313,6 @@ if hasattr(os, "register_at_fork"):
 
 def _hold() -> None:
     with _IN_FLIGHT:
-        if not _LIVE[1]:
-            atexit.register(_drain_at_exit)
-            _LIVE[1] = True
         _LIVE[0] += 1
 
 
@@ -339,6 +336,9 @@ def _drain_at_exit(limit: float | None = None) -> bool:
         log.warning("vcga: leaving with %d collective(s) still in flight after waiting %.0f s; "
                     "wait for every work (or destroy_process_group()) before exiting", left, limit)
     return done
+
+
+atexit.register(_drain_at_exit)  # returns at once when nothing is in flight
 
 
 class _NativeDone:
