@@ -1,0 +1,94 @@
+"""One rank of the multi-node worlds of tests/test_multinode.py: launched by real ``torchrun`` on
+namespace nodes (vcga.testing.multinode); the vendors are the simulated, fake-backed sim-nccl and
+sim-hccl, one per node (``VCGA_BACKEND`` set per node, as each node of a mixed cluster has its own).
+
+    multinode_rank.py OUTDIR [--train STEPS] [--fault-timeout SECONDS]
+
+1. Writes ``OUTDIR/rank<r>.json``: its node, backend and the bridge's view of the plan; with
+   ``--train``, examples/train_mixed.py's DDP run on the mixed group and on flat gloo over the same
+   ranks, and its report (bitwise identical on every rank; within the derived bound of gloo).
+2. The fault phase: a fresh ``vcga`` group with a collective timeout of ``--fault-timeout`` seconds,
+   1 MiB all_reduces in a loop; after the first one it writes ``OUTDIR/rank<r>.looping``. The test
+   then breaks a link or kills a node; the first error goes to ``OUTDIR/rank<r>.error.json`` (its
+   type, module, message and the time) and the rank exits 3. A rank whose loop outlives
+   ``--fault-timeout`` × 6 writes a "hang" record instead (the test fails on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import vcga  # noqa: F401 - registers backend "vcga"
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train_mixed():
+    spec = importlib.util.spec_from_file_location("train_mixed", ROOT / "examples" / "train_mixed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # the test polls for the file: never let it see half of one
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--train", type=int, default=0, help="DDP steps of examples/train_mixed.py (0: none)")
+    ap.add_argument("--fault-timeout", type=float, default=10.0)
+    args = ap.parse_args()
+
+    dist.init_process_group(backend="vcga")
+    rank = dist.get_rank()
+    transport = dist.group.WORLD.transport
+    info = transport.describe()
+    me = {"rank": rank, "host": socket.gethostname(), "backend": transport.backend_name,
+          "local_backend": os.environ.get("VCGA_BACKEND"), "describe": info}
+    if args.train:
+        tm = _train_mixed()
+        gloo = dist.new_group(backend="gloo")
+        mixed, _ = tm.train(dist.group.WORLD, args.train, 0.05, 0.9)
+        ref, abs_sums = tm.train(gloo, args.train, 0.05, 0.9, record_abs=gloo)
+        me["train"] = tm.compare(mixed, ref, abs_sums, 0.05, 0.9, gloo)
+    _write(args.out / f"rank{rank}.json", me)
+
+    group = dist.new_group(backend="vcga", timeout=timedelta(seconds=args.fault_timeout))
+    t = torch.ones(256 * 1024)
+    first = True
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 6 * args.fault_timeout + 120:
+            dist.all_reduce(t, group=group)
+            t.fill_(1.0)
+            if first:
+                (args.out / f"rank{rank}.looping").touch()
+                first = False
+        _write(args.out / f"rank{rank}.error.json", {"type": "hang", "time": time.time()})
+        sys.exit(4)
+    except Exception as e:  # noqa: BLE001 - the test inspects what came
+        _write(args.out / f"rank{rank}.error.json", {"type": type(e).__name__, "module": type(e).__module__,
+                                                     "message": str(e)[:2000], "time": time.time()})
+        # Leave without waiting for peers that will never answer (a normal exit would run the
+        # process group's teardown against them).
+        sys.stdout.flush()
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Multi-node worlds: real ``torchrun --nnodes 2 --rdzv-backend c10d`` on namespace nodes
+(vcga.testing.multinode, docs/multinode.md), with the simulated, fake-backed vendors sim-nccl on
+node 0 and sim-hccl on node 1, joined by a ``tc tbf``-shaped link.
+
+Two worlds in all (each costs a torchrun start): the mixed-vendor training world, which ends by a
+node's processes being killed mid-collective, and the link-down world. Both need root; where the
+machine refuses to build nodes they skip with its reason, unless ``VCGA_MULTINODE_REQUIRED=1``
+(CI sets it: there they must run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from vcga.testing.multinode import Cluster, NodesUnavailable, parse_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK = str(ROOT / "tests" / "multinode_rank.py")
+NPROC = 2
+WORLD = 2 * NPROC
+FAULT_TIMEOUT = 10.0  # the fault phase's collective timeout (s)
+TYPED = {"VcgaCollectiveError", "VcgaTimeoutError"}
+
+
+def make_cluster(**kwargs) -> Cluster:
+    try:
+        return Cluster(**kwargs)
+    except NodesUnavailable as e:
+        if os.environ.get("VCGA_MULTINODE_REQUIRED") == "1":
+            raise
+        pytest.skip(e.reason)
+
+
+def host_state() -> dict:
+    """What of the host a cluster could leave behind: named network namespaces, links in the host's
+    network namespace, and mounts of the nodes' kinds."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    mounts = Path("/proc/self/mountinfo").read_text()
+    return {"netns": sorted(netns.split("\n")),
+            "links": sorted(line.split(":")[1].strip() for line in links.splitlines()),
+            "node_mounts": [m for m in mounts.splitlines() if "vcga-node-" in m]}
+
+
+def rank_env(node_backend: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    env.update(VCGA_BACKEND=node_backend, VCGA_TIMEOUT="120", PYTHONUNBUFFERED="1")
+    return env
+
+
+def wait_for(paths: list[Path], timeout: float, launch) -> None:
+    """Poll until every path exists; fail early when a node's torchrun ended (its output says why)."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        ended = [i for i, c in enumerate(launch.poll()) if c is not None]
+        if ended or time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            out = "\n".join(r.output[-4000:] for r in launch.wait(timeout=5))
+            pytest.fail(f"missing {missing} (nodes ended: {ended})\n{out}")
+        time.sleep(0.1)
+
+
+def start(cluster: Cluster, out: Path, *extra: str):
+    return cluster.torchrun([RANK, str(out), "--fault-timeout", str(FAULT_TIMEOUT), *extra], NPROC,
+                            env={}, node_env=[rank_env("sim-nccl"), rank_env("sim-hccl")])
+
+
+def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_killed_node_fail_typed(tmp_path):
+    """DDP across two nodes (sim-nccl pool and sim-hccl pool, 1 Gbit/s link): every rank ends with the
+    same bits, within the derived bound of flat gloo on the same ranks; the plan sees two nodes whose
+    shard peers meet over the link. Then node 1's processes are killed in the middle of a collective
+    loop: both ranks of node 0 end with a typed error. Nothing is left behind."""
+    before = host_state()
+    cluster = make_cluster(nodes=2, rate="1gbit")
+    with cluster:
+        launch = start(cluster, tmp_path, "--train", "4")
+        wait_for([tmp_path / f"rank{r}.looping" for r in range(WORLD)], 600, launch)
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+        assert [r["host"] for r in ranks] == ["node0"] * NPROC + ["node1"] * NPROC
+        assert [r["local_backend"] for r in ranks] == ["sim-nccl"] * NPROC + ["sim-hccl"] * NPROC
+        for r in ranks:
+            assert r["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
+            groups = r["describe"]["plan"]["groups"]
+            assert [g["nodes"] for g in groups] == [["node0"], ["node1"]]
+            assert r["describe"]["shard_exchange"] == "gloo"  # shard peers sit on different nodes
+        reports = [r["train"] for r in ranks]
+        assert all(rep["identical_on_every_rank"] for rep in reports)
+        assert len({rep["mixed_digest"] for rep in reports}) == 1
+        assert all(rep["within_bound"] for rep in reports), reports[0]
+
+        cluster.nodes[1].kill_processes()
+        wait_for([tmp_path / f"rank{r}.error.json" for r in range(NPROC)], 6 * FAULT_TIMEOUT, launch)
+        errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in range(NPROC)]
+        for e in errors:
+            assert e["type"] in TYPED and e["module"] == "vcga.errors", e
+        results = launch.wait(timeout=60)
+        assert results[0].returncode not in (0, None)
+        assert cluster.nodes[0].shm_entries() == [] and cluster.nodes[1].shm_entries() == []
+    assert cluster.remaining() == []
+    assert host_state() == before
+
+
+def test_a_link_going_down_mid_collective_fails_every_rank_typed_within_the_timeout(tmp_path):
+    """``ip link set eth0 down`` on node 1 while all four ranks loop over all_reduces: every rank ends
+    with a typed error (nothing hangs) within the collective timeout (plus the time the error takes
+    to travel to a rank's file); then the harness removes everything."""
+    before = host_state()
+    cluster = make_cluster(nodes=2, rate="1gbit")
+    with cluster:
+        launch = start(cluster, tmp_path)
+        wait_for([tmp_path / f"rank{r}.looping" for r in range(WORLD)], 600, launch)
+        down_at = time.time()
+        cluster.nodes[1].set_link(False)
+        wait_for([tmp_path / f"rank{r}.error.json" for r in range(WORLD)], 6 * FAULT_TIMEOUT, launch)
+        errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in range(WORLD)]
+        for e in errors:
+            assert e["type"] in TYPED and e["module"] == "vcga.errors", e
+            assert e["time"] - down_at <= 2 * FAULT_TIMEOUT + 10, e  # the timeout, not minutes of TCP retries
+        launch.kill()
+    assert cluster.remaining() == []
+    assert host_state() == before
+
+
+def test_the_harness_removes_everything_also_when_interrupted():
+    """A cluster of three (a bridge in a switch namespace) with a process running on a node and a file
+    in a node's /dev/shm, left by an exception in the middle: no process, namespace, link, mount or
+    log directory of it remains, and the node's /dev/shm was never the host's."""
+    before = host_state()
+    host_shm = set(os.listdir("/dev/shm"))
+    cluster = make_cluster(nodes=3, rate=["100mbit", None], networks=2)
+    with pytest.raises(KeyboardInterrupt):
+        with cluster:
+            node = cluster.nodes[2]
+            assert node.run(["hostname"], timeout=30).stdout.strip() == "node2"
+            r = node.run(["sh", "-c", "touch /dev/shm/vcga-probe && cat /etc/hosts"], timeout=30)
+            assert "198.18.0.3\tnode2" in r.stdout
+            assert node.shm_entries() == ["vcga-probe"] and "vcga-probe" not in set(os.listdir("/dev/shm"))
+            sleeper = node.popen(["sleep", "600"])
+            deadline = time.monotonic() + 30
+            while not node.processes() and time.monotonic() < deadline:  # nsenter forks it soon
+                time.sleep(0.02)
+            assert node.processes()
+            tc = node.run(["tc", "qdisc", "show", "dev", "eth0"], timeout=30).stdout
+            assert "tbf" in tc and "100Mbit" in tc
+            assert "tbf" not in node.run(["tc", "qdisc", "show", "dev", "eth1"], timeout=30).stdout
+            raise KeyboardInterrupt
+    assert sleeper.poll() is not None
+    assert cluster.remaining() == []
+    assert host_state() == before
+    assert "vcga-probe" not in set(os.listdir("/dev/shm")) - host_shm
+
+
+def test_parse_rate():
+    assert parse_rate("1gbit") == 1e9 and parse_rate("100mbit") == 1e8 and parse_rate(2.5e9) == 2.5e9
+    for bad in ("fast", "0gbit", -1, "1gb"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
