@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vcga import dtypes
-from vcga.config import Config
+from vcga.config import Config, gloo_env
 from vcga.contract import (
     Backend,
     CapabilityTable,
@@ -77,8 +77,8 @@ class GlooBackend(Backend):
 
     def vendor_env(self, config: Config) -> dict[str, str]:
         # gloo reads no environment for timeouts or buffers (the timeout is passed to the
-        # ProcessGroupGloo constructor) and reduces in a fixed order, so nothing to translate.
-        return {}
+        # ProcessGroupGloo constructor) and reduces in a fixed order; only the interface.
+        return gloo_env(config)
 
     def topology(self) -> Topology:
         nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))

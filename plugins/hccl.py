@@ -240,6 +240,14 @@ class HcclBackend(Backend):
             env["HCCL_DETERMINISTIC"] = "true"
         if config.visible_devices is not None:
             env[VISIBLE_DEVICES_ENV] = visible_devices_value(config.visible_devices)
+        if config.network_interface is not None:
+            # The host NIC HCCL uses to reach the root node when it builds a communicator; "=" makes
+            # the names exact (as NCCL's syntax), the first one found is used.
+            env["HCCL_SOCKET_IFNAME"] = "=" + ",".join(config.network_interface)
+        if config.network_traffic_class is not None:
+            env["HCCL_RDMA_TC"] = str(config.network_traffic_class)  # [0, 255], a multiple of 4: DSCP x 4
+        if config.network_service_level is not None:
+            env["HCCL_RDMA_SL"] = str(config.network_service_level)  # [0, 7]: the NIC's PFC priority
         return env
 
     def topology(self) -> Topology:

@@ -195,8 +195,11 @@ class MluBackend(Backend):
         }
         if config.visible_devices is not None:
             env[VISIBLE_DEVICES_ENV] = visible_devices_value(config.visible_devices)
-        # buffer_size_mb and deterministic: neither torch_mlu's process group nor the CNCL sources
-        # we could read expose a variable for them; they are documented as not applied.
+        # buffer_size_mb, deterministic and the network section (interface, traffic class, service
+        # level): neither torch_mlu's process group nor any CNCL document we could find names a
+        # variable for them (CNCL's documented ones mirror NCCL's for transports: CNCL_IB_DISABLE,
+        # CNCL_SHM_DISABLE, CNCL_P2P_LEVEL, CNCL_IB_GID_INDEX); not applied rather than guessed
+        # (docs/vendor-env.md). The bridge's exchange between nodes still follows the interface.
         return env
 
     def topology(self) -> Topology:

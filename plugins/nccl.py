@@ -214,6 +214,13 @@ class NcclBackend(Backend):
             # NCCL has no determinism switch. Pinning the ring algorithm makes the reduction order
             # independent of message size and excludes in-switch reductions (NVLS, CollNet).
             env["NCCL_ALGO"] = "Ring"
+        if config.network_interface is not None:
+            # NCCL's syntax: "=" before a name matches it exactly (a bare name is a prefix).
+            env["NCCL_SOCKET_IFNAME"] = "=" + ",".join(config.network_interface)
+        if config.network_traffic_class is not None:
+            env["NCCL_IB_TC"] = str(config.network_traffic_class)  # the GRH traffic class (RoCE: ToS byte)
+        if config.network_service_level is not None:
+            env["NCCL_IB_SL"] = str(config.network_service_level)
         return env
 
     def topology(self) -> Topology:

@@ -22,7 +22,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vcga import dtypes
-from vcga.config import Config, parse_sim_vendors
+from vcga.config import Config, gloo_env, parse_sim_vendors
 from vcga.contract import (
     BITWISE,
     MOVING,
@@ -142,6 +142,10 @@ class SimBackend(Backend):
 
         gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         return vendor_group_class()(LIBRARIES[self.key], gloo, rank, world_size)
+
+    def vendor_env(self, config: Config) -> dict[str, str]:
+        # The bytes move through gloo, whichever library is simulated: gloo's variables.
+        return gloo_env(config)
 
     def describe(self) -> dict:
         d = super().describe()

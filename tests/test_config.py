@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vcga.config import Config, load_config, parse_sim_vendors
+from vcga.config import Config, gloo_env, load_config, parse_sim_vendors
 from vcga.errors import VcgaConfigError
 
 
@@ -72,3 +72,41 @@ def test_yaml_errors(tmp_path):
 
 def test_parse_sim_vendors():
     assert parse_sim_vendors("nccl:1, hccl:2,cncl:1") == [("nccl", 1), ("hccl", 2), ("cncl", 1)]
+
+
+def test_network_section_from_yaml_and_env(tmp_path):
+    f = tmp_path / "vcga.yaml"
+    f.write_text("network:\n  interface: [eth1, ib0]\n  traffic_class: 104\n  service_level: 3\n")
+    cfg = load_config(f, env={})
+    assert (cfg.network_interface, cfg.network_traffic_class, cfg.network_service_level) == (("eth1", "ib0"), 104, 3)
+    assert cfg.to_dict()["network_interface"] == ["eth1", "ib0"]
+    cfg = load_config(f, env={"VCGA_NETWORK_INTERFACE": "eth2", "VCGA_NETWORK_SERVICE_LEVEL": "null"})
+    assert (cfg.network_interface, cfg.network_traffic_class, cfg.network_service_level) == (("eth2",), 104, None)
+    assert gloo_env(cfg) == {"GLOO_SOCKET_IFNAME": "eth2"} and gloo_env(Config()) == {}
+
+
+@pytest.mark.parametrize(
+    "env, key, fragment",
+    [
+        ({"VCGA_NETWORK_INTERFACE": "eth0;rm -rf"}, "network_interface", "interface names"),
+        ({"VCGA_NETWORK_INTERFACE": "a-name-longer-than-15"}, "network_interface", "interface names"),
+        ({"VCGA_NETWORK_TRAFFIC_CLASS": "105"}, "network_traffic_class", "multiple of 4"),
+        ({"VCGA_NETWORK_TRAFFIC_CLASS": "256"}, "network_traffic_class", "between 0 and 252"),
+        ({"VCGA_NETWORK_SERVICE_LEVEL": "8"}, "network_service_level", "between 0 and 7"),
+        ({"VCGA_NETWORK_SERVICE_LEVEL": "high"}, "network_service_level", "between 0 and 7"),
+    ],
+)
+def test_bad_network_values(env, key, fragment):
+    with pytest.raises(VcgaConfigError) as ei:
+        load_config(env=env)
+    assert ei.value.key == key and fragment in str(ei.value)
+
+
+def test_network_section_errors_in_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("network:\n  iface: eth1\n")
+    with pytest.raises(VcgaConfigError, match="interface, traffic_class, service_level"):
+        load_config(f, env={})
+    f.write_text("network_interface: eth1\n")  # the section is the YAML spelling
+    with pytest.raises(VcgaConfigError, match="one of the keys .*network"):
+        load_config(f, env={})

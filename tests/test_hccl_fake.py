@@ -201,6 +201,12 @@ def test_vendor_env_maps_the_unified_config():
                    "HCCL_BUFFSIZE": "64", "HCCL_DETERMINISTIC": "true", "ASCEND_RT_VISIBLE_DEVICES": "4,5"}
 
 
+def test_vendor_env_maps_the_network_section():
+    env = hccl.HcclBackend().vendor_env(load_config(env={
+        "VCGA_NETWORK_INTERFACE": "eth1", "VCGA_NETWORK_TRAFFIC_CLASS": "100", "VCGA_NETWORK_SERVICE_LEVEL": "0"}))
+    assert (env["HCCL_SOCKET_IFNAME"], env["HCCL_RDMA_TC"], env["HCCL_RDMA_SL"]) == ("=eth1", "100", "0")
+
+
 @pytest.mark.parametrize("timeout_s, exec_s, connect_s", [(0.5, "1", "120"), (30, "30", "120"), (90.2, "91", "120"),
                                                           (9000, "9000", "7200")])
 def test_vendor_env_keeps_hccl_timeouts_in_their_ranges(timeout_s, exec_s, connect_s):

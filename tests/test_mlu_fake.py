@@ -137,6 +137,9 @@ def test_vendor_env_maps_the_unified_config():
         "VCGA_TIMEOUT": "120", "VCGA_BUFFER_SIZE_MB": "64", "VCGA_DETERMINISTIC": "1", "VCGA_VISIBLE_DEVICES": "0,3"}))
     # buffer size and determinism have no CNCL switch in the sources: not translated (docs/vendor-env.md)
     assert env == {"TORCH_CNCL_BLOCKING_WAIT": "1", "MLU_VISIBLE_DEVICES": "0,3"}
+    # nor the network section: no CNCL document names its variables (docs/vendor-env.md)
+    assert mlu.MluBackend().vendor_env(load_config(env={
+        "VCGA_NETWORK_INTERFACE": "eth1", "VCGA_NETWORK_TRAFFIC_CLASS": "104"})) == {"TORCH_CNCL_BLOCKING_WAIT": "1"}
 
 
 def test_fake_cnmon_topology(monkeypatch, tmp_path):

@@ -174,6 +174,13 @@ def test_vendor_env_maps_the_unified_config():
     assert nccl.NcclBackend().vendor_env(load_config(env={})) == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
+def test_vendor_env_maps_the_network_section():
+    env = nccl.NcclBackend().vendor_env(load_config(env={
+        "VCGA_NETWORK_INTERFACE": "eth1,eth2", "VCGA_NETWORK_TRAFFIC_CLASS": "104", "VCGA_NETWORK_SERVICE_LEVEL": "3"}))
+    assert env == {"TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_SOCKET_IFNAME": "=eth1,eth2", "NCCL_IB_TC": "104",
+                   "NCCL_IB_SL": "3"}
+
+
 def test_fake_nvidia_smi_topology(monkeypatch, tmp_path):
     """A FAKE nvidia-smi printing a recorded `nvidia-smi topo -m` (GPU and NIC columns, legends)."""
     fake_tool(monkeypatch, tmp_path, "nvidia-smi", NVIDIA_SMI_TOPO)

@@ -16,6 +16,10 @@ Example file::
     buffer_size_mb: 64
     visible_devices: [0, 1]
     deterministic: true
+    network:                   # the interface between nodes, and the RoCE QoS of the vendors' traffic
+      interface: eth1
+      traffic_class: 104       # DSCP 26 x 4
+      service_level: 3
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from vcga.errors import VcgaConfigError
 
-__all__ = ["Config", "load_config", "ENV", "parse_sim_vendors", "SIM_VENDOR_NAMES"]
+__all__ = ["Config", "load_config", "ENV", "SECTIONS", "parse_sim_vendors", "SIM_VENDOR_NAMES", "gloo_env"]
 
 #: Vendor keys accepted in ``sim_vendors`` (the collective library each simulated backend stands for).
 SIM_VENDOR_NAMES = ("nccl", "hccl", "cncl")
@@ -57,11 +61,20 @@ class Config:
     bridge_algorithm: str = "auto"
     #: Mixed-vendor: shard peers on one node reduce through shared memory rather than gloo over TCP.
     bridge_shm: bool = True
+    #: The network interfaces between nodes (exact names), or None for each library's own choice.
+    #: YAML: ``network: {interface: ...}``.
+    network_interface: tuple[str, ...] | None = None
+    #: RoCE/IB traffic class (the IP header's ToS byte: DSCP x 4), 0-252, or None for the vendor default.
+    network_traffic_class: int | None = None
+    #: RoCE/IB service level (the PFC priority the NICs and switches use), 0-7, or None for the vendor default.
+    network_service_level: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.visible_devices is not None:
             d["visible_devices"] = list(self.visible_devices)
+        if self.network_interface is not None:
+            d["network_interface"] = list(self.network_interface)
         return d
 
 
@@ -76,7 +89,14 @@ ENV: Mapping[str, str] = {
     "sim_vendors": "VCGA_SIM_VENDORS",
     "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
     "bridge_shm": "VCGA_BRIDGE_SHM",
+    "network_interface": "VCGA_NETWORK_INTERFACE",
+    "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
+    "network_service_level": "VCGA_NETWORK_SERVICE_LEVEL",
 }
+
+#: The YAML section ``network:`` and the keys it holds (``network: {interface: eth1}`` sets
+#: ``network_interface``).
+SECTIONS: Mapping[str, tuple[str, ...]] = {"network": ("interface", "traffic_class", "service_level")}
 
 _ALLOWED = {
     "backend": "'auto' or a backend name (see `vcga info`), e.g. gloo, nccl, hccl, mlu, sim-nccl",
@@ -89,6 +109,11 @@ _ALLOWED = {
     + "/".join(SIM_VENDOR_NAMES) + ", e.g. 'nccl:2,hccl:2', or null",
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
+    "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
+    "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "
+    "bits are ECN, which HCCL_RDMA_TC requires zero), or null",
+    "network_service_level": "an integer between 0 and 7 (the NIC's PFC priority), or null",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -157,6 +182,25 @@ def _validate(key: str, v: Any, src: str) -> Any:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         parse_sim_vendors(v, src)
         return v.replace(" ", "")
+    if key == "network_interface":
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "null", "none", "default")):
+            return None
+        items = [x.strip() for x in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not items or not all(
+                isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", x) for x in items):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return tuple(items)
+    if key in ("network_traffic_class", "network_service_level"):
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "null", "none", "default")):
+            return None
+        try:
+            i = int(str(v).strip()) if not isinstance(v, (bool, float)) else -1
+        except ValueError:
+            raise VcgaConfigError(key, v, _ALLOWED[key], src) from None
+        ok = 0 <= i <= 252 and i % 4 == 0 if key == "network_traffic_class" else 0 <= i <= 7
+        if not ok:
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return i
     if key == "bridge_algorithm":
         if not isinstance(v, str) or v.strip().lower() not in ("auto", "leader", "bandwidth", "replicated"):
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
@@ -212,8 +256,27 @@ def _read_yaml(path: Path, keys: list[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise VcgaConfigError("VCGA_CONFIG", src, "a YAML mapping of config keys at the top level")
     out = {}
+    top = [k for k in keys if not any(k.startswith(f"{s}_") for s in SECTIONS)] + list(SECTIONS)
     for k, v in data.items():
-        if k not in keys:
-            raise VcgaConfigError(str(k), v, "one of the keys " + ", ".join(keys), src)
+        if k in SECTIONS:
+            if v is None:
+                continue
+            if not isinstance(v, dict) or any(sub not in SECTIONS[k] for sub in v):
+                raise VcgaConfigError(str(k), v, f"a mapping with the keys {', '.join(SECTIONS[k])}", src)
+            for sub, sv in v.items():
+                out[f"{k}_{sub}"] = _validate(f"{k}_{sub}", sv, src)
+            continue
+        if k not in top:
+            raise VcgaConfigError(str(k), v, "one of the keys " + ", ".join(top), src)
         out[k] = _validate(k, v, src)
     return out
+
+
+def gloo_env(config: Config) -> dict[str, str]:
+    """What gloo reads from the unified config: ``GLOO_SOCKET_IFNAME`` (torch's ProcessGroupGloo
+    makes one device per listed interface when it is set, else resolves the host name). The gloo
+    backend and the simulated vendors (gloo underneath) translate through it, and so does the
+    mixed-vendor bridge, whose exchange between nodes is gloo whatever the vendors are."""
+    if config.network_interface is None:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": ",".join(config.network_interface)}

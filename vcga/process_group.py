@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from vcga import dtypes as _dtypes
-from vcga.config import Config, load_config
+from vcga.config import Config, gloo_env, load_config
 from vcga.contract import Backend, Collective, ReduceOp
 from vcga.debug import FingerprintCheck, fingerprint
 from vcga.dispatch import Dispatcher, Steps
@@ -146,8 +147,6 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
 
 
 def _apply_vendor_env(backend: Backend, config: Config) -> None:
-    import os
-
     for key, value in backend.vendor_env(config).items():
         os.environ.setdefault(key, value)  # never override what the user set
 
@@ -187,7 +186,12 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
                                                        f"{type(e).__name__}: {e}") from e
         return NativeTransport(backend, native)
     # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge.py).
+    # The bridge's exchange between nodes is gloo, whatever the vendors: it follows the network
+    # section (GLOO_SOCKET_IFNAME; torch's ProcessGroupGloo reads it when each group is made).
     from vcga.bridge import create_bridge_transport
+
+    for key, value in gloo_env(config).items():
+        os.environ.setdefault(key, value)  # never override what the user set
 
     return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
                                    apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm)
