@@ -2,11 +2,13 @@
 namespace nodes (vcga.testing.multinode); the vendors are the simulated, fake-backed sim-nccl and
 sim-hccl, one per node (``VCGA_BACKEND`` set per node, as each node of a mixed cluster has its own).
 
-    multinode_rank.py OUTDIR [--train STEPS] [--fault-timeout SECONDS]
+    multinode_rank.py OUTDIR [--train STEPS] [--count-bytes] [--fault-timeout SECONDS]
 
 1. Writes ``OUTDIR/rank<r>.json``: its node, backend and the bridge's view of the plan; with
    ``--train``, examples/train_mixed.py's DDP run on the mixed group and on flat gloo over the same
-   ranks, and its report (bitwise identical on every rank; within the derived bound of gloo).
+   ranks, and its report (bitwise identical on every rank; within the derived bound of gloo). With
+   ``--count-bytes``, the bytes its node's interfaces sent during one 8 MiB all_reduce of the mixed
+   group (``/proc/net/dev`` shows this node's network namespace), between two barriers.
 2. The fault phase: a fresh ``vcga`` group with a collective timeout of ``--fault-timeout`` seconds,
    1 MiB all_reduces in a loop; after the first one it writes ``OUTDIR/rank<r>.looping``. The test
    then breaks a link or kills a node; the first error goes to ``OUTDIR/rank<r>.error.json`` (its
@@ -41,6 +43,18 @@ def _train_mixed():
     return mod
 
 
+COUNT_BYTES = 8 << 20
+
+
+def _sent() -> dict[str, int]:
+    """Bytes sent so far by each interface of this node."""
+    out = {}
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        out[name.strip()] = int(rest.split()[8])
+    return out
+
+
 def _write(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -51,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--train", type=int, default=0, help="DDP steps of examples/train_mixed.py (0: none)")
+    ap.add_argument("--count-bytes", action="store_true")
     ap.add_argument("--fault-timeout", type=float, default=10.0)
     args = ap.parse_args()
 
@@ -66,6 +81,16 @@ def main() -> None:
         mixed, _ = tm.train(dist.group.WORLD, args.train, 0.05, 0.9)
         ref, abs_sums = tm.train(gloo, args.train, 0.05, 0.9, record_abs=gloo)
         me["train"] = tm.compare(mixed, ref, abs_sums, 0.05, 0.9, gloo)
+    if args.count_bytes:
+        gloo = dist.new_group(backend="gloo")
+        t = torch.ones(COUNT_BYTES // 4)
+        dist.barrier(group=gloo)
+        before = _sent()
+        dist.all_reduce(t)
+        dist.barrier(group=gloo)
+        after = _sent()
+        me["sent_bytes"] = {k: after[k] - before.get(k, 0) for k in after}
+        me["counted_all_reduce_bytes"] = COUNT_BYTES
     _write(args.out / f"rank{rank}.json", me)
 
     group = dist.new_group(backend="vcga", timeout=timedelta(seconds=args.fault_timeout))

@@ -54,32 +54,38 @@ def rank_env(node_backend: str) -> dict:
     return env
 
 
-def wait_for(paths: list[Path], timeout: float, launch) -> None:
-    """Poll until every path exists; fail early when a node's torchrun ended (its output says why)."""
+def wait_for(paths: list[Path], timeout: float, launch, watch: tuple[int, ...] = (0, 1)) -> None:
+    """Poll until every path exists; fail early when a watched node's torchrun ended first (its output
+    says why)."""
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
-        ended = [i for i, c in enumerate(launch.poll()) if c is not None]
-        if ended or time.monotonic() > deadline:
+        ended = [i for i, c in enumerate(launch.poll()) if c is not None and i in watch]
+        if (ended or time.monotonic() > deadline) and not all(p.exists() for p in paths):
             missing = [p.name for p in paths if not p.exists()]
             out = "\n".join(r.output[-4000:] for r in launch.wait(timeout=5))
             pytest.fail(f"missing {missing} (nodes ended: {ended})\n{out}")
         time.sleep(0.1)
 
 
-def start(cluster: Cluster, out: Path, *extra: str):
+def start(cluster: Cluster, out: Path, *extra: str, env: dict | None = None):
     return cluster.torchrun([RANK, str(out), "--fault-timeout", str(FAULT_TIMEOUT), *extra], NPROC,
-                            env={}, node_env=[rank_env("sim-nccl"), rank_env("sim-hccl")])
+                            env={}, node_env=[{**rank_env("sim-nccl"), **(env or {})},
+                                              {**rank_env("sim-hccl"), **(env or {})}])
 
 
 def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_killed_node_fail_typed(tmp_path):
     """DDP across two nodes (sim-nccl pool and sim-hccl pool, 1 Gbit/s link): every rank ends with the
     same bits, within the derived bound of flat gloo on the same ranks; the plan sees two nodes whose
-    shard peers meet over the link. Then node 1's processes are killed in the middle of a collective
-    loop: both ranks of node 0 end with a typed error. Nothing is left behind."""
+    shard peers meet over the link. The nodes have two networks and the config names the second
+    (``VCGA_NETWORK_INTERFACE=eth1``): an 8 MiB all_reduce sends at least its size from each node
+    over eth1 (each node's shard peers send their shards, whatever the algorithm) and almost nothing
+    over eth0, which the host names resolve to (gloo's choice without the config). Then node 1's
+    processes are killed in the middle of a collective loop: both ranks of node 0 end with a typed
+    error. Nothing is left behind."""
     before = host_state()
-    cluster = make_cluster(nodes=2, rate="1gbit")
+    cluster = make_cluster(nodes=2, rate=["1gbit", "1gbit"], networks=2)
     with cluster:
-        launch = start(cluster, tmp_path, "--train", "4")
+        launch = start(cluster, tmp_path, "--train", "4", "--count-bytes", env={"VCGA_NETWORK_INTERFACE": "eth1"})
         wait_for([tmp_path / f"rank{r}.looping" for r in range(WORLD)], 600, launch)
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -94,9 +100,12 @@ def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_kil
         assert all(rep["identical_on_every_rank"] for rep in reports)
         assert len({rep["mixed_digest"] for rep in reports}) == 1
         assert all(rep["within_bound"] for rep in reports), reports[0]
+        for r in ranks:  # both ranks of a node read the same counters
+            n = r["counted_all_reduce_bytes"]
+            assert r["sent_bytes"]["eth1"] >= n and r["sent_bytes"]["eth0"] < n / 8, r["sent_bytes"]
 
         cluster.nodes[1].kill_processes()
-        wait_for([tmp_path / f"rank{r}.error.json" for r in range(NPROC)], 6 * FAULT_TIMEOUT, launch)
+        wait_for([tmp_path / f"rank{r}.error.json" for r in range(NPROC)], 6 * FAULT_TIMEOUT, launch, watch=(0,))
         errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in range(NPROC)]
         for e in errors:
             assert e["type"] in TYPED and e["module"] == "vcga.errors", e
