@@ -1,0 +1,133 @@
+"""vcga.workqueue: the ordered queue and communication thread behind asynchronous bridge collectives
+(in one process; the bridge's use of it is tested in spawned worlds, tests/test_bridge.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+from vcga import pypg
+from vcga.errors import VcgaCollectiveError
+from vcga.pypg import PyWork
+from vcga.workqueue import QueuedWork, WorkQueue
+
+
+def make(timeout_s: float = 5.0) -> WorkQueue:
+    return WorkQueue("test", timedelta(seconds=timeout_s))
+
+
+def test_async_calls_return_at_once_and_run_in_issue_order_on_one_thread():
+    q = make()
+    gate = threading.Event()
+    order, threads = [], set()
+
+    def job(i):
+        def fn():
+            if i == 0:
+                assert gate.wait(10)
+            order.append(i)
+            threads.add(threading.current_thread().name)
+        return fn
+
+    works = [q.run(job(i), [torch.tensor([i])], async_op=True) for i in range(5)]
+    assert all(isinstance(w, QueuedWork) for w in works)
+    assert not any(w.is_completed() for w in works)  # the first one is held: nothing ran yet
+    gate.set()
+    for w in works:
+        assert w.wait()
+    assert order == [0, 1, 2, 3, 4] and threads == {"vcga-comm test"} and q.queued == 5
+    assert works[3].get_future().value()[0].item() == 3
+    q.close()
+
+
+def test_a_synchronous_call_runs_inline_when_idle_and_behind_queued_work_otherwise():
+    q = make()
+    where = []
+    assert q.run(lambda: where.append(threading.current_thread() is threading.main_thread()) or 7, [],
+                 async_op=False) == 7
+    gate = threading.Event()
+    q.run(lambda: gate.wait(10), [], async_op=True)
+    t = threading.Thread(target=lambda: q.run(lambda: where.append("sync after async"), [], async_op=False))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and where == [True]  # it waits its turn behind the held async call
+    gate.set()
+    t.join(10)
+    assert where == [True, "sync after async"] and q.queued == 2
+    q.close()
+
+
+def test_a_failure_fails_its_work_typed_through_pywork_and_poisons_the_queue():
+    q = make()
+    gate = threading.Event()
+
+    def boom():
+        assert gate.wait(10)  # the next call is queued before this one fails
+        raise RuntimeError("[gloo] Connection reset by peer")
+
+    first = q.run(boom, [], async_op=True)
+    later = q.run(lambda: None, [], async_op=True)
+    gate.set()
+    translated = PyWork([first], translate=lambda e: VcgaCollectiveError(f"translated: {e}"))
+    with pytest.raises(VcgaCollectiveError, match="translated: .*Connection reset"):
+        translated.wait()
+    with pytest.raises(VcgaCollectiveError, match="earlier collective of this group failed .*Connection reset"):
+        later.wait()
+    assert isinstance(later.exception(), VcgaCollectiveError)
+    with pytest.raises(VcgaCollectiveError, match="cannot be used any more"):
+        q.run(lambda: None, [], async_op=False)  # later calls refuse at once
+    q.close()
+
+
+def test_a_wait_is_bounded_and_close_fails_what_is_still_queued():
+    q = make(timeout_s=0.2)
+    q.MARGIN_S = 0.0
+    gate = threading.Event()
+    held = q.run(lambda: gate.wait(10), [], async_op=True)
+    queued = q.run(lambda: None, [], async_op=True)
+    with pytest.raises(TimeoutError):
+        held.wait(timedelta(milliseconds=50))
+    with pytest.raises(TimeoutError):
+        queued.wait()  # its own limit: the timeout per collective ahead of it, plus one
+    q.close(wait_s=0.1)
+    gate.set()
+    with pytest.raises(VcgaCollectiveError, match="destroyed with this collective still queued"):
+        queued.wait(timedelta(seconds=10))
+    assert held.wait(timedelta(seconds=10))
+    with pytest.raises(VcgaCollectiveError, match="destroyed"):
+        q.run(lambda: None, [], async_op=True)
+
+
+def test_queued_collectives_are_counted_for_the_exit_drain_until_their_callbacks_ran():
+    q = make()
+    gate = threading.Event()
+    w = q.run(lambda: gate.wait(10), [torch.zeros(1)], async_op=True)
+    seen = []
+    w.get_future().then(lambda f: seen.append(threading.current_thread().name))
+    assert pypg._drain_at_exit(limit=0.2) is False  # in flight: the drain waits (and warns)
+    gate.set()
+    assert pypg._drain_at_exit(limit=10) is True and seen == ["vcga-comm test"]
+    q.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_cannot_use_the_queue():
+    q = make()
+    q.run(lambda: None, [], async_op=True).wait()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            q.run(lambda: None, [], async_op=True)
+            code = 1
+        except VcgaCollectiveError as e:
+            code = 0 if "forked child" in str(e) else 2
+        except BaseException:  # noqa: BLE001
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    q.close()

@@ -1,0 +1,247 @@
+"""One ordered queue of collectives per group, run by one communication thread.
+
+A process group written in Python runs a collective in the caller's thread unless something else
+runs it. The mixed-vendor bridge (:mod:`vcga.bridge`) hands each of its collectives to a
+:class:`WorkQueue` instead: the call returns at once with a :class:`QueuedWork`, and the queue's
+thread runs the collectives one after the other, in the order they were issued. That is what lets
+DDP's reducer overlap its bucket all_reduces with the backward pass, as it does on NCCL and gloo
+(whose own worker threads run their collectives).
+
+Why one thread per group and strict issue order: every rank issues a group's collectives in the
+same order (torch.distributed requires it), so every rank's thread runs them in that order too --
+no two ranks can ever wait for each other in different collectives. Two threads per group could
+run two collectives in different orders on different ranks and deadlock.
+
+- A synchronous call (``async_op=False``) on an idle queue runs in the caller's thread: no thread
+  switch on the hot path, and still in order (nothing is queued before it, and nothing queued
+  after it starts until it ends). Behind queued work it waits its turn like any other.
+- A failure fails its work (raised, typed, by :meth:`QueuedWork.wait`) and *poisons* the queue:
+  every collective still queued, and every later one, fails at once with an error naming the
+  first failure. After a timeout or a lost peer the ranks no longer agree on where they are in the
+  sequence, so running on would only mismatch collectives (NCCL aborts its communicator there).
+- Each queued collective is counted for the exit drain of :mod:`vcga.pypg` until it has ended and
+  its future's callbacks have run: a process that leaves with collectives in flight waits for
+  them (bounded) instead of aborting when the thread comes back from a native call during
+  interpreter finalization.
+- The thread does not survive a fork; a forked child that uses the queue gets a typed error.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vcga import pypg
+from vcga.errors import VcgaCollectiveError, VcgaError
+
+__all__ = ["WorkQueue", "QueuedWork"]
+
+log = logging.getLogger(__name__)
+
+
+class QueuedWork(dist._Work):
+    """The work of one queued collective: completed by the queue's thread.
+
+    :meth:`wait` raises the collective's error (or the queue's first one). Its future's value is
+    the output tensors, as torch's own backends give it (DDP's reducer reads it).
+    """
+
+    def __init__(self, result: Sequence[torch.Tensor], limit: float) -> None:
+        super().__init__()
+        self._result = list(result)
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._limit = limit  # seconds a wait without its own timeout may take at most
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._event.set()
+        # Callbacks hung on the future (PyWork's, DDP's) run here, in this thread.
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        limit = pypg.timeout_given(timeout)
+        seconds = limit.total_seconds() if limit is not None else self._limit
+        if not self._event.wait(seconds):
+            raise TimeoutError(f"the collective did not complete within {seconds:g} s (waiting for the "
+                               "group's communication thread)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._result)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self._event.is_set() else "pending"
+        return f"QueuedWork({state})"
+
+
+class WorkQueue:
+    """The ordered queue and thread of one group (module docstring).
+
+    :param name: names the thread and the errors (e.g. ``bridge(sim-nccl:2,sim-hccl:2) rank 0``).
+    :param timeout: the group's collective timeout: bounds each collective's own waits; a wait for
+        a queued work gives up after the timeout times the number of collectives ahead of it, plus
+        one, and a margin (the thread must have been stuck).
+    """
+
+    #: seconds added to a queued work's wait limit (thread scheduling on a loaded machine)
+    MARGIN_S = 30.0
+
+    def __init__(self, name: str, timeout: timedelta) -> None:
+        self.name = name
+        self._timeout = timeout.total_seconds()
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[tuple[Callable[[], Any], QueuedWork]] = collections.deque()
+        self._running = False  # a collective runs now (the thread's, or a synchronous caller's)
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        #: collectives run by the thread (tests read it: did a call really go asynchronous?)
+        self.queued = 0
+
+    # -- issuing ----------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[], Any], result: Sequence[torch.Tensor], async_op: bool) -> Any:
+        """Run collective ``fn`` in issue order: now, in this thread, when the call is synchronous and
+        nothing is queued (returns ``fn``'s value); else queued (returns a :class:`QueuedWork`;
+        a synchronous call then waits for it)."""
+        with self._cv:
+            self._check()
+            inline = not async_op and not self._running and not self._jobs
+            if inline:
+                self._running = True
+            else:
+                work = QueuedWork(result, self._timeout * (len(self._jobs) + 1 + self._running) + self.MARGIN_S)
+                self._jobs.append((fn, work))
+                pypg._hold()  # released when the work has ended (exit drain, module docstring)
+                self.queued += 1
+                self._start()
+                self._cv.notify_all()
+        if not inline:
+            if not async_op:
+                work.wait()
+            return work
+        try:
+            return fn()
+        except BaseException as e:
+            self._poison(e)
+            raise
+        finally:
+            with self._cv:
+                self._running = False
+                self._cv.notify_all()
+
+    def _check(self) -> None:
+        if os.getpid() != self._pid:
+            raise VcgaCollectiveError(f"{self.name}: this group's communication thread belongs to process "
+                                      f"{self._pid}; a forked child cannot use the group (create it in the child)")
+        if self._closed:
+            raise VcgaCollectiveError(f"{self.name}: the process group was destroyed")
+        if self._failed is not None:
+            raise self._after_failure()
+
+    def _after_failure(self) -> VcgaError:
+        """The error of a collective that follows a failed one (typed: nothing ran)."""
+        first = self._failed
+        detail = (f"{self.name}: an earlier collective of this group failed ({type(first).__name__}: "
+                  f"{str(first).splitlines()[0] if str(first) else ''}); the ranks no longer agree on the "
+                  f"sequence, so the group cannot be used any more -- destroy it and create a new one")
+        return VcgaCollectiveError(detail)
+
+    def _poison(self, e: BaseException) -> None:
+        with self._cv:
+            if self._failed is None:
+                self._failed = e
+            self._cv.notify_all()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"vcga-comm {self.name}", daemon=True)
+            self._thread.start()
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (self._running or not self._jobs):
+                    self._cv.wait()
+                if not self._jobs:  # closed and nothing left
+                    return
+                fn, work = self._jobs.popleft()
+                self._running = True
+                failed = self._failed
+            error: BaseException | None = None
+            try:
+                if failed is not None or self._closed:
+                    error = self._after_failure() if failed is not None else VcgaCollectiveError(
+                        f"{self.name}: the process group was destroyed with this collective still queued")
+                else:
+                    try:
+                        fn()
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
+                        error = e
+                        self._poison(e)
+                        log.debug("vcga %s: queued collective failed: %s", self.name, e)
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+                try:
+                    work._finish(error)
+                finally:
+                    pypg._release()
+
+    # -- ending -----------------------------------------------------------------------------------
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Fail what is still queued, and let the thread end (it finishes a collective it is in)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and os.getpid() == self._pid:
+            thread.join(wait_s)
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running (tests); False at the timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._running or self._jobs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
