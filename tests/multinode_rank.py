@@ -3,17 +3,20 @@ namespace nodes (vcga.testing.multinode); the vendors are the simulated, fake-ba
 sim-hccl, one per node (``VCGA_BACKEND`` set per node, as each node of a mixed cluster has its own).
 
     multinode_rank.py OUTDIR [--train STEPS] [--count-bytes] [--fault-timeout SECONDS]
+                      [--faults NAME,...] [--next-interface IF]
 
 1. Writes ``OUTDIR/rank<r>.json``: its node, backend and the bridge's view of the plan; with
    ``--train``, examples/train_mixed.py's DDP run on the mixed group and on flat gloo over the same
    ranks, and its report (bitwise identical on every rank; within the derived bound of gloo). With
    ``--count-bytes``, the bytes its node's interfaces sent during one 8 MiB all_reduce of the mixed
    group (``/proc/net/dev`` shows this node's network namespace), between two barriers.
-2. The fault phase: a fresh ``vcga`` group with a collective timeout of ``--fault-timeout`` seconds,
-   1 MiB all_reduces in a loop; after the first one it writes ``OUTDIR/rank<r>.looping``. The test
-   then breaks a link or kills a node; the first error goes to ``OUTDIR/rank<r>.error.json`` (its
-   type, module, message and the time) and the rank exits 3. A rank whose loop outlives
-   ``--fault-timeout`` × 6 writes a "hang" record instead (the test fails on it).
+2. The fault phases, one per name in ``--faults``: a fresh ``vcga`` group with a collective timeout
+   of ``--fault-timeout`` seconds, 1 MiB all_reduces in a loop; after the first one the rank writes
+   ``OUTDIR/rank<r>.<name>.looping``. The test then makes the fault (a link down, a node killed);
+   the first error goes to ``OUTDIR/rank<r>.<name>.error.json`` (its type, module, message and the
+   time) and the rank goes on to the next phase, whose group talks over ``--next-interface`` (the
+   earlier fault may have taken the first link). A loop that outlives ``--fault-timeout`` x 6 writes
+   a "hang" record instead (the test fails on it). The rank exits 3 after the last phase.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=0, help="DDP steps of examples/train_mixed.py (0: none)")
     ap.add_argument("--count-bytes", action="store_true")
     ap.add_argument("--fault-timeout", type=float, default=10.0)
+    ap.add_argument("--faults", type=lambda v: v.split(","), default=["fault"],
+                    help="names of the fault phases, in order (the test makes each fault)")
+    ap.add_argument("--next-interface", default="eth0", help="GLOO_SOCKET_IFNAME from the second phase on")
     args = ap.parse_args()
 
     dist.init_process_group(backend="vcga")
@@ -93,26 +99,35 @@ def main() -> None:
         me["counted_all_reduce_bytes"] = COUNT_BYTES
     _write(args.out / f"rank{rank}.json", me)
 
-    group = dist.new_group(backend="vcga", timeout=timedelta(seconds=args.fault_timeout))
+    for i, phase in enumerate(args.faults):
+        if i:  # the link of the earlier fault is gone: the next group talks over the other network
+            os.environ["GLOO_SOCKET_IFNAME"] = args.next_interface
+        fault_phase(args.out, rank, phase, args.fault_timeout)
+    sys.stdout.flush()
+    os._exit(3)  # every phase ended in an error; a normal exit would tear the groups down against dead peers
+
+
+def fault_phase(out: Path, rank: int, phase: str, timeout_s: float) -> None:
+    """A fresh group, all_reduces in a loop until the fault the test makes; the error to a file."""
+    group = dist.new_group(backend="vcga", timeout=timedelta(seconds=timeout_s))
     t = torch.ones(256 * 1024)
     first = True
     start = time.monotonic()
     try:
-        while time.monotonic() - start < 6 * args.fault_timeout + 120:
+        while time.monotonic() - start < 6 * timeout_s + 120:
             dist.all_reduce(t, group=group)
             t.fill_(1.0)
             if first:
-                (args.out / f"rank{rank}.looping").touch()
+                (out / f"rank{rank}.{phase}.looping").touch()
                 first = False
-        _write(args.out / f"rank{rank}.error.json", {"type": "hang", "time": time.time()})
-        sys.exit(4)
+        record = {"type": "hang", "time": time.time()}
     except Exception as e:  # noqa: BLE001 - the test inspects what came
-        _write(args.out / f"rank{rank}.error.json", {"type": type(e).__name__, "module": type(e).__module__,
-                                                     "message": str(e)[:2000], "time": time.time()})
-        # Leave without waiting for peers that will never answer (a normal exit would run the
-        # process group's teardown against them).
+        record = {"type": type(e).__name__, "module": type(e).__module__, "message": str(e)[:2000],
+                  "time": time.time()}
+    _write(out / f"rank{rank}.{phase}.error.json", record)
+    if record["type"] == "hang":
         sys.stdout.flush()
-        os._exit(3)
+        os._exit(4)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,9 @@
 (vcga.testing.multinode, docs/multinode.md), with the simulated, fake-backed vendors sim-nccl on
 node 0 and sim-hccl on node 1, joined by a ``tc tbf``-shaped link.
 
-Two worlds in all (each costs a torchrun start): the mixed-vendor training world, which ends by a
-node's processes being killed mid-collective, and the link-down world. Both need root; where the
-machine refuses to build nodes they skip with its reason, unless ``VCGA_MULTINODE_REQUIRED=1``
-(CI sets it: there they must run).
+One world in all (a torchrun start costs seconds): it trains, counts bytes per interface, loses a
+link and then a node. It needs root; where the machine refuses to build nodes the tests skip with
+its reason, unless ``VCGA_MULTINODE_REQUIRED=1`` (CI sets it: there they must run).
 """
 
 from __future__ import annotations
@@ -73,22 +72,31 @@ def start(cluster: Cluster, out: Path, *extra: str, env: dict | None = None):
                                               {**rank_env("sim-hccl"), **(env or {})}])
 
 
-def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_killed_node_fail_typed(tmp_path):
-    """DDP across two nodes (sim-nccl pool and sim-hccl pool, 1 Gbit/s link): every rank ends with the
-    same bits, within the derived bound of flat gloo on the same ranks; the plan sees two nodes whose
-    shard peers meet over the link. The nodes have two networks and the config names the second
-    (``VCGA_NETWORK_INTERFACE=eth1``): an 8 MiB all_reduce sends at least its size from each node
-    over eth1 (each node's shard peers send their shards, whatever the algorithm) and almost nothing
-    over eth0, which the host names resolve to (gloo's choice without the config). Then node 1's
-    processes are killed in the middle of a collective loop: both ranks of node 0 end with a typed
-    error. Nothing is left behind."""
+def test_two_node_mixed_vendor_world(tmp_path):
+    """One torchrun world on two nodes (sim-nccl pool on node 0, sim-hccl pool on node 1), two
+    networks, each link shaped to 1 Gbit/s:
+
+    1. DDP (examples/train_mixed.py): every rank ends with the same bits, within the derived bound
+       of flat gloo on the same ranks; the plan sees two nodes whose shard peers meet over the link.
+    2. The config names the second network (``VCGA_NETWORK_INTERFACE=eth1``): an 8 MiB all_reduce
+       sends at least its size from each node over eth1 (each node's shard peers send their shards,
+       whatever the algorithm) and almost nothing over eth0, which the host names resolve to
+       (gloo's choice without the config).
+    3. ``ip link set eth1 down`` on node 1 while every rank loops over all_reduces: every rank ends
+       with a typed error within the collective timeout (not minutes of TCP retries).
+    4. On a fresh group over eth0, node 1's processes are killed mid-collective: both ranks of
+       node 0 end with a typed error.
+
+    Then nothing is left: no process, namespace, link, mount, /dev/shm segment."""
     before = host_state()
     cluster = make_cluster(nodes=2, rate=["1gbit", "1gbit"], networks=2)
     with cluster:
-        launch = start(cluster, tmp_path, "--train", "4", "--count-bytes", env={"VCGA_NETWORK_INTERFACE": "eth1"})
-        wait_for([tmp_path / f"rank{r}.looping" for r in range(WORLD)], 600, launch)
+        launch = start(cluster, tmp_path, "--train", "4", "--count-bytes", "--faults", "down,kill",
+                       "--next-interface", "eth0", env={"VCGA_NETWORK_INTERFACE": "eth1"})
+        wait_for([tmp_path / f"rank{r}.down.looping" for r in range(WORLD)], 600, launch)
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
+        # 1. the mixed world across nodes, bitwise identical
         assert [r["host"] for r in ranks] == ["node0"] * NPROC + ["node1"] * NPROC
         assert [r["local_backend"] for r in ranks] == ["sim-nccl"] * NPROC + ["sim-hccl"] * NPROC
         for r in ranks:
@@ -100,15 +108,23 @@ def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_kil
         assert all(rep["identical_on_every_rank"] for rep in reports)
         assert len({rep["mixed_digest"] for rep in reports}) == 1
         assert all(rep["within_bound"] for rep in reports), reports[0]
-        for r in ranks:  # both ranks of a node read the same counters
+
+        # 2. the configured interface carries the traffic (both ranks of a node read its counters)
+        for r in ranks:
             n = r["counted_all_reduce_bytes"]
             assert r["sent_bytes"]["eth1"] >= n and r["sent_bytes"]["eth0"] < n / 8, r["sent_bytes"]
 
-        cluster.nodes[1].kill_processes()
-        wait_for([tmp_path / f"rank{r}.error.json" for r in range(NPROC)], 6 * FAULT_TIMEOUT, launch, watch=(0,))
-        errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in range(NPROC)]
+        # 3. a link down mid-collective
+        down_at = time.time()
+        cluster.nodes[1].set_link(False, network=1)
+        errors = read_errors(tmp_path, "down", range(WORLD), launch)
         for e in errors:
-            assert e["type"] in TYPED and e["module"] == "vcga.errors", e
+            assert e["time"] - down_at <= 2 * FAULT_TIMEOUT + 10, e
+
+        # 4. a node's processes killed mid-collective
+        wait_for([tmp_path / f"rank{r}.kill.looping" for r in range(WORLD)], 6 * FAULT_TIMEOUT + 60, launch)
+        cluster.nodes[1].kill_processes()
+        read_errors(tmp_path, "kill", range(NPROC), launch, watch=(0,))
         results = launch.wait(timeout=60)
         assert results[0].returncode not in (0, None)
         assert cluster.nodes[0].shm_entries() == [] and cluster.nodes[1].shm_entries() == []
@@ -116,25 +132,13 @@ def test_two_node_mixed_vendor_world_is_bitwise_identical_and_survivors_of_a_kil
     assert host_state() == before
 
 
-def test_a_link_going_down_mid_collective_fails_every_rank_typed_within_the_timeout(tmp_path):
-    """``ip link set eth0 down`` on node 1 while all four ranks loop over all_reduces: every rank ends
-    with a typed error (nothing hangs) within the collective timeout (plus the time the error takes
-    to travel to a rank's file); then the harness removes everything."""
-    before = host_state()
-    cluster = make_cluster(nodes=2, rate="1gbit")
-    with cluster:
-        launch = start(cluster, tmp_path)
-        wait_for([tmp_path / f"rank{r}.looping" for r in range(WORLD)], 600, launch)
-        down_at = time.time()
-        cluster.nodes[1].set_link(False)
-        wait_for([tmp_path / f"rank{r}.error.json" for r in range(WORLD)], 6 * FAULT_TIMEOUT, launch)
-        errors = [json.loads((tmp_path / f"rank{r}.error.json").read_text()) for r in range(WORLD)]
-        for e in errors:
-            assert e["type"] in TYPED and e["module"] == "vcga.errors", e
-            assert e["time"] - down_at <= 2 * FAULT_TIMEOUT + 10, e  # the timeout, not minutes of TCP retries
-        launch.kill()
-    assert cluster.remaining() == []
-    assert host_state() == before
+def read_errors(out: Path, phase: str, ranks, launch, watch: tuple[int, ...] = (0, 1)) -> list[dict]:
+    """Every rank's error record of a fault phase; each must be typed (vcga.errors)."""
+    wait_for([out / f"rank{r}.{phase}.error.json" for r in ranks], 6 * FAULT_TIMEOUT, launch, watch)
+    errors = [json.loads((out / f"rank{r}.{phase}.error.json").read_text()) for r in ranks]
+    for e in errors:
+        assert e["type"] in TYPED and e["module"] == "vcga.errors", e
+    return errors
 
 
 def test_the_harness_removes_everything_also_when_interrupted():
