@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,14 +69,22 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
 def train(group: dist.ProcessGroup, steps: int, lr: float, momentum: float,
-          record_abs: dist.ProcessGroup | None = None) -> tuple[nn.Module, list[dict[str, list[torch.Tensor]]]]:
+          record_abs: dist.ProcessGroup | None = None, make_model=TinyTransformer, make_batch=batch,
+          loss=loss_of, times: list[float] | None = None, **ddp_kwargs) -> tuple[nn.Module, list[dict[str, list[torch.Tensor]]]]:
     """DDP training over ``group``; with ``record_abs`` also record Σᵢ|gᵢ|/n of every parameter at
     every step (one extra all_reduce over ``record_abs`` in a comm hook that otherwise does what
-    DDP's default hook does: divide by n, all_reduce SUM over ``group``)."""
+    DDP's default hook does: divide by n, all_reduce SUM over ``group``). ``make_model``,
+    ``make_batch(rank, step)``, ``loss`` and DDP's keyword arguments default to this example's
+    (benchmarks/multinode.py trains other models with the same checks); ``times`` receives each
+    step's seconds, measured from a barrier over ``group`` to the end of the optimizer step."""
     torch.manual_seed(0)  # identical initial weights on every rank and in both runs
-    model = TinyTransformer()
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **ddp_kwargs)
     abs_sums: list[dict[str, list[torch.Tensor]]] = []
     step_abs: dict[int, torch.Tensor] = {}
     if record_abs is not None:
@@ -97,11 +106,15 @@ def train(group: dist.ProcessGroup, steps: int, lr: float, momentum: float,
     rank = dist.get_rank()
     for step in range(steps):
         step_abs.clear()
-        x, y = batch(rank, step)
+        x, y = make_batch(rank, step)
+        if times is not None:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
+        loss(ddp(x), y).backward()
         opt.step()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
         if record_abs is not None:
             params = list(model.parameters())
             abs_sums.append({"g": [step_abs[id(p)] for p in params],
