@@ -131,3 +131,18 @@ def test_a_forked_child_cannot_use_the_queue():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     q.close()
+
+
+def test_a_collective_calling_another_one_of_the_queue_runs_it_in_place():
+    q = make()
+    order = []
+
+    def outer():
+        order.append("outer")
+        assert q.run(lambda: order.append("inner") or 5, [], async_op=True) == 5  # not queued behind itself
+        order.append("outer done")
+
+    q.run(outer, [], async_op=True).wait(timedelta(seconds=10))
+    q.run(outer, [], async_op=False)
+    assert order == ["outer", "inner", "outer done"] * 2
+    q.close()

@@ -23,6 +23,8 @@ run two collectives in different orders on different ranks and deadlock.
   its future's callbacks have run: a process that leaves with collectives in flight waits for
   them (bounded) instead of aborting when the thread comes back from a native call during
   interpreter finalization.
+- A collective that calls another collective of the same queue (all_to_all through
+  all_to_all_single) runs it in place, as part of its own job.
 - The thread does not survive a fork; a forked child that uses the queue gets a typed error.
 """
 
@@ -128,6 +130,7 @@ class WorkQueue:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._local = threading.local()  # .active: this thread runs one of this queue's collectives
         #: collectives run by the thread (tests read it: did a call really go asynchronous?)
         self.queued = 0
 
@@ -137,6 +140,8 @@ class WorkQueue:
         """Run collective ``fn`` in issue order: now, in this thread, when the call is synchronous and
         nothing is queued (returns ``fn``'s value); else queued (returns a :class:`QueuedWork`;
         a synchronous call then waits for it)."""
+        if getattr(self._local, "active", False):
+            return fn()  # a collective of this queue calling another one: part of the same job
         with self._cv:
             self._check()
             inline = not async_op and not self._running and not self._jobs
@@ -153,12 +158,14 @@ class WorkQueue:
             if not async_op:
                 work.wait()
             return work
+        self._local.active = True
         try:
             return fn()
         except BaseException as e:
             self._poison(e)
             raise
         finally:
+            self._local.active = False
             with self._cv:
                 self._running = False
                 self._cv.notify_all()
@@ -209,12 +216,15 @@ class WorkQueue:
                     error = self._after_failure() if failed is not None else VcgaCollectiveError(
                         f"{self.name}: the process group was destroyed with this collective still queued")
                 else:
+                    self._local.active = True
                     try:
                         fn()
                     except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
                         error = e
                         self._poison(e)
                         log.debug("vcga %s: queued collective failed: %s", self.name, e)
+                    finally:
+                        self._local.active = False
             finally:
                 with self._cv:
                     self._running = False
