@@ -1,4 +1,4 @@
-"""The mixed-vendor bridge (vcga/bridge.py): plan, combined table, and spawned mixed worlds.
+"""The mixed-vendor bridge (vcga/bridge/): plan, combined table, and spawned mixed worlds.
 
 The worlds are fake-backed: their vendors are the simulated sim-nccl / sim-hccl / sim-cncl (CPU
 stand-ins on gloo that follow each vendor library's rules, CNCL's fp64-as-fp32 included), laid out

@@ -19,6 +19,17 @@ def test_help_does_not_import_torch():
     assert not heavy, heavy
 
 
+def test_info_plan_does_not_import_torch():
+    """The plan is a pure function of the layout (vcga/bridge/plan.py): showing it needs no torch."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "vcga", "info", "--plan", "--json",
+                        "--vendors", "nccl:2,hccl:2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [g["backend"] for g in json.loads(r.stdout)["plan"]["groups"]] == ["sim-nccl", "sim-hccl"]
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "vcga.bridge.plan" in imported  # the importtime output is what we think it is
+    assert not {m for m in imported if m.split(".")[0] == "torch"}
+
+
 def test_console_script_and_module_agree():
     a = run_vcga("--version")
     b = subprocess.run([sys.executable, "-m", "vcga", "--version"], capture_output=True, text=True, timeout=60)

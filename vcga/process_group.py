@@ -185,7 +185,7 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
             raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
                                                        f"{type(e).__name__}: {e}") from e
         return NativeTransport(backend, native)
-    # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge.py).
+    # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge/).
     # The bridge's exchange between nodes is gloo, whatever the vendors: it follows the network
     # section (GLOO_SOCKET_IFNAME; torch's ProcessGroupGloo reads it when each group is made).
     from vcga.bridge import create_bridge_transport

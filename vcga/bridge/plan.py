@@ -1,0 +1,372 @@
+"""The bridge's plan: vendor groups, leaders, algorithm choice and the combined capability table.
+
+Pure functions of the facts every rank publishes (backend, vendor, device type, node, capability
+tables), so every rank computes the same plan; nothing here imports torch, so ``vcga info --plan``
+can show a layout's plan without it. The package docstring (:mod:`vcga.bridge`) tells the whole story.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vcga import dtypes as _dtypes
+from vcga.contract import Backend, CapabilityTable, Cell, Collective, ReduceOp, Support
+from vcga.errors import VcgaConfigError
+
+__all__ = [
+    "ALGORITHMS",
+    "BANDWIDTH_MIN_BYTES",
+    "Plan",
+    "VendorGroup",
+    "combined_table",
+    "make_plan",
+    "node_name",
+    "plan_for_layout",
+    "reduction_routes",
+    "table_from_json",
+]
+
+#: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
+ALGORITHMS = ("leader", "bandwidth", "replicated")
+#: From this message size on, "auto" picks the measured large-message algorithm (bandwidth or
+#: replicated) when every vendor group has the same size >= 2; below it, leader. Measured crossover
+#: (benchmarks/hybrid.py, docs/benchmarks.md): at 256 KiB leader and replicated are level and the
+#: bandwidth algorithm 1.7x flat; at 1 MiB bandwidth (p2p) is the best, 1.2x against leader's 1.6x.
+BANDWIDTH_MIN_BYTES = 1 << 20
+
+#: What "auto" picks at and above BANDWIDTH_MIN_BYTES on equal vendor groups when nothing was
+#: measured (a group created with bridge_algorithm "leader" or "replicated" never uses it; every
+#: other equal-group bridge replaces it by its measurement, :meth:`BridgeGroup.calibrate`).
+AUTO_LARGE = "replicated"
+#: How the plan (a pure function of the published facts) names auto's large-message choice, which
+#: each running group measures at creation (:meth:`BridgeGroup.calibrate`).
+AUTO_LARGE_MEASURED = "bandwidth|replicated (measured)"
+#: The bandwidth algorithm pipelines a message in segments of at least this size (at most
+#: PIPELINE_MAX_SEGMENTS of them): one segment crosses the bridge while the next is reduce-scattered
+#: and the previous all-gathered inside the vendor group.
+PIPELINE_SEGMENT_BYTES = 8 << 20
+PIPELINE_MAX_SEGMENTS = 8
+#: From this size on (two pipeline segments or more), "auto" runs "bandwidth" on equal vendor groups
+#: whatever the 2 MiB measurement preferred: the measurement, one segment, cannot see the
+#: pipelining, and in every run on this machine the pipelined bandwidth algorithm (p2p in-group
+#: steps) beat replicated at 16 and 64 MiB (e.g. 1.07x and 0.92x flat against 1.35x and 1.06x, in
+#: a run where the 2 MiB measurement preferred replicated; docs/benchmarks.md).
+PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
+#: Message size of the creation-time measurement (large enough to be bandwidth-bound).
+CALIBRATION_BYTES = 2 << 20
+
+#: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
+#: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
+#: then routes them through ``upcast:float32`` so they are accumulated across vendors in fp32.
+HOST_REDUCIBLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float32", "float64")
+
+AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
+BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
+#: Reduce ops the bridge itself implements; AVG and PREMUL_SUM are derived from SUM by the
+#: dispatcher (sum_then_divide / mul_then_sum) so they see the whole group, not one vendor group.
+_HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+_BRIDGE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+               ReduceOp.BXOR)
+
+
+#: The message sizes ``vcga info --plan`` and the plan's description show the algorithm for.
+PLAN_SIZES = tuple(4 << (10 + 2 * i) for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+
+#: The reductions whose route ``vcga info --plan`` shows (SUM: what DDP and most training runs use).
+ROUTE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool")
+
+
+def node_name() -> str:
+    """This process's node, as the plan groups ranks (the host name)."""
+    return socket.gethostname()
+
+
+# ===================================================================================================
+# The plan
+# ===================================================================================================
+
+
+@dataclass(frozen=True)
+class VendorGroup:
+    """The ranks of one backend, in plan order (``ranks[0]`` is the leader)."""
+
+    index: int
+    backend: str
+    vendor: str
+    device_type: str
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Vendor groups, leaders and algorithm choice; identical on every rank of the group.
+
+    :param size: ranks in the ``vcga`` group.
+    :param groups: vendor groups in bridge order.
+    :param algorithm: the configured all_reduce algorithm ("auto", "leader" or "bandwidth").
+    :param global_ranks: global rank of each group rank (for messages).
+    """
+
+    size: int
+    groups: tuple[VendorGroup, ...]
+    algorithm: str = "auto"
+    global_ranks: tuple[int, ...] = ()
+
+    def group_of(self, rank: int) -> VendorGroup:
+        for g in self.groups:
+            if rank in g.ranks:
+                return g
+        raise ValueError(f"rank {rank} is not in the plan")
+
+    def local_rank(self, rank: int) -> int:
+        return self.group_of(rank).ranks.index(rank)
+
+    @property
+    def equal_groups(self) -> bool:
+        """Every vendor group has the same size >= 2: the shape the bandwidth-optimal algorithm needs."""
+        sizes = {g.size for g in self.groups}
+        return len(sizes) == 1 and min(sizes) >= 2
+
+    @property
+    def contiguous(self) -> bool:
+        """Each vendor group is one run of consecutive ranks."""
+        return all(sorted(g.ranks) == list(range(min(g.ranks), max(g.ranks) + 1)) for g in self.groups)
+
+    def shard_peers(self, local_rank: int) -> tuple[int, ...]:
+        """Group ranks of local rank ``local_rank`` in every vendor group that has one (bridge order)."""
+        return tuple(g.ranks[local_rank] for g in self.groups if local_rank < g.size)
+
+    def all_reduce_algorithm(self, nbytes: int, large: str = AUTO_LARGE) -> str:
+        """The algorithm for an all_reduce of ``nbytes`` bytes; ``large`` is what "auto" uses from
+        :data:`BANDWIDTH_MIN_BYTES` on (a running group passes its measured choice, see
+        :meth:`BridgeGroup.calibrate`)."""
+        if not self.equal_groups:
+            return "leader"  # shards must line up across vendor groups
+        if self.algorithm == "auto":
+            if nbytes >= PIPELINED_MIN_BYTES:
+                return "bandwidth"
+            return large if nbytes >= BANDWIDTH_MIN_BYTES else "leader"
+        return self.algorithm
+
+    def describe(self, sizes: Sequence[int] = PLAN_SIZES,
+                 tables: Sequence[CapabilityTable] | None = None) -> dict[str, Any]:
+        """Groups, leaders, shard peers and the algorithm per collective and size (``vcga info --plan``).
+
+        With the vendor groups' ``tables`` (in plan order) it adds ``routes``: how the reductions
+        that matter cross the vendors (:func:`reduction_routes`).
+        """
+        def g_rank(r: int) -> int:
+            return self.global_ranks[r] if self.global_ranks else r
+
+        lead = {s: self.all_reduce_algorithm(s, large=AUTO_LARGE_MEASURED) for s in sizes}
+        out = {
+            "size": self.size,
+            "algorithm": self.algorithm,
+            "contiguous": self.contiguous,
+            "groups": [{"index": g.index, "backend": g.backend, "vendor": g.vendor, "device_type": g.device_type,
+                        "ranks": [g_rank(r) for r in g.ranks], "leader": g_rank(g.leader), "nodes": list(g.nodes)}
+                       for g in self.groups],
+            "leaders": [g_rank(g.leader) for g in self.groups],
+            "shard_peers": [[g_rank(r) for r in self.shard_peers(i)]
+                            for i in range(max(g.size for g in self.groups)) if self.equal_groups or i == 0],
+            "collectives": {
+                "all_reduce": {_size_name(s): a for s, a in lead.items()},
+                "reduce": {_size_name(s): a + " (all_reduce, result kept at the root)" for s, a in lead.items()},
+                "reduce_scatter": {_size_name(s): a + " (all_reduce, each rank keeps its chunk)" for s, a in lead.items()},
+                "broadcast": "in root's vendor group, leaders over the bridge, then in every other vendor group",
+                "all_gather": "host bridge (gloo, whole group, bytes)",
+                "gather": "host bridge (gloo, whole group, bytes)",
+                "scatter": "host bridge (gloo, whole group, bytes)",
+                "all_to_all": "host bridge (gloo, whole group, bytes; uneven splits)",
+                "send_recv": "host bridge (gloo, whole group, bytes)",
+                "barrier": "host bridge (gloo, whole group)",
+            },
+        }
+        if tables is not None:
+            out["routes"] = reduction_routes(self, tables)
+        return out
+
+
+def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequence[str] = ROUTE_DTYPES,
+                     op: ReduceOp = ReduceOp.SUM) -> list[dict[str, Any]]:
+    """How an all_reduce of each dtype in ``dtypes`` crosses the vendor groups.
+
+    Per dtype: the combined table's cell (native, or the emulation the dispatcher applies first,
+    e.g. ``upcast:float32`` for fp16), the dtype the bridge then reduces in, each vendor group's
+    route for it (:func:`group_route`, with the group's own recipe when its table emulates, e.g.
+    CNCL's fp64 ``gather_then_reduce``), and whether a host route pins the leader algorithm.
+    """
+    combined = combined_table("bridge", tables)
+    rows = []
+    for dt in dtypes:
+        cell = combined.lookup(AR, dt, op)
+        reduced = cell.via.split(":", 1)[1] if cell.via and cell.via.startswith("upcast:") else dt
+        row: dict[str, Any] = {"dtype": dt, "op": op.value, "support": cell.support.value, "via": cell.via,
+                               "reduced_as": reduced, "groups": []}
+        if cell.support is Support.REFUSED:
+            row["note"] = cell.note
+        else:
+            for g, t in zip(plan.groups, tables):
+                own = t.lookup(AR, reduced, op)
+                row["groups"].append({"backend": g.backend, "route": group_route(t, reduced, op),
+                                      "library_cell": own.support.value, "library_via": own.via})
+            row["leader_only"] = any(x["route"] == "host" for x in row["groups"])
+        rows.append(row)
+    return rows
+
+
+def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
+    """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
+    would compute -- the same facts :func:`vcga.process_group.make_transport` publishes, without
+    creating any group (``vcga info --plan``)."""
+    peers = [{"backend": b.name, "vendor": b.vendor, "device_type": b.device_type, "global_rank": r,
+              "node": n} for r, (b, n) in enumerate(zip(backends, nodes, strict=True))]
+    plan = make_plan(peers, algorithm)
+    by_name = {b.name: b for b in backends}
+    return plan, [by_name[g.backend].capabilities() for g in plan.groups]
+
+
+def _size_name(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
+    """The plan for the published facts ``peers`` (one dict per group rank, in rank order).
+
+    Nodes are ordered by their lowest rank; a vendor group's members by (node, rank), so a group
+    spanning nodes is walked node by node; groups by (node of their first member, lowest rank), so
+    vendor groups on one node sit next to each other on the bridge. Pure: every rank computes the
+    same plan from the same facts.
+    """
+    if algorithm not in ("auto", *ALGORITHMS):
+        raise VcgaConfigError("bridge_algorithm", algorithm, "one of auto, leader, bandwidth, replicated")
+    node_order: dict[str, int] = {}
+    for p in peers:
+        node_order.setdefault(p.get("node", ""), len(node_order))
+    by_backend: dict[str, list[int]] = {}
+    for r, p in enumerate(peers):
+        by_backend.setdefault(p["backend"], []).append(r)
+    for name, ranks in by_backend.items():
+        kinds = {(peers[r]["vendor"], peers[r]["device_type"]) for r in ranks}
+        if len(kinds) > 1:
+            raise VcgaConfigError("backend", name, f"one vendor and device type per backend name; ranks report {sorted(kinds)}")
+    groups = []
+    for name, ranks in by_backend.items():
+        ordered = sorted(ranks, key=lambda r: (node_order[peers[r].get("node", "")], r))
+        groups.append((name, tuple(ordered)))
+    groups.sort(key=lambda item: (node_order[peers[item[1][0]].get("node", "")], min(item[1])))
+    out = []
+    for i, (name, ranks) in enumerate(groups):
+        p = peers[ranks[0]]
+        nodes = tuple(dict.fromkeys(peers[r].get("node", "") for r in ranks))
+        out.append(VendorGroup(i, name, p["vendor"], p["device_type"], ranks, nodes))
+    global_ranks = tuple(int(p.get("global_rank", r)) for r, p in enumerate(peers))
+    return Plan(len(peers), tuple(out), algorithm, global_ranks)
+
+
+# ===================================================================================================
+# The combined capability table
+# ===================================================================================================
+
+
+def table_from_json(backend: str, rows: Sequence[dict[str, Any]]) -> CapabilityTable:
+    """Rebuild a table from :meth:`CapabilityTable.to_json` rows (as published through the store)."""
+    cells = {}
+    for row in rows:
+        coll = Collective(row["collective"])
+        op = ReduceOp(row["op"]) if row["op"] is not None else None
+        cells[(coll, row["dtype"], op)] = Cell(Support(row["support"]), via=row["via"], note=row["note"])
+    return CapabilityTable(backend, cells)
+
+
+def table_digest(table: CapabilityTable) -> str:
+    rows = sorted(json.dumps(r, sort_keys=True) for r in table.to_json())
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
+def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTable:
+    """What the hierarchical group does correctly, given each vendor group's table.
+
+    A reducing cell (all_reduce, reduce, reduce_scatter) is native when the host can reduce the
+    dtype exactly (:data:`HOST_REDUCIBLE`), the op is one the bridge implements, and every vendor
+    group has a route for it (:func:`group_route`: its library reduces it, or it can at least move
+    it and its leader reduces the raw bytes on the host). A broadcast is native when every vendor group can broadcast the dtype;
+    the other data movement goes through the host bridge as bytes and is native for every dtype.
+    Every other cell is refused with the refusing vendors' reasons, non-final, so the standard
+    emulations are derived on top: AVG = SUM then divide, PREMUL_SUM = scale then SUM, fp16/bf16/fp8
+    through fp32 (accumulated across vendors in fp32), complex as real pairs.
+    """
+    b = CapabilityTable.builder(name)
+    backends = ", ".join(t.backend for t in tables)
+    for coll in Collective:
+        for dt in _dtypes.ALL:
+            ops: Sequence[ReduceOp | None] = list(ReduceOp) if coll.reduces else [None]
+            for op in ops:
+                reason = _bridge_refusal(coll, dt, op, tables)
+                if reason is None:
+                    note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
+                            f"vendors on the host" if coll.reduces or coll is BC else
+                            f"host bridge (gloo) across {backends}, as bytes")
+                    b.native([coll], [dt], [op] if op is not None else None, note=note)
+                else:
+                    b.refuse([coll], [dt], [op] if op is not None else None, note=reason, final=False)
+    return b.build(derive=True)
+
+
+def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
+    """How one vendor group takes part in a bridged reduction of ``dt`` with ``op``.
+
+    "library": its library (or its own emulation) reduces and reduce-scatters, broadcasts and
+    all-gathers it. "host": it cannot reduce it but can move it -- the leader gathers the raw
+    bytes and reduces them on the host in the dtype itself (fp64 on HCCL, which has no fp64).
+    None: it cannot even move the dtype.
+    """
+    ok = [table.lookup(c, dt, op if c.reduces else None).support is not Support.REFUSED
+          for c in (RD, RS, BC, AG, GA, AR)]
+    if all(ok[:4]) and ok[5]:
+        return "library"
+    if ok[2] and ok[4] and op in _HOST_ROUTE_OPS:
+        return "host"
+    return None
+
+
+def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequence[CapabilityTable]) -> str | None:
+    """Why the bridge cannot run this cell itself (None: it can)."""
+    if coll.reduces:
+        assert op is not None
+        if op not in _BRIDGE_OPS:
+            return f"mixed-vendor bridge composes {op.value} from SUM"
+        if dt not in HOST_REDUCIBLE:
+            return f"mixed-vendor bridge reduces {dt} in a wider dtype"
+        if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and _dtypes.get(dt).kind not in "iub":
+            return f"bitwise ops need an integer or bool dtype, not {dt}"
+        for t in tables:
+            if group_route(t, dt, op) is None:
+                for c in (RD, RS, BC, AG, GA):
+                    cell = t.lookup(c, dt, op if c.reduces else None)
+                    if cell.support is Support.REFUSED:
+                        return f"{t.backend} cannot run {c.value} on {dt}: {cell.note or 'refused'}"
+        return None
+    if coll is BC:
+        for t in tables:
+            cell = t.lookup(BC, dt, None)
+            if cell.support is Support.REFUSED:
+                return f"{t.backend}: {cell.note or 'refused'}"
+    return None
