@@ -185,18 +185,19 @@ def bench_write(workdir: Path, reps: int, gib: float) -> None:
     from safetensors.torch import save_file as st_save_file
 
     from vcga.formats import vbin
+    from vcga.formats.vbin import writer as vbin_writer  # the module whose xxhash VbinWriter uses
 
     tensors = make_mix(gib)
     nbytes = sum(t.nbytes for t in tensors.values())
-    real = vbin.xxhash
+    real = vbin_writer.xxhash
 
     def with_hasher(factory):
         def run() -> None:
-            vbin.xxhash = types.SimpleNamespace(xxh3_64=factory, xxh3_64_intdigest=real.xxh3_64_intdigest)
+            vbin_writer.xxhash = types.SimpleNamespace(xxh3_64=factory, xxh3_64_intdigest=real.xxh3_64_intdigest)
             try:
                 vbin.save_file(tensors, workdir / "w.vbin")
             finally:
-                vbin.xxhash = real
+                vbin_writer.xxhash = real
         return run
 
     variants = {
