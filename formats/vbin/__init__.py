@@ -36,6 +36,7 @@ import xxhash
 from vcga import dtypes, tensors
 from vcga.contract import FormatSpec, hookimpl
 from vcga.errors import VcgaConversionError
+
 from ._format import (
     DEFAULT_ALIGNMENT,
     EXTENSION,

@@ -17,6 +17,7 @@ from vcga import dtypes, tensors
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaFormatError
 from vcga.formatkit import ReaderContext
+
 from ._format import (
     FORMAT_NAME,
     MAGIC,

@@ -19,6 +19,7 @@ from vcga.atomic import AtomicGroup
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError
 from vcga.formatkit import WriterContext
+
 from ._format import (
     DEFAULT_ALIGNMENT,
     FORMAT_NAME,
