@@ -6,7 +6,7 @@
 1. reads the unified config (:func:`vcga.config.load_config`, or a :class:`VcgaOptions` passed as
    ``pg_options``) and picks this rank's backend through the plugin manager;
 2. publishes that choice through the group's store and builds the :mod:`transport <vcga.transport>`
-   (:func:`make_transport`): the backend's native group over a prefixed store when every rank runs
+   (:func:`vcga.transport.make_transport`): the backend's native group over a prefixed store when every rank runs
    the same backend;
 3. returns a :class:`VcgaProcessGroup`, a Python ``torch.distributed.ProcessGroup`` that implements
    every collective by dispatching through the transport's capability table
@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -40,18 +39,17 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from vcga import dtypes as _dtypes
-from vcga.config import Config, gloo_env, load_config
-from vcga.contract import Backend, Collective, ReduceOp
+from vcga.config import Config, load_config
+from vcga.contract import Collective, ReduceOp
 from vcga.debug import FingerprintCheck, fingerprint
 from vcga.dispatch import Dispatcher, Steps
 from vcga.errors import (
-    VcgaBackendUnavailable,
     VcgaCollectiveError,
     VcgaError,
     VcgaTimeoutError,
 )
 from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
-from vcga.transport import NativeTransport, Transport
+from vcga.transport import Transport, make_transport
 
 __all__ = [
     "BACKEND_NAME",
@@ -144,57 +142,6 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
     transport = make_transport(store, rank, size, backend, timeout, config, global_ranks)
     return VcgaProcessGroup(store, rank, size, transport=transport, config=config, timeout=timeout,
                             group_name=group_name, global_ranks=global_ranks)
-
-
-def _apply_vendor_env(backend: Backend, config: Config) -> None:
-    for key, value in backend.vendor_env(config).items():
-        os.environ.setdefault(key, value)  # never override what the user set
-
-
-def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: timedelta, config: Config,
-                   global_ranks: Sequence[int]) -> Transport:
-    """Discover every rank's backend through ``store`` and build the group's transport.
-
-    Each rank publishes ``{"backend", "vendor", "device_type"}`` under ``vcga/discovery/<rank>``
-    and reads everyone's, so every rank reaches the same decision. One backend: a
-    :class:`~vcga.transport.NativeTransport` over the backend's native group. Several: the
-    mixed-vendor bridge (:func:`vcga.bridge.create_bridge_transport`).
-    """
-    import socket
-
-    disc = dist.PrefixStore("vcga/discovery", store)
-    me = {"backend": backend.name, "vendor": backend.vendor, "device_type": backend.device_type,
-          "global_rank": global_ranks[rank], "node": socket.gethostname()}  # the bridge plans by node
-    disc.set(str(rank), json.dumps(me))
-    keys = [str(r) for r in range(size)]
-    try:
-        disc.wait(keys, timeout)
-    except Exception as e:
-        missing = [global_ranks[r] for r in range(size) if not disc.check([str(r)])]
-        raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=global_ranks[rank],
-                               missing_ranks=missing, detail="ranks never published their backend") from e
-    peers = [json.loads(v) for v in disc.multi_get(keys)]
-    names = {p["backend"] for p in peers}
-    if len(names) == 1:
-        _apply_vendor_env(backend, config)
-        try:
-            native = backend.create_process_group(dist.PrefixStore("vcga/native", store), rank, size, timeout)
-        except VcgaError:
-            raise
-        except Exception as e:
-            raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
-                                                       f"{type(e).__name__}: {e}") from e
-        return NativeTransport(backend, native)
-    # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge/).
-    # The bridge's exchange between nodes is gloo, whatever the vendors: it follows the network
-    # section (GLOO_SOCKET_IFNAME; torch's ProcessGroupGloo reads it when each group is made).
-    from vcga.bridge import create_bridge_transport
-
-    for key, value in gloo_env(config).items():
-        os.environ.setdefault(key, value)  # never override what the user set
-
-    return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
-                                   apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm)
 
 
 # ===================================================================================================

@@ -26,7 +26,7 @@ The contract of a transport is deliberately small:
 ``backend_name``, ``device_type``, :meth:`describe`
     for error messages, ``vcga info`` and debug logs.
 
-A transport is created once per ``vcga`` group by :func:`vcga.process_group.make_transport`, after
+A transport is created once per ``vcga`` group by :func:`make_transport`, after
 every rank published which backend it runs (the discovery step a bridge extends with vendor, node
 and table).
 """
@@ -34,12 +34,20 @@ and table).
 from __future__ import annotations
 
 import abc
+import json
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
+
 if TYPE_CHECKING:
+    from vcga.config import Config
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport"]
+__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "make_transport"]
 
 #: The c10d methods the dispatcher calls on ``Transport.group`` (names as on ``ProcessGroupGloo``).
 TRANSPORT_METHODS: tuple[str, ...] = (
@@ -106,3 +114,62 @@ class NativeTransport(Transport):
                 shutdown()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+
+
+# ===================================================================================================
+# Creation
+# ===================================================================================================
+
+
+def _apply_vendor_env(backend: Backend, config: Config) -> None:
+    for key, value in backend.vendor_env(config).items():
+        os.environ.setdefault(key, value)  # never override what the user set
+
+
+def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: timedelta, config: Config,
+                   global_ranks: Sequence[int]) -> Transport:
+    """Discover every rank's backend through ``store`` and build the group's transport.
+
+    Each rank publishes ``{"backend", "vendor", "device_type"}`` under ``vcga/discovery/<rank>``
+    and reads everyone's, so every rank reaches the same decision. One backend: a
+    :class:`~vcga.transport.NativeTransport` over the backend's native group. Several: the
+    mixed-vendor bridge (:func:`vcga.bridge.create_bridge_transport`).
+    """
+    import socket
+
+    import torch.distributed as dist  # here: importing this module stays torch-free
+
+    disc = dist.PrefixStore("vcga/discovery", store)
+    me = {"backend": backend.name, "vendor": backend.vendor, "device_type": backend.device_type,
+          "global_rank": global_ranks[rank], "node": socket.gethostname()}  # the bridge plans by node
+    disc.set(str(rank), json.dumps(me))
+    keys = [str(r) for r in range(size)]
+    try:
+        disc.wait(keys, timeout)
+    except Exception as e:
+        missing = [global_ranks[r] for r in range(size) if not disc.check([str(r)])]
+        raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=global_ranks[rank],
+                               missing_ranks=missing, detail="ranks never published their backend") from e
+    peers = [json.loads(v) for v in disc.multi_get(keys)]
+    names = {p["backend"] for p in peers}
+    if len(names) == 1:
+        _apply_vendor_env(backend, config)
+        try:
+            native = backend.create_process_group(dist.PrefixStore("vcga/native", store), rank, size, timeout)
+        except VcgaError:
+            raise
+        except Exception as e:
+            raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
+                                                       f"{type(e).__name__}: {e}") from e
+        return NativeTransport(backend, native)
+    # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge/).
+    # The bridge's exchange between nodes is gloo, whatever the vendors: it follows the network
+    # section (GLOO_SOCKET_IFNAME; torch's ProcessGroupGloo reads it when each group is made).
+    from vcga.bridge import create_bridge_transport
+    from vcga.config import gloo_env
+
+    for key, value in gloo_env(config).items():
+        os.environ.setdefault(key, value)  # never override what the user set
+
+    return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
+                                   apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm)

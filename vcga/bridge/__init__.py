@@ -1,7 +1,7 @@
 """The mixed-vendor bridge: one ``vcga`` process group over ranks of several vendors.
 
 When the ranks of a ``vcga`` group run different backends (NVIDIA next to Ascend next to MLU, or
-their simulated stand-ins), :func:`vcga.process_group.make_transport` hands over to
+their simulated stand-ins), :func:`vcga.transport.make_transport` hands over to
 :func:`create_bridge_transport`, which
 
 1. **discovers** the vendors: every rank has published its backend, vendor, device type and node

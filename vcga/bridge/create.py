@@ -1,6 +1,6 @@
 """Creating a bridge: discovery of the vendors, each rank's native vendor group, the host bridge.
 
-:func:`create_bridge_transport` is what :func:`vcga.process_group.make_transport` calls when the
+:func:`create_bridge_transport` is what :func:`vcga.transport.make_transport` calls when the
 ranks of a ``vcga`` group run different backends (steps 1, 3 and 4 of :mod:`vcga.bridge`).
 """
 
@@ -74,7 +74,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                             timeout: timedelta, algorithm: str = "auto",
                             apply_env: Callable[[Backend], None] | None = None,
                             shared_memory: bool = True) -> BridgeTransport:
-    """Build the mixed-vendor transport (called by :func:`vcga.process_group.make_transport`).
+    """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
     :param backend: this rank's backend; :param peers: every rank's published facts, in rank order.

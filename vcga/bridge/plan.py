@@ -231,7 +231,7 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
 
 def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
     """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
-    would compute -- the same facts :func:`vcga.process_group.make_transport` publishes, without
+    would compute -- the same facts :func:`vcga.transport.make_transport` publishes, without
     creating any group (``vcga info --plan``)."""
     peers = [{"backend": b.name, "vendor": b.vendor, "device_type": b.device_type, "global_rank": r,
               "node": n} for r, (b, n) in enumerate(zip(backends, nodes, strict=True))]
