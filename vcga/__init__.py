@@ -12,6 +12,8 @@ imported before or after (see :mod:`vcga._autoload`).
 - :mod:`vcga.plugin_manager` -- plugin discovery and backend selection;
 - :mod:`vcga.dtypes` -- the one dtype table;
 - :mod:`vcga.process_group` -- the ``vcga`` torch.distributed backend.
+
+Every public module is listed in :data:`vcga.contract.PUBLIC_API`; the rest is internal.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ below, decorated with :data:`hookimpl`; it is registered either as a built-in (`
     def vcga_backends():
         return [MyVendorBackend()]
 
-A plugin imports only this module, :mod:`vcga.errors`, :mod:`vcga.dtypes` and :mod:`vcga.config`
-(the public core API) -- never another plugin and never core internals.
+A plugin imports only the public core API, the modules listed in :data:`PUBLIC_API` (this module
+first) -- never another plugin and never core internals. ``tests/test_walls.py`` holds every
+built-in plugin, format and conformance module to that list.
 
 Sections:
 
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from vcga.config import Config
 
 __all__ = [
+    "PUBLIC_API",
     "PROJECT",
     "hookspec",
     "hookimpl",
@@ -94,6 +96,29 @@ __all__ = [
     "ConformanceCheck",
     "HookSpecs",
 ]
+
+#: The public core API: the only VCGA modules a plugin (backend, format or conformance check) may
+#: import, and what a training script or tool may rely on. Everything else under ``vcga`` is
+#: internal and may change. This is the one list: docs/plugins.md and docs/architecture.md point
+#: here, and tests/test_walls.py enforces it on the built-in plugins (docs/architecture.md, "The walls").
+PUBLIC_API: tuple[str, ...] = (
+    "vcga",  # vcga.init, Communicator, get_plugin_manager, load_config, __version__
+    "vcga.contract",  # this module: hook specs and every interface
+    "vcga.capabilities",  # capability tables and their builder (re-exported here)
+    "vcga.errors",  # every error VCGA raises
+    "vcga.dtypes",  # the one dtype table
+    "vcga.config",  # the unified configuration
+    "vcga.plugin_manager",  # plugin discovery and backend selection
+    "vcga.process_group",  # the ``vcga`` torch.distributed backend (VcgaOptions)
+    "vcga.cpu",  # the host as an Accelerator
+    "vcga.vendor",  # what accelerator plugins share: device-module Accelerator, probes, topology
+    "vcga.pypg",  # Work/Future helpers for a backend whose native group is a Python ProcessGroup
+    "vcga.spawn",  # a small local world of spawned ranks (capability measurement)
+    "vcga.atomic",  # atomic writes
+    "vcga.tensors",  # tensor entries from/to torch and numpy, checksums
+    "vcga.formatkit",  # what format plugins share: reader/writer bases, entry buffers, metadata
+    "vcga.wire",  # the tensor wire format
+)
 
 #: pluggy project name; also the entry-point group plugins register under.
 PROJECT = "vcga"
