@@ -26,7 +26,8 @@ from vcga import dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext, WriterContext, entry_array, entry_buffer
+from vcga.formatkit import ReaderContext, WriterContext, entry_array
+from vcga.tensors import check_entry
 
 __all__ = ["Hdf5Reader", "Hdf5Writer", "sniff", "SPEC", "encode_attr", "decode_attr",
            "GROUPS_KEY", "DTYPE_ATTR", "ATTR_PREFIX"]
@@ -514,7 +515,7 @@ class Hdf5Writer(WriterContext):
             raise VcgaConversionError(
                 f"tensor name {name!r} is not a valid HDF5 path (a NUL character, empty or '.' components, leading, "
                 "trailing or doubled '/'); rename it before converting to hdf5", tensor=name, target=NAME)
-        buf = entry_buffer(entry, target=NAME)
+        buf = check_entry(entry, target=NAME)
         group = self._group(parts[:-1], name)
         leaf = parts[-1]
         if leaf in group:

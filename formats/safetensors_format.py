@@ -40,11 +40,11 @@ from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formatkit import (
     ReaderContext,
     WriterContext,
-    entry_buffer,
     pack_tensor_metadata,
     read_exact,
     unpack_tensor_metadata,
 )
+from vcga.tensors import check_entry
 
 __all__ = ["SafetensorsReader", "SafetensorsWriter", "ShardedSafetensorsReader", "ShardedSafetensorsWriter",
            "open_reader", "open_writer", "sniff", "SPEC", "LIBRARY_DTYPE_ORDER"]
@@ -289,7 +289,7 @@ class SafetensorsWriter(WriterContext):
         _check_dtype(entry)
         if entry.name in self._names:
             raise VcgaConversionError(f"tensor {entry.name!r} written twice", tensor=entry.name, target=NAME)
-        data = entry_buffer(entry, target=NAME)
+        data = check_entry(entry, target=NAME)
         if self._plan_entries is not None:
             if not self._header_written:
                 self._write_planned_header()

@@ -48,7 +48,8 @@ from vcga import dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext, WriterContext, checksum, entry_buffer
+from vcga.formatkit import ReaderContext, WriterContext
+from vcga.tensors import check_entry, checksum
 
 __all__ = ["TorchReader", "TorchWriter", "sniff", "SPEC", "TIED_TO", "SHARES_STORAGE_WITH"]
 
@@ -379,7 +380,7 @@ class TorchWriter(WriterContext):
         _check_entry_dtype(entry)
         if entry.name in self._names:
             raise VcgaConversionError(f"tensor {entry.name!r} written twice", tensor=entry.name, target=NAME)
-        buf = entry_buffer(entry, target=NAME)
+        buf = check_entry(entry, target=NAME)
         shape = tuple(entry.shape)
         if self._plan is not None:
             if not self._pickle_written:

@@ -16,7 +16,7 @@ from tensor_strategies import cases, torch_bytes
 
 from vcga import dtypes, tensors
 from vcga.contract import TensorEntry
-from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaFormatError
+from vcga.errors import VcgaChecksumError, VcgaConversionError
 
 HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -162,12 +162,17 @@ def test_device_tensors_go_through_the_plugin_hook_fake_device(monkeypatch):
 
 def test_check_entry_and_checksums():
     e = TensorEntry("x", "float32", (2,), b"\0" * 7)
-    with pytest.raises(VcgaFormatError, match="7 data bytes"):
-        tensors.check_entry(e)
-    with pytest.raises(VcgaFormatError, match="unknown dtype"):
+    with pytest.raises(VcgaConversionError, match="7 data bytes") as info:
+        tensors.check_entry(e, target="vendor-bin")
+    assert (info.value.tensor, info.value.dtype, info.value.target) == ("x", "float32", "vendor-bin")
+    with pytest.raises(VcgaConversionError, match="unknown dtype"):
         tensors.check_entry(TensorEntry("x", "float128", (1,), b"\0" * 16))
-    with pytest.raises(VcgaFormatError, match="no data"):
+    with pytest.raises(VcgaConversionError, match="no data"):
         tensors.check_entry(TensorEntry("x", "float32", (1,), None))
+    with pytest.raises(VcgaConversionError, match="shape \\[2\\] is not a tuple"):
+        tensors.check_entry(TensorEntry("x", "float32", [2], b"\0" * 8))
+    with pytest.raises(VcgaConversionError, match="tensor 'x': a non-contiguous"):
+        tensors.check_entry(TensorEntry("x", "uint8", (2,), memoryview(b"abcd")[::2]))
     good = TensorEntry("x", "uint8", (3,), b"abc", checksum=tensors.checksum(b"abc"))
     tensors.verify_checksum(good)
     with pytest.raises(VcgaChecksumError, match="checksum mismatch"):

@@ -325,7 +325,7 @@ def test_a_damaged_source_aborts_the_write(tmp_path):
 def test_writer_checks_entries(tmp_path):
     w = vbin.VbinWriter(tmp_path / "c.vbin")
     e = tensors.from_numpy("x", np.arange(4, dtype=np.int32))
-    with pytest.raises(VcgaFormatError, match="data bytes"):
+    with pytest.raises(VcgaConversionError, match="data bytes"):
         w.write(TensorEntry("y", "int32", (5,), e.data))
     with pytest.raises(VcgaConversionError, match="surrogate"):
         w.write(TensorEntry("\ud800", "int32", (4,), e.data))

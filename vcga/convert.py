@@ -38,7 +38,7 @@ from typing import Any
 from vcga import dtypes
 from vcga.contract import FormatSpec, TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaError, VcgaFormatError
-from vcga.formatkit import checksum, entry_buffer
+from vcga.tensors import check_entry, checksum
 
 __all__ = [
     "ConversionReport",
@@ -429,7 +429,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_for
                         out = _cast(out, targets[n])
                         key = f"{entry.dtype}->{targets[n]}"
                         report.casts[key] = report.casts.get(key, 0) + 1
-                    digest = checksum(entry_buffer(out, target=dst_spec.name))
+                    digest = checksum(check_entry(out, target=dst_spec.name))
                     sums[out.name] = digest
                     writer.write(replace(out, checksum=digest))
                     done += entry.nbytes
@@ -469,7 +469,7 @@ def _check_matches_index(entry: TensorEntry, planned: TensorEntry, path: Path) -
 def _source_checked(entry: TensorEntry, path: Path) -> TensorEntry:
     """Check the entry's length (and stored checksum) -- a source problem is a VcgaFormatError."""
     try:
-        buf = entry_buffer(entry)
+        buf = check_entry(entry)
     except VcgaConversionError as e:
         raise VcgaFormatError(path, str(e)) from None
     if entry.checksum is not None:
@@ -499,7 +499,7 @@ def _verify_output(spec: FormatSpec, path: Path, plan: Sequence[TensorEntry], su
                 if want is None or (entry.dtype, tuple(entry.shape)) != (want.dtype, tuple(want.shape)):
                     raise VcgaChecksumError(path, f"verify: tensor {entry.name!r} came back as {entry.dtype} "
                                             f"{list(entry.shape)}")
-                got = checksum(entry_buffer(entry))
+                got = checksum(check_entry(entry))
                 if got != sums[entry.name]:
                     raise VcgaChecksumError(path, f"verify: tensor {entry.name!r} reads back as {got}, "
                                             f"written as {sums[entry.name]}")
@@ -586,7 +586,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, src_format: str | None =
                     raise VcgaFormatError(p, f"tensor {entry.name!r} read as {entry.dtype} {list(entry.shape)}, "
                                           "which its index does not list")
                 try:
-                    got = checksum(entry_buffer(entry))
+                    got = checksum(check_entry(entry))
                 except VcgaConversionError as e:
                     raise VcgaFormatError(p, str(e)) from None
                 stored = entry.checksum or row["stored_checksum"]

@@ -2,9 +2,10 @@
 
 A format plugin imports this module instead of re-implementing these:
 
-- :func:`checksum` -- the ``"xxh3_64:<16 hex>"`` string :class:`~vcga.contract.TensorEntry` carries;
-- :func:`entry_buffer` / :func:`entry_array` -- an entry's bytes checked against its dtype and shape,
-  and a zero-copy little-endian numpy view of them;
+- :func:`entry_array` -- a zero-copy little-endian numpy view of an entry's bytes, checked against
+  its dtype and shape (the entry helpers themselves -- :func:`vcga.tensors.check_entry`, the one
+  entry validation, and :func:`vcga.tensors.checksum`, the ``"xxh3_64:<16 hex>"`` string a
+  :class:`~vcga.contract.TensorEntry` carries -- live in :mod:`vcga.tensors`);
 - :data:`TENSOR_METADATA_KEY` with :func:`pack_tensor_metadata` / :func:`unpack_tensor_metadata` --
   the convention that lets a format with only file-level string metadata (safetensors, ...) carry
   per-tensor metadata (HDF5 attributes, tie information) through a conversion;
@@ -23,10 +24,9 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-import xxhash
-
 from vcga import dtypes
-from vcga.errors import VcgaConversionError, VcgaFormatError
+from vcga.errors import VcgaFormatError
+from vcga.tensors import check_entry
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from vcga.contract import TensorEntry
 
 __all__ = [
-    "CHECKSUM_ALGORITHM",
-    "checksum",
-    "entry_buffer",
     "entry_array",
     "TENSOR_METADATA_KEY",
     "pack_tensor_metadata",
@@ -50,45 +47,9 @@ __all__ = [
 
 _Self = TypeVar("_Self")
 
-#: The one per-tensor checksum VCGA speaks: xxHash's XXH3, 64 bits (fast, well kept, not cryptographic).
-CHECKSUM_ALGORITHM = "xxh3_64"
-
 #: File-level metadata key under which formats without per-tensor metadata keep it, as JSON
 #: ``{"tensor name": {"key": "value", ...}, ...}`` (only tensors that have metadata are listed).
 TENSOR_METADATA_KEY = "vcga.tensor_metadata"
-
-
-def checksum(data: Any) -> str:
-    """``"xxh3_64:<16 lowercase hex digits>"`` of a bytes-like object (no copy)."""
-    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64_intdigest(data):016x}"
-
-
-def entry_buffer(entry: TensorEntry, *, target: str | None = None) -> memoryview:
-    """The entry's data as a flat byte ``memoryview``, after checking its length.
-
-    :param target: the format name, for the error message.
-    :raises VcgaConversionError: unknown dtype, or a data length that is not ``numel * itemsize``.
-    """
-    try:
-        itemsize = dtypes.get(entry.dtype).itemsize
-    except dtypes.UnknownDTypeError as e:
-        raise VcgaConversionError(f"tensor {entry.name!r}: {e}", tensor=entry.name, dtype=entry.dtype,
-                                  target=target) from None
-    if any((not isinstance(d, int)) or d < 0 for d in entry.shape):
-        raise VcgaConversionError(f"tensor {entry.name!r}: invalid shape {entry.shape!r}", tensor=entry.name,
-                                  dtype=entry.dtype, target=target)
-    if entry.data is None:
-        raise VcgaConversionError(f"tensor {entry.name!r} carries no data (an index entry was passed to a writer)",
-                                  tensor=entry.name, dtype=entry.dtype, target=target)
-    view = memoryview(entry.data)
-    if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
-        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
-    expected = entry.numel * itemsize
-    if view.nbytes != expected:
-        raise VcgaConversionError(
-            f"tensor {entry.name!r}: {view.nbytes} data bytes, but {entry.dtype} {list(entry.shape)} needs {expected}",
-            tensor=entry.name, dtype=entry.dtype, target=target)
-    return view
 
 
 def entry_array(entry: TensorEntry, *, target: str | None = None) -> np.ndarray:
@@ -96,7 +57,7 @@ def entry_array(entry: TensorEntry, *, target: str | None = None) -> np.ndarray:
     (ml_dtypes' types for bf16 and fp8)."""
     import numpy as np
 
-    buf = entry_buffer(entry, target=target)
+    buf = check_entry(entry, target=target)
     return np.frombuffer(buf, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
 
 

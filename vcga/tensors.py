@@ -254,25 +254,35 @@ def from_any(name: str, obj: Any, metadata: Mapping[str, str] | None = None, *,
                               f"got {type(obj).__name__}", tensor=name)
 
 
-def check_entry(entry: TensorEntry, source: Any = "<entry>") -> memoryview:
-    """Check an entry is well formed and return its data as a flat byte view.
+def check_entry(entry: TensorEntry, *, target: str | None = None) -> memoryview:
+    """Check an entry is well formed and return its data as a flat byte view (no copy).
 
-    :raises VcgaFormatError: unknown dtype, bad shape, data of the wrong length, no data.
+    The one check every writer, the wire format and the converters apply to an entry before using
+    its bytes.
+
+    :param target: the format being written, for the error.
+    :raises VcgaConversionError: unknown dtype, a shape that is not a tuple of non-negative ints,
+        no data (an index-only entry), a non-contiguous buffer, or data of the wrong length.
     """
+    def error(what: str) -> VcgaConversionError:
+        return VcgaConversionError(f"tensor {entry.name!r}{what}", tensor=entry.name, dtype=entry.dtype,
+                                   target=target)
+
     try:
         info = dtypes.get(entry.dtype)
     except dtypes.UnknownDTypeError as e:
-        raise VcgaFormatError(source, f"tensor {entry.name!r}: {e}") from None
+        raise error(f": {e}") from None
     if not isinstance(entry.shape, tuple) or not all(type(d) is int and d >= 0 for d in entry.shape):
-        raise VcgaFormatError(source, f"tensor {entry.name!r}: shape {entry.shape!r} is not a tuple of "
-                              "non-negative ints")
+        raise error(f": shape {entry.shape!r} is not a tuple of non-negative ints")
     if entry.data is None:
-        raise VcgaFormatError(source, f"tensor {entry.name!r} has no data (an index-only entry)")
-    mv = byte_view(entry.data)
-    if mv.nbytes != entry.numel * info.itemsize:
-        raise VcgaFormatError(source, f"tensor {entry.name!r}: {mv.nbytes} data bytes for shape "
-                              f"{list(entry.shape)} of {entry.dtype}",
-                              expected=f"{entry.numel * info.itemsize} bytes")
+        raise error(" has no data (an index-only entry was passed where bytes are needed)")
+    try:
+        mv = byte_view(entry.data)
+    except VcgaConversionError as e:
+        raise error(f": {e}") from None
+    expected = entry.numel * info.itemsize
+    if mv.nbytes != expected:
+        raise error(f": {mv.nbytes} data bytes, but {entry.dtype} {list(entry.shape)} needs {expected}")
     return mv
 
 

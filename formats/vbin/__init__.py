@@ -135,7 +135,7 @@ def save(tensors_: Mapping[str, Any], metadata: Mapping[str, str] | None = None,
         if name in names:  # pragma: no cover - dict keys are unique
             raise VcgaConversionError(f"duplicate tensor name {name!r}", tensor=name, target=FORMAT_NAME)
         names.add(name)
-        data = tensors.check_entry(entry)
+        data = tensors.check_entry(entry, target=FORMAT_NAME)
         w.add(entry, data, xxhash.xxh3_64_intdigest(data), None)
     w.finish(_check_metadata(metadata, "<bytes>"))
     return out.getvalue()

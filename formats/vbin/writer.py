@@ -252,7 +252,7 @@ class VbinWriter(WriterContext):
             raise VcgaConversionError(f"{self.path}: tensor {entry.name!r} has {len(entry.shape)} dims "
                                       f"(at most {MAX_NDIM})", tensor=entry.name, target=FORMAT_NAME)
         _check_metadata(entry.metadata, f"{self.path}: tensor {entry.name!r}")
-        data = tensors.check_entry(entry, self.path)
+        data = tensors.check_entry(entry, target=FORMAT_NAME)
         # The checksum is computed piece by piece as the bytes are written (see _FileWriter.put).
         # A helper thread hashing while this one writes gained nothing on the 2-core machine this
         # was measured on (memory bandwidth, not the CPU, is the limit), so there is none.
