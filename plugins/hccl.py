@@ -42,6 +42,7 @@ from vcga.errors import VcgaBackendUnavailable
 from vcga.vendor import (
     DeviceModuleAccelerator,
     check_group_args,
+    count_devices,
     import_vendor_module,
     to_host_contiguous,
     topology_from_tool,
@@ -177,12 +178,9 @@ class HcclBackend(Backend):
             return ProbeResult(False, reason)
         import torch
 
-        try:
-            n = int(torch.npu.device_count())
-        except Exception as e:  # noqa: BLE001 - driver / runtime errors surface here
-            return ProbeResult(False, f"NPU driver error: {type(e).__name__}: {e}")
-        if n == 0:
-            return ProbeResult(False, "no NPU device is visible (torch.npu.device_count() == 0)")
+        n, reason = count_devices("npu", "NPU", VISIBLE_DEVICES_ENV)
+        if not n:
+            return ProbeResult(False, reason)
         versions = {"torch": torch.__version__, "torch_npu": str(getattr(torch_npu, "__version__", "unknown")),
                     "cann": _cann_version(torch_npu, "CANN")}
         hccl = _cann_version(torch_npu, "HCCL")

@@ -41,6 +41,7 @@ from vcga.errors import VcgaBackendUnavailable
 from vcga.vendor import (
     DeviceModuleAccelerator,
     check_group_args,
+    count_devices,
     import_vendor_module,
     to_host_contiguous,
     topology_from_tool,
@@ -145,12 +146,9 @@ class MluBackend(Backend):
             return ProbeResult(False, reason)
         import torch
 
-        try:
-            n = int(torch.mlu.device_count())
-        except Exception as e:  # noqa: BLE001 - driver / CNRT errors surface here
-            return ProbeResult(False, f"MLU driver error: {type(e).__name__}: {e}")
-        if n == 0:
-            return ProbeResult(False, "no MLU device is visible (torch.mlu.device_count() == 0)")
+        n, reason = count_devices("mlu", "MLU", VISIBLE_DEVICES_ENV)
+        if not n:
+            return ProbeResult(False, reason)
         versions = {"torch": torch.__version__, "torch_mlu": str(getattr(torch_mlu, "__version__", "unknown")),
                     "cncl": _cncl_version(torch_mlu)}
         return ProbeResult(True, f"{n} MLU device(s), torch_mlu {versions['torch_mlu']}, CNCL {versions['cncl']}",

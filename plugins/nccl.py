@@ -15,8 +15,6 @@ Nothing is imported from torch until a method is called: ``import vcga`` stays l
 from __future__ import annotations
 
 import logging
-import os
-import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +36,7 @@ from vcga.errors import VcgaBackendUnavailable
 from vcga.vendor import (
     DeviceModuleAccelerator,
     check_group_args,
+    count_devices,
     to_host_contiguous,
     topology_from_tool,
     visible_devices_value,
@@ -147,22 +146,9 @@ class NcclBackend(Backend):
             return ProbeResult(False, f"torch {torch.__version__} was built without CUDA")
         if not dist.is_available() or not dist.is_nccl_available():
             return ProbeResult(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) was built without NCCL")
-        # device_count() does not initialise CUDA (NVML first), so probing never poisons a later
-        # fork; a driver problem shows as a "CUDA initialization" warning and a count of 0.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                n = int(torch.cuda.device_count())
-            except Exception as e:  # noqa: BLE001
-                return ProbeResult(False, f"CUDA driver error: {type(e).__name__}: {e}")
-        if n == 0:
-            for w in caught:
-                text = str(w.message).strip()
-                if "CUDA" in text:
-                    return ProbeResult(False, f"CUDA driver error: {text.splitlines()[0]}")
-            visible = os.environ.get(VISIBLE_DEVICES_ENV)
-            hint = f"; {VISIBLE_DEVICES_ENV}={visible!r}" if visible is not None else ""
-            return ProbeResult(False, f"no CUDA device is visible (torch.cuda.device_count() == 0{hint})")
+        n, reason = count_devices("cuda", "CUDA", VISIBLE_DEVICES_ENV)
+        if not n:
+            return ProbeResult(False, reason)
         try:
             nccl = _nccl_version_string(torch.cuda.nccl.version())
         except Exception as e:  # noqa: BLE001 - libnccl missing or broken

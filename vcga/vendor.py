@@ -5,8 +5,8 @@ Every vendor's torch device module -- ``torch.cuda``, ``torch.npu`` (torch_npu),
 contract is mapped onto such a module once, here, and each plugin only says which module, which
 visible-devices variable and which dtypes (:class:`DeviceModuleAccelerator`). The same holds for
 the vendors' topology tools, which all print a ``nvidia-smi topo -m``-style matrix
-(:func:`topology_from_tool`), and for the import probe of a vendor module
-(:func:`import_vendor_module`).
+(:func:`topology_from_tool`), and for a probe: importing the vendor module
+(:func:`import_vendor_module`) and counting its devices (:func:`count_devices`).
 
 The built-in nccl, hccl and mlu plugins use these; an out-of-tree plugin for another
 ``torch.cuda``-like device (``torch.xpu``, ...) can too -- see docs/plugins.md.
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DeviceModuleAccelerator",
     "import_vendor_module",
+    "count_devices",
     "ToolOutput",
     "run_tool",
     "parse_link_matrix",
@@ -162,7 +163,7 @@ class DeviceModuleAccelerator:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Importing a vendor module for a probe
+# Probing: importing a vendor module, counting its devices
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -187,6 +188,38 @@ def import_vendor_module(name: str, install_hint: str) -> tuple[Any | None, str]
         if isinstance(e, KeyboardInterrupt):
             raise
         return None, f"import {name} failed: {_first_line(e)}"
+
+
+def count_devices(device_type: str, kind: str, visible_devices_env: str) -> tuple[int, str]:
+    """How many devices ``torch.<device_type>`` sees, or why none: the device half of a probe.
+
+    :param kind: how messages name the device ("CUDA", "NPU", "MLU").
+    :returns: ``(n, "")`` with ``n >= 1``, or ``(0, reason)``: "<kind> driver error: ..." when
+        ``device_count()`` raises, or returns 0 with a warning naming the device (that is how
+        torch.cuda reports a driver that is too old: it does not initialise the device to count,
+        so probing never poisons a later fork); otherwise "no <kind> device is visible (...)",
+        with the visible-devices variable when it is set.
+    """
+    import os
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            import torch
+
+            n = int(getattr(torch, device_type).device_count())
+        except Exception as e:  # noqa: BLE001 - driver / runtime errors surface here
+            return 0, f"{kind} driver error: {type(e).__name__}: {e}"
+    if n > 0:
+        return n, ""
+    for w in caught:
+        text = str(w.message).strip()
+        if kind in text:
+            return 0, f"{kind} driver error: {text.splitlines()[0]}"
+    visible = os.environ.get(visible_devices_env)
+    hint = f"; {visible_devices_env}={visible!r}" if visible is not None else ""
+    return 0, f"no {kind} device is visible (torch.{device_type}.device_count() == 0{hint})"
 
 
 def _first_line(e: BaseException) -> str:
