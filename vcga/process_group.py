@@ -68,10 +68,6 @@ BACKEND_NAME = "vcga"
 #: Device types the backend accepts tensors of (each through its vendor's plugin).
 DEVICES = ["cpu", "cuda", "npu", "mlu"]
 
-AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
-BC, AG, GA, SC, A2A, P2P = (Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER, Collective.SCATTER,
-                            Collective.ALL_TO_ALL, Collective.SEND_RECV)
-
 #: dtype -> small integer, for exchanging dtypes in an int64 tensor (gather/scatter size checks).
 _DTYPE_CODES: dict[torch.dtype, int] = {_dtypes.to_torch(name): i for i, name in enumerate(_dtypes.ALL)}
 
@@ -380,7 +376,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
             return self._native_call("all_reduce", self._next("all_reduce"), self.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
-        if self._debug is None and self._fast_native(AR, t, red.op):
+        if self._debug is None and self._fast_native(Collective.ALL_REDUCE, t, red.op):
             return self._native_call("all_reduce", next(self._seqs), self.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
         op, factor = reduce_op_of(red)
@@ -394,7 +390,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self._next("all_reduce_coalesced", list(tensors), op)
         same = len({t.dtype for t in tensors}) == 1
-        if same and tensors and all(self._fast_native(AR, t, opts.reduceOp.op) for t in tensors):
+        if same and tensors and all(self._fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op) for t in tensors):
             return self._native_call("all_reduce_coalesced", seq, self.native.allreduce_coalesced, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
 
@@ -409,7 +405,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "reduce")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self._next("reduce", t, op, opts.rootRank)
-        if self._rank == opts.rootRank and self._fast_native(RD, t, opts.reduceOp.op):
+        if self._rank == opts.rootRank and self._fast_native(Collective.REDUCE, t, opts.reduceOp.op):
             return self._native_call("reduce", seq, self.native.reduce, tensors, opts, async_op=opts.asyncOp,
                                      result=tensors)
         return self._issue("reduce", seq, lambda s: self._d.reduce(t, opts.rootRank, op, factor, opts, s), tensors,
@@ -423,8 +419,9 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._check_count(ins, "reduce_scatter input list")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self._next("reduce_scatter", out, op)
-        if all(x.dtype == out.dtype for x in ins) and self._fast_native(RS, out, opts.reduceOp.op) and all(
-                x.is_contiguous() for x in ins):
+        if (all(x.dtype == out.dtype for x in ins)
+                and self._fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
+                and all(x.is_contiguous() for x in ins)):
             return self._native_call("reduce_scatter", seq, self.native.reduce_scatter, output_tensors,
                                      input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
         return self._issue("reduce_scatter", seq, lambda s: self._d.reduce_scatter(out, list(ins), op, factor, opts, s),
@@ -436,7 +433,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
                              f"{output.numel()} times the group size {self._size}")
         if (self._debug is None and input.dtype == output.dtype and input.is_contiguous()
-                and self._fast_native(RS, output, opts.reduceOp.op)):
+                and self._fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
             return self._native_call("reduce_scatter_tensor", next(self._seqs), self.native._reduce_scatter_base,
                                      _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
         op, factor = reduce_op_of(opts.reduceOp)
@@ -475,7 +472,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("broadcast")
         t = _one(tensors, "broadcast")
         root = opts.rootRank
-        if self._debug is None and self._fast_native(BC, t):
+        if self._debug is None and self._fast_native(Collective.BROADCAST, t):
             return self._native_call("broadcast", next(self._seqs), self.native.broadcast, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
         seq = self._next("broadcast", t, root=root)
@@ -488,7 +485,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
         outs = _one(output_tensors, "all_gather")
         self._check_count(outs, "all_gather output list")
         seq = self._next("all_gather", inp)
-        if self._fast_native(AG, inp) and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs):
+        if (self._fast_native(Collective.ALL_GATHER, inp)
+                and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
             return self._native_call("all_gather", seq, self.native.allgather, output_tensors, input_tensors, opts,
                                      async_op=opts.asyncOp, result=outs)
         return self._issue("all_gather", seq, lambda s: self._d.all_gather(list(outs), inp, opts, s), outs,
@@ -500,7 +498,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, expected the input's "
                              f"{input.numel()} times the group size {self._size}")
         if (self._debug is None and output.dtype == input.dtype and output.is_contiguous()
-                and self._fast_native(AG, input)):
+                and self._fast_native(Collective.ALL_GATHER, input)):
             return self._native_call("all_gather_into_tensor", next(self._seqs), self.native._allgather_base,
                                      _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
         seq = self._next("all_gather_into_tensor", input)
@@ -637,7 +635,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "send")
         if self._debug is not None:
             self._p2p_fingerprint_send(t, dstRank, tag)
-        if t.numel() and self._fast_native(P2P, t):  # empty messages: see Dispatcher._empty_p2p
+        if t.numel() and self._fast_native(Collective.SEND_RECV, t):  # empty messages: see Dispatcher._empty_p2p
             return self._native_call("send", None, self.native.send, tensors, dstRank, tag, async_op=True,
                                      result=tensors)
         return self._issue("send", None, lambda s: self._d.send(t, dstRank, tag, s), tensors, True)

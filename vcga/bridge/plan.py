@@ -65,8 +65,9 @@ CALIBRATION_BYTES = 2 << 20
 #: then routes them through ``upcast:float32`` so they are accumulated across vendors in fp32.
 HOST_REDUCIBLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float32", "float64")
 
-AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
-BC, AG, GA = Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER
+#: What a vendor group runs in a bridged reduction (:func:`group_route` checks each in its table).
+_GROUP_STEPS = (Collective.REDUCE, Collective.REDUCE_SCATTER, Collective.BROADCAST, Collective.ALL_GATHER,
+                Collective.GATHER)
 #: Reduce ops the bridge itself implements; AVG and PREMUL_SUM are derived from SUM by the
 #: dispatcher (sum_then_divide / mul_then_sum) so they see the whole group, not one vendor group.
 _HOST_ROUTE_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
@@ -213,7 +214,7 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
     combined = combined_table("bridge", tables)
     rows = []
     for dt in dtypes:
-        cell = combined.lookup(AR, dt, op)
+        cell = combined.lookup(Collective.ALL_REDUCE, dt, op)
         reduced = cell.via.split(":", 1)[1] if cell.via and cell.via.startswith("upcast:") else dt
         row: dict[str, Any] = {"dtype": dt, "op": op.value, "support": cell.support.value, "via": cell.via,
                                "reduced_as": reduced, "groups": []}
@@ -221,7 +222,7 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
             row["note"] = cell.note
         else:
             for g, t in zip(plan.groups, tables):
-                own = t.lookup(AR, reduced, op)
+                own = t.lookup(Collective.ALL_REDUCE, reduced, op)
                 row["groups"].append({"backend": g.backend, "route": group_route(t, reduced, op),
                                       "library_cell": own.support.value, "library_via": own.via})
             row["leader_only"] = any(x["route"] == "host" for x in row["groups"])
@@ -322,7 +323,7 @@ def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTa
                 reason = _bridge_refusal(coll, dt, op, tables)
                 if reason is None:
                     note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
-                            f"vendors on the host" if coll.reduces or coll is BC else
+                            f"vendors on the host" if coll.reduces or coll is Collective.BROADCAST else
                             f"host bridge (gloo) across {backends}, as bytes")
                     b.native([coll], [dt], [op] if op is not None else None, note=note)
                 else:
@@ -339,7 +340,7 @@ def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
     None: it cannot even move the dtype.
     """
     ok = [table.lookup(c, dt, op if c.reduces else None).support is not Support.REFUSED
-          for c in (RD, RS, BC, AG, GA, AR)]
+          for c in (*_GROUP_STEPS, Collective.ALL_REDUCE)]
     if all(ok[:4]) and ok[5]:
         return "library"
     if ok[2] and ok[4] and op in _HOST_ROUTE_OPS:
@@ -359,14 +360,14 @@ def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequ
             return f"bitwise ops need an integer or bool dtype, not {dt}"
         for t in tables:
             if group_route(t, dt, op) is None:
-                for c in (RD, RS, BC, AG, GA):
+                for c in _GROUP_STEPS:
                     cell = t.lookup(c, dt, op if c.reduces else None)
                     if cell.support is Support.REFUSED:
                         return f"{t.backend} cannot run {c.value} on {dt}: {cell.note or 'refused'}"
         return None
-    if coll is BC:
+    if coll is Collective.BROADCAST:
         for t in tables:
-            cell = t.lookup(BC, dt, None)
+            cell = t.lookup(Collective.BROADCAST, dt, None)
             if cell.support is Support.REFUSED:
                 return f"{t.backend}: {cell.note or 'refused'}"
     return None
