@@ -53,7 +53,7 @@ NAME = "safetensors"
 
 #: The library's ``Dtype`` enum in declaration order ("increasing alignment"); it sorts tensors by
 #: this rank, descending, then by name. (safetensors/src/tensor.rs; checked against the installed
-#: library by tests/test_safetensors_format.py.)
+#: library by tests/test_formats_safetensors.py.)
 LIBRARY_DTYPE_ORDER: tuple[str, ...] = (
     "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
     "I32", "U32", "F32", "C64", "F64", "I64", "U64",

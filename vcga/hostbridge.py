@@ -94,8 +94,8 @@ SHM_DIR = "/dev/shm"
 #: Bytes per peer slot. A reduction larger than this goes in slot-sized pieces, one barrier each.
 #: A segment holds two sets of slots (see :meth:`SharedMemoryBridge.all_reduce`): 16 MiB for two
 #: peers, 24 MiB for three, per shard group -- small beside the 64 MiB of a default container's
-#: ``/dev/shm``. Measured against 1 MiB slots (a quarter of the memory): the same at 4 MiB, better at
-#: 16 MiB (hybrid/flat 1.04-1.13 against 1.11-1.18, three runs each, benchmarks/hybrid.py).
+#: ``/dev/shm``. Measured against 1 MiB slots (a quarter of the memory): the same at 4 MiB, better
+#: at 16 MiB (docs/benchmarks.md, "Shared memory between same-node shard peers").
 SLOT_BYTES = 4 << 20
 _HEADER_BYTES = 4096  # the token, then (sequence number, bytes) per slot; the slots start page-aligned
 _TOKEN_BYTES = 16

@@ -34,9 +34,9 @@ __all__ = [
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
 ALGORITHMS = ("leader", "bandwidth", "replicated")
 #: From this message size on, "auto" picks the measured large-message algorithm (bandwidth or
-#: replicated) when every vendor group has the same size >= 2; below it, leader. Measured crossover
-#: (benchmarks/hybrid.py, docs/benchmarks.md): at 256 KiB leader and replicated are level and the
-#: bandwidth algorithm 1.7x flat; at 1 MiB bandwidth (p2p) is the best, 1.2x against leader's 1.6x.
+#: replicated) when every vendor group has the same size >= 2; below it, leader. It is the measured
+#: crossover: below it leader is as good as any, from it on the other algorithms win (benchmarks/hybrid.py;
+#: the figures are in docs/benchmarks.md, "Mixed-vendor all_reduce").
 BANDWIDTH_MIN_BYTES = 1 << 20
 
 #: What "auto" picks at and above BANDWIDTH_MIN_BYTES on equal vendor groups when nothing was
@@ -53,9 +53,9 @@ PIPELINE_SEGMENT_BYTES = 8 << 20
 PIPELINE_MAX_SEGMENTS = 8
 #: From this size on (two pipeline segments or more), "auto" runs "bandwidth" on equal vendor groups
 #: whatever the 2 MiB measurement preferred: the measurement, one segment, cannot see the
-#: pipelining, and in every run on this machine the pipelined bandwidth algorithm (p2p in-group
-#: steps) beat replicated at 16 and 64 MiB (e.g. 1.07x and 0.92x flat against 1.35x and 1.06x, in
-#: a run where the 2 MiB measurement preferred replicated; docs/benchmarks.md).
+#: pipelining, and in every run the pipelined bandwidth algorithm (p2p in-group steps) beat
+#: replicated at 16 and 64 MiB, also in runs where the 2 MiB measurement preferred replicated
+#: (docs/benchmarks.md, "Mixed-vendor all_reduce").
 PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
 #: Message size of the creation-time measurement (large enough to be bandwidth-bound).
 CALIBRATION_BYTES = 2 << 20
