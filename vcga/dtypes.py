@@ -27,6 +27,7 @@ them on first use.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ __all__ = [
     "H5PY_NATIVE",
     "UnknownDTypeError",
     "get",
+    "nbytes",
     "canonical",
     "from_torch",
     "to_torch",
@@ -176,6 +178,14 @@ def get(name: str) -> DType:
         return DTYPES[name]
     except (KeyError, TypeError):
         raise UnknownDTypeError(name) from None
+
+
+def nbytes(name: str, shape: Iterable[int]) -> int:
+    """Bytes of a C-order tensor of canonical dtype ``name`` and ``shape`` (``()``: one element)."""
+    n = get(name).itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def canonical(dtype: Any) -> str:

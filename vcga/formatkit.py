@@ -6,6 +6,7 @@ A format plugin imports this module instead of re-implementing these:
   its dtype and shape (the entry helpers themselves -- :func:`vcga.tensors.check_entry`, the one
   entry validation, and :func:`vcga.tensors.checksum`, the ``"xxh3_64:<16 hex>"`` string a
   :class:`~vcga.contract.TensorEntry` carries -- live in :mod:`vcga.tensors`);
+- :func:`is_unicode` -- whether a name or metadata string can be written at all (no lone surrogates);
 - :data:`TENSOR_METADATA_KEY` with :func:`pack_tensor_metadata` / :func:`unpack_tensor_metadata` --
   the convention that lets a format with only file-level string metadata (safetensors, ...) carry
   per-tensor metadata (HDF5 attributes, tie information) through a conversion;
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "entry_array",
+    "is_unicode",
     "TENSOR_METADATA_KEY",
     "pack_tensor_metadata",
     "unpack_tensor_metadata",
@@ -50,6 +52,16 @@ _Self = TypeVar("_Self")
 #: File-level metadata key under which formats without per-tensor metadata keep it, as JSON
 #: ``{"tensor name": {"key": "value", ...}, ...}`` (only tensors that have metadata are listed).
 TENSOR_METADATA_KEY = "vcga.tensor_metadata"
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` can be stored as UTF-8 (or UCS-4): no lone surrogates. Names and metadata a
+    format writes must be (``"\\ud800"`` is a ``str`` Python accepts, but no file format does)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def entry_array(entry: TensorEntry, *, target: str | None = None) -> np.ndarray:

@@ -325,10 +325,7 @@ class _Plan:
 
     @property
     def nbytes(self) -> int:
-        n = _dtypes.get(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return _dtypes.nbytes(self.dtype, self.shape)
 
 
 class MindRecordReader(ReaderContext):

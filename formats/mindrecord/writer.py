@@ -35,7 +35,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile, AtomicGroup
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
-from vcga.formatkit import WriterContext
+from vcga.formatkit import WriterContext, is_unicode
 
 from . import _format as F
 from ._index import write_index
@@ -99,15 +99,6 @@ class _ShardState:
         return len(self.rows)
 
 
-def _utf8(text: str) -> bool:
-    """MindRecord strings are UTF-8 (msgpack, JSON): no lone surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _check_size(key: str, value: Any, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi or value % 4:
         raise VcgaConfigError(key, value, f"a multiple of 4 between {lo} and {hi} bytes (MindSpore's limits)")
@@ -148,7 +139,7 @@ class MindRecordWriter(WriterContext):
     # -- FormatWriter ------------------------------------------------------------------------------
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
-        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v) for k, v in metadata.items()):
+        if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
             raise VcgaConversionError("mindrecord metadata must map strings to strings (valid Unicode)")
         self.metadata = dict(metadata)
 
@@ -156,7 +147,7 @@ class MindRecordWriter(WriterContext):
         if self.done:
             raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
         name, dtype, shape = entry.name, entry.dtype, tuple(entry.shape)
-        if not isinstance(name, str) or not name or not _utf8(name):
+        if not isinstance(name, str) or not name or not is_unicode(name):
             raise VcgaConversionError(f"tensor name {name!r} is not a non-empty Unicode string", tensor=str(name))
         if name in self.names:
             raise VcgaConversionError(f"tensor {name!r} is written twice", tensor=name)
@@ -167,7 +158,7 @@ class MindRecordWriter(WriterContext):
         if data.nbytes != entry.nbytes:
             raise VcgaConversionError(f"tensor {name!r}: {data.nbytes} bytes of data, but {dtype} "
                                       f"{list(shape)} needs {entry.nbytes}", tensor=name, dtype=dtype)
-        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v)
+        if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v)
                    for k, v in entry.metadata.items()):
             raise VcgaConversionError(f"tensor {name!r}: metadata must map Unicode strings to strings", tensor=name)
         self.names.add(name)

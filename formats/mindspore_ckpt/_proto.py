@@ -114,15 +114,6 @@ def value_prefix(field_number: int, tag: str, dims: Sequence[int], tensor_type: 
                      b"\x12", _varint_bytes(tensor_len), tensor_head, b"\x1a", _varint_bytes(content_len)))
 
 
-def _utf8(text: str) -> bool:
-    """protobuf strings and MindSpore's UCS-4 strings need valid Unicode (no lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _dtype_of(tensor_type: str) -> str | None:
     for d in _dtypes.DTYPES.values():
         if d.mindspore == tensor_type:

@@ -68,10 +68,7 @@ class _Param:
 
     @property
     def nbytes(self) -> int:
-        n = _dtypes.get(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return _dtypes.nbytes(self.dtype, self.shape)
 
 
 class MindSporeCkptReader(ReaderContext):

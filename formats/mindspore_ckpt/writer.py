@@ -13,7 +13,7 @@ from vcga import dtypes as _dtypes
 from vcga.atomic import AtomicFile
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
-from vcga.formatkit import WriterContext, pack_tensor_metadata
+from vcga.formatkit import WriterContext, is_unicode, pack_tensor_metadata
 
 from ._proto import (
     CKPT_DTYPES,
@@ -22,7 +22,6 @@ from ._proto import (
     WRITEBACK_BYTES,
     _FIELD_EXTRA,
     _FIELD_VALUE,
-    _utf8,
     message_classes,
     value_prefix,
 )
@@ -55,7 +54,7 @@ class MindSporeCkptWriter(WriterContext):
         self.done = False
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
-        if not all(isinstance(k, str) and k and isinstance(v, str) and _utf8(k) and _utf8(v)
+        if not all(isinstance(k, str) and k and isinstance(v, str) and is_unicode(k) and is_unicode(v)
                    for k, v in metadata.items()):
             raise VcgaConversionError("mindspore-ckpt metadata must map non-empty strings to strings "
                                       "(valid Unicode: no lone surrogates)")
@@ -94,13 +93,13 @@ class MindSporeCkptWriter(WriterContext):
                 f"tensor {name!r} has dtype {dtype}, which MindSpore checkpoints cannot hold "
                 f"(they hold {', '.join(sorted(CKPT_DTYPES))}); cast it explicitly to convert",
                 tensor=name, dtype=dtype, target="mindspore-ckpt")
-        if not isinstance(name, str) or not name or not _utf8(name):
+        if not isinstance(name, str) or not name or not is_unicode(name):
             raise VcgaConversionError(f"tensor name {name!r} is not a non-empty Unicode string", tensor=str(name))
         if name in self.names:
             raise VcgaConversionError(f"tensor {name!r} is written twice", tensor=name)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise VcgaConversionError(f"tensor {name!r}: invalid shape {list(shape)}", tensor=name)
-        if not all(isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v)
+        if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v)
                    for k, v in entry.metadata.items()):
             raise VcgaConversionError(f"tensor {name!r}: metadata must map Unicode strings to strings", tensor=name)
         data = memoryview(entry.data if entry.data is not None else b"").cast("B")

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from vcga import tensors
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConversionError
+from vcga.formatkit import is_unicode
 
 FORMAT_NAME = "vendor-bin"
 EXTENSION = ".vbin"
@@ -100,11 +101,9 @@ def _check_metadata(metadata: Any, where: Any) -> dict[str, str]:
 
 
 def _check_text(s: str, where: Any, what: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_unicode(s):
         raise VcgaConversionError(f"{where}: {what} {s!r} is not valid Unicode (lone surrogate)",
-                                  target=FORMAT_NAME) from None
+                                  target=FORMAT_NAME)
 
 
 def _check_alignment(alignment: Any) -> int:
