@@ -1,0 +1,385 @@
+"""The collectives of the ``vcga`` process group: reductions, data movement and their argument checks.
+
+:class:`Collectives` is a mixin of :class:`vcga.process_group.VcgaProcessGroup` and runs on its
+plumbing (``_next``, ``_fast_native``, ``_native_call``, ``_issue``, ``_wrap``, ``_translate``):
+each collective checks its arguments, takes the hot path straight to the native group when the
+table calls the cell native and the tensors are contiguous, and otherwise hands the call to the
+dispatcher (:mod:`vcga.dispatch`). Point to point, barriers and coalescing stay in
+:mod:`vcga.process_group`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from vcga import dtypes as _dtypes
+from vcga.contract import Collective
+from vcga.dispatch import Steps
+from vcga.errors import VcgaError
+from vcga.pypg import options, reduce_op_of
+
+__all__ = ["Collectives"]
+
+#: dtype -> small integer, for exchanging dtypes in an int64 tensor (gather/scatter size checks).
+_DTYPE_CODES: dict[torch.dtype, int] = {_dtypes.to_torch(name): i for i, name in enumerate(_dtypes.ALL)}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as 1-D (gloo's *_base collectives compare shapes chunk by chunk)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
+_COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _complex_again(t: torch.Tensor) -> torch.Tensor:
+    """The complex tensor behind ``t`` when ``t`` is ``torch.view_as_real`` of one, else ``t``.
+
+    ``torch.distributed.all_reduce`` (and ``all_reduce_coalesced``) hand backends complex tensors
+    as ``view_as_real`` views. Dispatching the view would consult the table's real cell and name
+    the real dtype in a refusal; the user passed a complex tensor, so the complex cell decides
+    (its ``as_real`` recipe views the pairs again) and a refusal names complex128. The view shares
+    the storage: the result lands in ``t``."""
+    base = t._base
+    if (base is None or not base.is_complex() or t.dim() == 0 or t.shape[-1] != 2
+            or _COMPLEX_OF.get(t.dtype) != base.dtype):
+        return t
+    try:
+        return torch.view_as_complex(t)
+    except RuntimeError:  # strides that no complex tensor has: not torch's view after all
+        return t
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
+                         "(several tensors per process are deprecated in torch.distributed)")
+    return tensors[0]
+
+
+class Collectives:
+    """The collectives of :class:`~vcga.process_group.VcgaProcessGroup` (see the module docstring)."""
+
+    # ===========================================================================================
+    # Reductions
+    # ===========================================================================================
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("allreduce")
+        t = _one(tensors, "all_reduce")
+        red = opts.reduceOp
+        if t.layout is not torch.strided:
+            # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
+            # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
+            return self._native_call("all_reduce", self._next("all_reduce"), self.native.allreduce, tensors, opts,
+                                     async_op=opts.asyncOp, result=tensors)
+        if self._debug is None and self._fast_native(Collective.ALL_REDUCE, t, red.op):
+            return self._native_call("all_reduce", next(self._seqs), self.native.allreduce, tensors, opts,
+                                     async_op=opts.asyncOp, result=tensors)
+        op, factor = reduce_op_of(red)
+        seq = self._next("all_reduce", t, op)
+        c = _complex_again(t)
+        return self._issue("all_reduce", seq, lambda s: self._d.all_reduce(c, op, factor, opts, s), tensors,
+                           opts.asyncOp)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("allreduce_coalesced")
+        op, factor = reduce_op_of(opts.reduceOp)
+        seq = self._next("all_reduce_coalesced", list(tensors), op)
+        same = len({t.dtype for t in tensors}) == 1
+        if same and tensors and all(self._fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op) for t in tensors):
+            return self._native_call("all_reduce_coalesced", seq, self.native.allreduce_coalesced, tensors, opts,
+                                     async_op=opts.asyncOp, result=tensors)
+
+        def build(s: Steps) -> None:
+            for t in tensors:
+                self._d.all_reduce(_complex_again(t), op, factor, opts, s)
+
+        return self._issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("reduce")
+        t = _one(tensors, "reduce")
+        op, factor = reduce_op_of(opts.reduceOp)
+        seq = self._next("reduce", t, op, opts.rootRank)
+        if self._rank == opts.rootRank and self._fast_native(Collective.REDUCE, t, opts.reduceOp.op):
+            return self._native_call("reduce", seq, self.native.reduce, tensors, opts, async_op=opts.asyncOp,
+                                     result=tensors)
+        return self._issue("reduce", seq, lambda s: self._d.reduce(t, opts.rootRank, op, factor, opts, s), tensors,
+                           opts.asyncOp)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("reduce_scatter")
+        out = _one(output_tensors, "reduce_scatter")
+        ins = _one(input_tensors, "reduce_scatter")
+        self._check_count(ins, "reduce_scatter input list")
+        op, factor = reduce_op_of(opts.reduceOp)
+        seq = self._next("reduce_scatter", out, op)
+        if (all(x.dtype == out.dtype for x in ins)
+                and self._fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
+                and all(x.is_contiguous() for x in ins)):
+            return self._native_call("reduce_scatter", seq, self.native.reduce_scatter, output_tensors,
+                                     input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
+        return self._issue("reduce_scatter", seq, lambda s: self._d.reduce_scatter(out, list(ins), op, factor, opts, s),
+                           output_tensors, opts.asyncOp)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        opts = opts if opts is not None else options("reduce_scatter")
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
+                             f"{output.numel()} times the group size {self._size}")
+        if (self._debug is None and input.dtype == output.dtype and input.is_contiguous()
+                and self._fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
+            return self._native_call("reduce_scatter_tensor", next(self._seqs), self.native._reduce_scatter_base,
+                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
+        op, factor = reduce_op_of(opts.reduceOp)
+        seq = self._next("reduce_scatter_tensor", output, op)
+
+        def build(s: Steps) -> None:
+            chunks = list(input.reshape(self._size, *output.shape).unbind(0)) if self._size else []
+            self._d.reduce_scatter(output, chunks, op, factor, opts, s)
+
+        return self._issue("reduce_scatter_tensor", seq, build, [output], opts.asyncOp)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("reduce_scatter")
+        op, factor = reduce_op_of(opts.reduceOp)
+        seq = self._next("reduce_scatter_tensor_coalesced", list(outputs), op)
+
+        def build(s: Steps) -> None:
+            for out, inp in zip(outputs, inputs, strict=True):
+                if inp.numel() != out.numel() * self._size:
+                    raise ValueError("reduce_scatter_tensor_coalesced: each input needs group size times its "
+                                     "output's elements")
+                self._d.reduce_scatter(out, list(inp.reshape(self._size, *out.shape).unbind(0)), op, factor, opts, s)
+
+        return self._issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ===========================================================================================
+    # Data movement
+    # ===========================================================================================
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("broadcast")
+        t = _one(tensors, "broadcast")
+        root = opts.rootRank
+        if self._debug is None and self._fast_native(Collective.BROADCAST, t):
+            return self._native_call("broadcast", next(self._seqs), self.native.broadcast, tensors, opts,
+                                     async_op=opts.asyncOp, result=tensors)
+        seq = self._next("broadcast", t, root=root)
+        return self._issue("broadcast", seq, lambda s: self._d.broadcast(t, root, opts, s), tensors, opts.asyncOp)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("allgather")
+        inp = _one(input_tensors, "all_gather")
+        outs = _one(output_tensors, "all_gather")
+        self._check_count(outs, "all_gather output list")
+        seq = self._next("all_gather", inp)
+        if (self._fast_native(Collective.ALL_GATHER, inp)
+                and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
+            return self._native_call("all_gather", seq, self.native.allgather, output_tensors, input_tensors, opts,
+                                     async_op=opts.asyncOp, result=outs)
+        return self._issue("all_gather", seq, lambda s: self._d.all_gather(list(outs), inp, opts, s), outs,
+                           opts.asyncOp)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        opts = opts if opts is not None else options("allgather")
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, expected the input's "
+                             f"{input.numel()} times the group size {self._size}")
+        if (self._debug is None and output.dtype == input.dtype and output.is_contiguous()
+                and self._fast_native(Collective.ALL_GATHER, input)):
+            return self._native_call("all_gather_into_tensor", next(self._seqs), self.native._allgather_base,
+                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
+        seq = self._next("all_gather_into_tensor", input)
+
+        def build(s: Steps) -> None:
+            buf = output if output.is_contiguous() else output.contiguous()
+            self._d.all_gather(list(buf.view(self._size, *input.shape).unbind(0)), input, opts, s)
+            if buf is not output:
+                s.finish.append(partial(output.copy_, buf))
+
+        return self._issue("all_gather_into_tensor", seq, build, [output], opts.asyncOp)
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("allgather")
+        seq = self._next("all_gather_coalesced", list(input_list))
+        for outs in output_lists:
+            if len(outs) != len(input_list):
+                raise ValueError("all_gather_coalesced: every output list needs one tensor per input tensor")
+        self._check_count(output_lists, "all_gather_coalesced output lists")
+
+        def build(s: Steps) -> None:
+            for i, inp in enumerate(input_list):
+                self._d.all_gather([outs[i] for outs in output_lists], inp, opts, s)
+
+        flat = [t for outs in output_lists for t in outs]
+        return self._issue("all_gather_coalesced", seq, build, flat, opts.asyncOp)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("allgather")
+        seq = self._next("all_gather_into_tensor_coalesced", list(inputs))
+
+        def build(s: Steps) -> None:
+            for out, inp in zip(outputs, inputs, strict=True):
+                if out.numel() != inp.numel() * self._size:
+                    raise ValueError("all_gather_into_tensor_coalesced: each output needs group size times its "
+                                     "input's elements")
+                buf = out if out.is_contiguous() else out.contiguous()
+                self._d.all_gather(list(buf.view(self._size, *inp.shape).unbind(0)), inp, opts, s)
+                if buf is not out:
+                    s.finish.append(partial(out.copy_, buf))
+
+        return self._issue("all_gather_into_tensor_coalesced", seq, build, outputs, opts.asyncOp)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("gather")
+        inp = _one(input_tensors, "gather")
+        root = opts.rootRank
+        if self._rank == root:
+            outs = _one(output_tensors, "gather")
+            self._check_count(outs, "gather output list")
+        else:
+            if output_tensors and any(len(o) for o in output_tensors):
+                raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
+            outs = []
+        seq = self._next("gather", inp, root=root)
+        self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
+        return self._issue("gather", seq, lambda s: self._d.gather(list(outs), inp, root, opts, s), list(outs),
+                           opts.asyncOp)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("scatter")
+        out = _one(output_tensors, "scatter")
+        root = opts.rootRank
+        if self._rank == root:
+            ins = _one(input_tensors, "scatter")
+            self._check_count(ins, "scatter input list")
+        else:
+            if input_tensors and any(len(i) for i in input_tensors):
+                raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
+            ins = []
+        seq = self._next("scatter", out, root=root)
+        self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
+        return self._issue("scatter", seq, lambda s: self._d.scatter(out, list(ins), root, opts, s), [out],
+                           opts.asyncOp)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+                      input_split_sizes: list[int], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("alltoall")
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+        for splits, t, what in ((out_splits, output, "output"), (in_splits, input, "input")):
+            if splits and (len(splits) != self._size or sum(splits) != (t.shape[0] if t.dim() else 1)):
+                raise ValueError(f"all_to_all_single: {what}_split_sizes {splits} must have one entry per rank "
+                                 f"({self._size}) adding up to the {what}'s dim 0 ({t.shape[0] if t.dim() else 1})")
+        seq = self._next("all_to_all_single")
+        if input.dtype != output.dtype:
+            raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
+        return self._issue("all_to_all_single", seq,
+                           lambda s: self._d.all_to_all(output, input, out_splits, in_splits, opts, s), [output],
+                           opts.asyncOp)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else options("alltoall")
+        self._check_count(output_tensors, "all_to_all output list")
+        self._check_count(input_tensors, "all_to_all input list")
+        seq = self._next("all_to_all")
+        dtypes_ = {t.dtype for t in [*output_tensors, *input_tensors]}
+        if len(dtypes_) > 1:
+            raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes_))}")
+
+        def build(s: Steps) -> None:
+            # One flat all_to_all_single: the lists become contiguous buffers split by element counts.
+            dt = input_tensors[0].dtype if input_tensors else output_tensors[0].dtype
+            dev = input_tensors[0].device if input_tensors else output_tensors[0].device
+            send = torch.cat([x.reshape(-1) for x in input_tensors]) if input_tensors else torch.empty(0, dtype=dt)
+            recv = torch.empty(sum(o.numel() for o in output_tensors), dtype=dt, device=dev)
+            self._d.all_to_all(recv, send, [o.numel() for o in output_tensors], [x.numel() for x in input_tensors],
+                               opts, s)
+
+            def scatter_back() -> None:
+                offset = 0
+                for o in output_tensors:
+                    o.copy_(recv[offset:offset + o.numel()].view(o.shape))
+                    offset += o.numel()
+
+            s.finish.append(scatter_back)
+
+        return self._issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp)
+
+    # -- argument checks -------------------------------------------------------------------------
+
+    def _agree_on_sizes(self, name: str, seq: int, mine: torch.Tensor, listed: Sequence[torch.Tensor], root: int,
+                        list_name: str) -> None:
+        """gather / scatter: every rank's tensor and every entry of the root's list must hold the
+        same number of elements of the same dtype (torch's rule), checked on every rank at once.
+
+        Only the root sees the list, so a root-only check (gloo's, NCCL's) refuses on the root
+        while the other ranks wait for the timeout. Instead every rank contributes its element
+        count and dtype -- the root also its list's -- in one small all_gather through the
+        transport, and every rank reaches the same verdict: proceed, or raise
+        :class:`~vcga.errors.VcgaMismatchError` before any data moves.
+        """
+        from vcga.errors import VcgaMismatchError
+
+        def code(dt: torch.dtype) -> int:
+            return _DTYPE_CODES.get(dt, -1)
+
+        row = [mine.numel(), code(mine.dtype)] + [-1] * (2 * self._size)
+        if self._rank == root:
+            for r, t in enumerate(listed):
+                row[2 + 2 * r], row[3 + 2 * r] = t.numel(), code(t.dtype)
+        if self._size == 1:
+            rows = [row]
+        else:
+            vec = torch.tensor(row, dtype=torch.int64, device=mine.device)
+            table = torch.empty((self._size, len(row)), dtype=torch.int64, device=mine.device)
+            steps = Steps()
+            try:
+                self._d.all_gather(list(table.unbind(0)), vec, options("allgather"), steps)
+            except (VcgaError, ValueError, TypeError):
+                raise
+            except Exception as e:
+                raise self._translate(e, name, seq) from e
+            self._wrap(name, seq, steps, [table], False)
+            rows = table.cpu().tolist()
+        want_n, want_dt = rows[root][0], rows[root][1]
+        listed_n = [rows[root][2 + 2 * r] for r in range(self._size)]
+        listed_dt = [rows[root][3 + 2 * r] for r in range(self._size)]
+        differences: dict[str, dict[int, Any]] = {}
+        if any(r[0] != want_n for r in rows):
+            differences["numel"] = {r: rows[r][0] for r in range(self._size)}
+        if any(n != want_n for n in listed_n):
+            differences[f"numel of the {list_name} entries (rank {root} is the root)"] = {root: listed_n}
+        if any(r[1] != want_dt for r in rows) or any(d != want_dt for d in listed_dt):
+            names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+            differences["dtype"] = {r: names.get(rows[r][1], "?") for r in range(self._size)}
+            if any(d != want_dt for d in listed_dt):
+                differences[f"dtype of the {list_name} entries"] = {root: [names.get(d, "?") for d in listed_dt]}
+        if differences:
+            raise VcgaMismatchError(seq, differences, rank=self._rank)
+
+    def _check_count(self, items: Sequence[Any], what: str) -> None:
+        if len(items) != self._size:
+            raise ValueError(f"{what} must have one entry per rank ({self._size}), got {len(items)}")
