@@ -54,6 +54,21 @@ def _complex_again(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any byte of storage (conservatively: their spans intersect)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
@@ -294,6 +309,10 @@ class Collectives:
         seq = self._next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
+        if _overlap(input, output):
+            # In place (nccl-tests' in-place all_to_all): libraries read the input while peers' chunks
+            # land in the output, so an aliased input would be overwritten before it is sent.
+            input = input.clone()  # noqa: A001
         return self._issue("all_to_all_single", seq,
                            lambda s: self._d.all_to_all(output, input, out_splits, in_splits, opts, s), [output],
                            opts.asyncOp)

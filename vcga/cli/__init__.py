@@ -17,6 +17,7 @@ from vcga import __version__
 
 # name -> (module, function, one-line help). The help is here so `vcga --help` needs no import.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("vcga.cli.bench", "bench", "Measure collectives as nccl-tests does (time, algbw, busbw, #wrong)."),
     "info": ("vcga.cli.info", "info", "Show plugins, backends, availability and capabilities."),
     "verify": ("vcga.cli.verify", "verify", "Certify that a backend's collectives are numerically right."),
     "convert": ("vcga.cli.convert", "convert", "Convert a checkpoint between formats (streaming, exact, atomic)."),

@@ -1,0 +1,676 @@
+"""``vcga bench``: nccl-tests' measurements for every backend, and for mixed-vendor worlds.
+
+What is measured follows NVIDIA's nccl-tests (``src/common.cu``, ``doc/PERFORMANCE.md``) so the
+numbers read the same:
+
+- sizes from ``minbytes`` to ``maxbytes`` by ``stepfactor`` (or ``stepbytes``); for each size the
+  buffers of each collective are laid out as nccl-tests' ``GetCollByteCount`` does (all_gather,
+  reduce_scatter and all_to_all round the per-rank count down to 16 bytes); ``size`` is the larger of
+  the send and receive buffer in bytes and ``count`` the elements per call parameter;
+- ``warmup_iters`` calls per size (sizes doubling) before anything is timed; per row one more
+  untimed call, a barrier, then ``iters`` calls timed together: ``time`` is their mean, averaged
+  over the ranks of the group;
+- ``algbw`` = bytes / time and ``busbw`` = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
+  reduce_scatter, all_to_all) or 1 (broadcast, reduce, send_recv), as nccl-tests' ``GetBw``;
+- ``#wrong``: ``check`` more calls on fresh data, every element of every rank's result compared
+  bit for bit with the exact answer, summed over the ranks. The data are small integers chosen per
+  dtype, op and world size so that every exact result is representable (the result then does not
+  depend on reduction order; see :func:`inputs`).
+
+Torch's API differs from NCCL's in one respect: all_reduce, broadcast and reduce have only an
+in-place form. Their out-of-place column is what a torch user writes to keep the input: copy into
+the output buffer, then the in-place collective (the copy is timed). send_recv has no in-place
+column (sending and receiving one buffer at once races in torch's point-to-point API).
+
+Mixed worlds are also measured per tier of the bridge, as nccl-tests' ``NCCL_TESTS_SPLIT`` runs
+disjoint subgroups side by side: **in-vendor** (the ranks of one backend on one node: the vendor's
+own library), **cross-vendor** (one rank of each backend on one node: the host bridge) and
+**cross-node** (the i-th rank of every node: the network). Each subgroup is a ``vcga`` group of its
+own; the subgroups of a tier run at the same time, each reported by itself.
+
+This module measures and returns rows; it never prints (the CLI does, :mod:`vcga.cli.bench`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vcga.errors import VcgaConfigError, VcgaError
+
+__all__ = [
+    "OPS",
+    "DTYPES",
+    "REDOPS",
+    "BenchSpec",
+    "Row",
+    "bus_factor",
+    "geometry",
+    "inputs",
+    "parse_size",
+    "run",
+    "sizes",
+]
+
+#: The collectives, in nccl-tests' order of binaries.
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv")
+#: Collectives that take a reduce op (``-o``) and a root (``-r``).
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce")
+
+#: nccl-tests' datatype names (``-d``) -> torch dtype name; torch's own names are accepted too.
+DTYPES: dict[str, str] = {
+    "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
+    "uint64": "uint64", "half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16",
+}
+_ALIASES = {"char": "int8", "int": "int32", "float16": "half", "float32": "float", "float64": "double",
+            "fp16": "half", "fp32": "float", "fp64": "double", "bf16": "bfloat16"}
+#: nccl-tests' reduce op names (``-o``).
+REDOPS = ("sum", "prod", "max", "min", "avg")
+
+#: Largest integer each dtype holds exactly, together with every smaller one.
+_EXACT = {"int8": 127, "uint8": 255, "int32": 2**31 - 1, "uint32": 2**32 - 1, "int64": 2**62,
+          "uint64": 2**62, "float16": 2**11, "bfloat16": 2**8, "float32": 2**24, "float64": 2**53}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for ``op`` on ``n`` ranks (doc/PERFORMANCE.md)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def parse_size(text: str | int) -> int:
+    """nccl-tests' size syntax: a number with an optional binary suffix K, M or G (``1M`` = 1048576)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip()
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    scale = 1
+    if s and s[-1].lower() in units:
+        scale, s = units[s[-1].lower()], s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise VcgaConfigError("size", text, "a byte count with an optional K, M or G suffix (binary), e.g. 8, 1K, 32M") from None
+    if value < 0 or not math.isfinite(value):
+        raise VcgaConfigError("size", text, "a byte count >= 0")
+    return int(value)
+
+
+def sizes(minbytes: int, maxbytes: int, stepfactor: int | None = None, stepbytes: int | None = None) -> list[int]:
+    """The sizes nccl-tests' loop visits: multiply by ``stepfactor`` when it is > 1, else add ``stepbytes``."""
+    if minbytes > maxbytes:
+        raise VcgaConfigError("minbytes", minbytes, f"at most maxbytes ({maxbytes})")
+    if stepfactor is not None and stepfactor > 1:
+        out, s = [], max(minbytes, 1)
+        if minbytes == 0:
+            out.append(0)
+        while s <= maxbytes:
+            out.append(s)
+            s *= stepfactor
+        return out
+    step = stepbytes if stepbytes is not None else 1 << 20
+    if step <= 0:
+        raise VcgaConfigError("stepbytes", step, "a byte count > 0 (or a stepfactor > 1)")
+    return list(range(minbytes, maxbytes + 1, step))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One collective's buffers for one size, in elements (nccl-tests' GetCollByteCount)."""
+
+    send: int
+    recv: int
+    param: int  # the count argument of the call (per rank for all_gather/reduce_scatter, per peer for all_to_all)
+
+
+def geometry(op: str, nbytes: int, elt: int, n: int) -> Geometry:
+    count = nbytes // elt
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        base = (count // n) & ~(16 // elt - 1) if elt <= 16 else count // n
+        if op == "all_gather":
+            return Geometry(base, base * n, base)
+        if op == "reduce_scatter":
+            return Geometry(base * n, base, base)
+        return Geometry(base * n, base * n, base)
+    return Geometry(count, count, count)
+
+
+def algbw_bytes(op: str, g: Geometry, elt: int, n: int) -> int:
+    """The bytes nccl-tests divides by the time for algbw (its GetBw)."""
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return g.param * elt * n
+    return g.param * elt
+
+
+@dataclass
+class BenchSpec:
+    """What to measure (the CLI's flags)."""
+
+    ops: tuple[str, ...] = ("all_reduce",)
+    minbytes: int = 32 << 20
+    maxbytes: int = 32 << 20
+    stepfactor: int | None = None
+    stepbytes: int | None = None
+    iters: int = 20
+    warmup_iters: int = 1
+    check: int = 1
+    dtypes: tuple[str, ...] = ("float",)
+    redops: tuple[str, ...] = ("sum",)
+    root: int = 0
+    compare: str | None = None  # "gloo": the same run over a plain gloo group
+    tiers: bool | None = None  # None: when the world mixes backends or nodes
+
+    def validate(self) -> None:
+        bad = [o for o in self.ops if o not in OPS]
+        if bad or not self.ops:
+            raise VcgaConfigError("collective", ",".join(bad) or "(none)", "one or more of " + ", ".join(OPS))
+        for d in self.dtypes:
+            dtype_name(d)
+        for o in self.redops:
+            if o not in REDOPS:
+                raise VcgaConfigError("op", o, "one of " + ", ".join(REDOPS) + " or all")
+        if self.iters < 1:
+            raise VcgaConfigError("iters", self.iters, "an integer >= 1")
+        if self.warmup_iters < 0 or self.check < 0:
+            raise VcgaConfigError("warmup_iters/check", (self.warmup_iters, self.check), "integers >= 0")
+        if self.compare not in (None, "gloo"):
+            raise VcgaConfigError("compare", self.compare, "gloo")
+        sizes(self.minbytes, self.maxbytes, self.stepfactor, self.stepbytes)
+
+
+def dtype_name(name: str) -> str:
+    """nccl-tests' (or torch's) datatype name -> nccl-tests' name."""
+    key = _ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise VcgaConfigError("datatype", name, "one of " + ", ".join(DTYPES) + " (nccl-tests' names; "
+                              "float16/float32/float64/bf16 accepted) or all")
+    return key
+
+
+@dataclass
+class Row:
+    """One measured line: one (collective, size, dtype, op) on one group, out-of-place or in-place."""
+
+    op: str
+    nranks: int
+    size_bytes: int
+    count: int
+    dtype: str
+    redop: str
+    root: int
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int | None  # None: not checked (-c 0)
+    in_place: bool
+    group: str = "vcga"  # "vcga", or "gloo" for --compare gloo
+    tier: str = "world"  # "world", "in-vendor", "cross-vendor", "cross-node"
+    ranks: list[int] = field(default_factory=list)
+    backends: list[str] = field(default_factory=list)
+    vs_gloo: float | None = None  # this row's time / the same row's time on plain gloo
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ===================================================================================================
+# Data whose exact result does not depend on reduction order
+# ===================================================================================================
+
+
+def inputs(dtype: str, redop: str, n: int, rank: int, count: int, rep: int, salt: int = 0) -> Any:
+    """This rank's send data (int64 torch tensor) for one check: small integers, different per rank,
+    element, repetition and collective (``salt``), whose exact reduction fits ``dtype``.
+
+    Every partial result is an integer the dtype holds exactly, so any reduction order gives the
+    same bits. SUM: values <= exact/n. AVG: per element a mean t <= exact/n - 2 and each rank t+1 or
+    t-1 in pairs (t for a last unpaired rank), so the sum is n*t and the mean t exactly. PROD: 1 or
+    2, with at most log2(exact) ranks ever contributing 2. MIN/MAX: any integer up to 2**20."""
+    import torch
+
+    exact = _EXACT[dtype]
+    i = torch.arange(count, dtype=torch.int64)
+    base = i * 2654435761 + rep * 977 + salt * 7919
+    mix = (base + rank * 40503) % 2147483647
+    if redop == "prod":
+        k = min(n, int(math.log2(exact)))
+        return 1 + (mix % 2) if rank < k else torch.ones(count, dtype=torch.int64)
+    if redop == "avg":
+        t = (base % 2147483647) % max(1, exact // n - 1)
+        d = 0 if (n % 2 and rank == n - 1) else (1 if rank % 2 == 0 else -1)
+        if dtype.startswith("uint"):  # no negative values: only where t >= 1
+            return t + d * (t >= 1).to(torch.int64)
+        return t + d
+    if redop == "sum":
+        return mix % (max(0, exact // n) + 1)
+    return mix % (min(exact, 1 << 20) + 1)
+
+
+def _reduce_exact(parts: Sequence[Any], redop: str, n: int) -> Any:
+    import torch
+
+    stack = torch.stack(list(parts))
+    if redop in ("sum", "avg"):
+        out = stack.sum(0)
+        return out // n if redop == "avg" else out
+    if redop == "prod":
+        return stack.prod(0)
+    return stack.max(0).values if redop == "max" else stack.min(0).values
+
+
+# ===================================================================================================
+# One group under test
+# ===================================================================================================
+
+
+@dataclass
+class Unit:
+    """A group being measured: the world, or one subgroup of a tier; the ``gloo`` twin is optional."""
+
+    tier: str
+    ranks: list[int]  # global ranks, in group order
+    backends: list[str]
+    group: Any  # the vcga group (None on ranks outside it)
+    gloo: Any = None
+
+    @property
+    def member(self) -> bool:
+        return self.group is not None
+
+
+def _all_gather(out: Any, inp: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: Any, inp: Any, op: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=op, group=group)
+
+
+class _Collective:
+    """Buffers and calls for one (collective, dtype, op, size) on one group (this rank's part)."""
+
+    def __init__(self, op: str, torch_dtype: Any, redop: str, g: Geometry, group: Any, ranks: list[int],
+                 root: int, device: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.op, self.g, self.group, self.redop = op, g, group, redop
+        self.n = len(ranks)
+        self.me = dist.get_rank(group)
+        self.root = root
+        self.root_global = ranks[root]
+        self.ranks = ranks
+        self.dtype = torch_dtype
+        self.device = device
+        self.rop = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+                    "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}[redop]
+        self.send = torch.zeros(g.send, dtype=torch_dtype, device=device)
+        self.recv = torch.zeros(g.recv, dtype=torch_dtype, device=device)
+
+    # -- calls -------------------------------------------------------------------------------------
+
+    def call(self, in_place: bool) -> None:
+        import torch.distributed as dist
+
+        op, grp, s, r = self.op, self.group, self.send, self.recv
+        p = self.g.param
+        if op == "all_reduce":
+            if not in_place:
+                r.copy_(s)
+            dist.all_reduce(r, op=self.rop, group=grp)
+        elif op == "all_gather":
+            _all_gather(r, r[self.me * p:(self.me + 1) * p] if in_place else s, group=grp)
+        elif op == "reduce_scatter":
+            _reduce_scatter(s[self.me * p:(self.me + 1) * p] if in_place else r, s, op=self.rop, group=grp)
+        elif op == "broadcast":
+            if not in_place and self.me == self.root:
+                r.copy_(s)
+            dist.broadcast(r, self.root_global, group=grp)
+        elif op == "reduce":
+            if not in_place:
+                r.copy_(s)
+            dist.reduce(r, self.root_global, op=self.rop, group=grp)
+        elif op == "all_to_all":
+            dist.all_to_all_single(s if in_place else r, s, group=grp)
+        else:  # send_recv: to the next rank, from the previous one, at once (nccl-tests' ring of pairs)
+            nxt, prv = self.ranks[(self.me + 1) % self.n], self.ranks[(self.me - 1) % self.n]
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt, grp), dist.P2POp(dist.irecv, r, prv, grp)])
+            for w in works:
+                w.wait()
+
+    # -- data and check ----------------------------------------------------------------------------
+
+    def _salt(self) -> int:
+        return OPS.index(self.op)
+
+    def fill(self, rep: int, in_place: bool) -> None:
+        """This rank's inputs for repetition ``rep``, where the call reads them."""
+        dt = self.dtype_name
+        mine = inputs(dt, self.redop, self.n, self.me, self.g.send, rep, self._salt()).to(self.dtype)
+        self.recv.zero_()
+        if self.op == "all_gather" and in_place:
+            p = self.g.param
+            self.recv[self.me * p:(self.me + 1) * p].copy_(mine)
+        elif in_place and self.op in ("all_reduce", "broadcast", "reduce"):
+            self.recv.copy_(mine)
+        else:
+            self.send.copy_(mine)
+
+    @property
+    def dtype_name(self) -> str:
+        from vcga import dtypes
+
+        return dtypes.from_torch(self.dtype)
+
+    def result_and_expected(self, rep: int, in_place: bool) -> tuple[Any, Any] | None:
+        """(this rank's result, the exact answer) as int64 tensors, or None when this rank holds
+        no result (reduce off the root)."""
+        import torch
+
+        dt, n, p, salt = self.dtype_name, self.n, self.g.param, self._salt()
+
+        def of(r: int, count: int) -> Any:
+            return inputs(dt, self.redop, n, r, count, rep, salt)
+
+        op = self.op
+        if op == "all_reduce":
+            return self.recv, _reduce_exact([of(r, p) for r in range(n)], self.redop, n)
+        if op == "all_gather":
+            return self.recv, torch.cat([of(r, p) for r in range(n)])
+        if op == "reduce_scatter":
+            out = self.send[self.me * p:(self.me + 1) * p] if in_place else self.recv
+            return out, _reduce_exact([of(r, p * n)[self.me * p:(self.me + 1) * p] for r in range(n)], self.redop, n)
+        if op == "broadcast":
+            return self.recv, of(self.root, p)
+        if op == "reduce":
+            if self.me != self.root:
+                return None
+            return self.recv, _reduce_exact([of(r, p) for r in range(n)], self.redop, n)
+        if op == "all_to_all":
+            out = self.send if in_place else self.recv
+            return out, torch.cat([of(r, p * n)[self.me * p:(self.me + 1) * p] for r in range(n)])
+        return self.recv, of((self.me - 1) % n, p)
+
+    def wrong(self, rep: int, in_place: bool) -> int:
+        """Elements of this rank's result that differ, bit for bit, from the exact answer."""
+        import torch
+
+        got = self.result_and_expected(rep, in_place)
+        if got is None:
+            return 0
+        out, want = got
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+        want_t = want.to(self.dtype) if self.dtype not in (torch.uint32, torch.uint64) else want.to(torch.int64).to(self.dtype)
+        return int((out.detach().cpu().contiguous().view(bits) != want_t.contiguous().view(bits)).sum())
+
+
+# ===================================================================================================
+# The run
+# ===================================================================================================
+
+
+OnRow = Callable[[list[Row]], None]
+OnNote = Callable[[str], None]
+
+
+def _tiers(layout: list[tuple[str, str]]) -> list[tuple[str, list[list[int]]]]:
+    """The subgroups of each bridge tier for ``layout`` [(backend, node) per rank]: only sets of 2+ ranks."""
+    nodes = list(dict.fromkeys(node for _, node in layout))
+    backends = list(dict.fromkeys(b for b, _ in layout))
+    out: list[tuple[str, list[list[int]]]] = []
+    by_bn: dict[tuple[str, str], list[int]] = {}
+    for r, (b, node) in enumerate(layout):
+        by_bn.setdefault((b, node), []).append(r)
+    in_vendor = [rs for rs in by_bn.values() if len(rs) >= 2]
+    if in_vendor and len(backends) > 1:
+        out.append(("in-vendor", in_vendor))
+    cross_vendor = []
+    for node in nodes:
+        here = [by_bn[(b, node)] for b in backends if (b, node) in by_bn]
+        if len(here) < 2:
+            continue
+        for i in range(max(len(rs) for rs in here)):
+            peers = [rs[i] for rs in here if i < len(rs)]
+            if len(peers) >= 2:
+                cross_vendor.append(peers)
+    if cross_vendor:
+        out.append(("cross-vendor", cross_vendor))
+    if len(nodes) > 1:
+        per_node = [[r for r, (_, nd) in enumerate(layout) if nd == node] for node in nodes]
+        cross_node = []
+        for i in range(max(len(rs) for rs in per_node)):
+            peers = [rs[i] for rs in per_node if i < len(rs)]
+            if len(peers) >= 2:
+                cross_node.append(peers)
+        if cross_node:
+            out.append(("cross-node", cross_node))
+    return out
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type != "cpu":
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "synchronize"):
+            mod.synchronize(device)
+
+
+def run(spec: BenchSpec, *, device: Any, backend: str, on_rows: OnRow | None = None,
+        on_note: OnNote | None = None) -> dict[str, Any]:
+    """Measure ``spec`` on the default ``vcga`` group (already initialised on every rank).
+
+    Every rank calls this; rank 0 gets ``on_rows`` with each size's rows as soon as they are
+    measured, ``on_note`` for comments (what runs, what was skipped and why), and the returned
+    summary; other ranks return an empty dict.
+
+    :param device: this rank's device (tensors live there; the gloo comparison runs on the CPU).
+    :param backend: this rank's VCGA backend name.
+    """
+    import torch
+    import torch.distributed as dist
+
+    spec.validate()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    control = dist.new_group(backend="gloo")  # barriers and result exchange, outside what is measured
+
+    layouts: list[Any] = [None] * world
+    dist.all_gather_object(layouts, (backend, socket.gethostname(), os.getpid(), str(device)), group=control)
+    layout = [(b, node) for b, node, _, _ in layouts]
+    all_backends = [b for b, _ in layout]
+    note = on_note if (on_note is not None and rank == 0) else (lambda _m: None)
+    emit = on_rows if (on_rows is not None and rank == 0) else (lambda _r: None)
+
+    units_by_tier: list[tuple[str, list[Unit]]] = []
+    world_unit = Unit("world", list(range(world)), all_backends, dist.group.WORLD)
+    if spec.compare == "gloo":
+        world_unit.gloo = dist.new_group(backend="gloo")
+    units_by_tier.append(("world", [world_unit]))
+    mixed = len(set(all_backends)) > 1 or len({n for _, n in layout}) > 1
+    if spec.tiers or (spec.tiers is None and mixed):
+        for tier, subsets in _tiers(layout):
+            units = []
+            for ranks in subsets:  # every rank creates every subgroup, in the same order
+                g = dist.new_group(ranks, backend="vcga")
+                gg = dist.new_group(ranks, backend="gloo") if spec.compare == "gloo" else None
+                units.append(Unit(tier, ranks, [all_backends[r] for r in ranks],
+                                  g if rank in ranks else None, gg if rank in ranks else None))
+            units_by_tier.append((tier, units))
+
+    for r, (b, node, pid, dev) in enumerate(layouts):
+        note(f"Rank {r:2d} Pid {pid:6d} on {node} backend {b} device {dev}")
+
+    dtype_names = [dtype_name(d) for d in spec.dtypes]
+    all_sizes = sizes(spec.minbytes, spec.maxbytes, spec.stepfactor, spec.stepbytes)
+    rows: list[Row] = []
+    skipped: list[str] = []
+    for tier, units in units_by_tier:
+        mine = next((u for u in units if u.member), None)
+        if tier != "world":
+            note(f"tier {tier}: " + "; ".join(f"ranks {','.join(map(str, u.ranks))} ({'+'.join(dict.fromkeys(u.backends))})"
+                                             for u in units) + " side by side")
+        for op in spec.ops:
+            redops = spec.redops if op in REDUCING else ("sum",)
+            for dt in dtype_names:
+                for redop in redops:
+                    def take(size_rows: list[Row]) -> None:
+                        rows.extend(size_rows)
+                        emit(size_rows)
+
+                    why = _measure(spec, op, dt, redop, units, mine, all_sizes, control, device, rank, take, note)
+                    if why:
+                        skipped.append(why)
+                        note("skipped: " + why)
+    dist.barrier(group=control)
+    for u in (x for _, us in units_by_tier for x in us):
+        if u.group is not None and u.group is not dist.group.WORLD:
+            dist.destroy_process_group(u.group)
+        if u.gloo is not None:
+            dist.destroy_process_group(u.gloo)
+    if rank != 0:
+        dist.destroy_process_group(control)
+        return {}
+    dist.destroy_process_group(control)
+    checked = [r for r in rows if r.wrong is not None and r.group == "vcga"]  # gloo is the anchor, not under test
+    vcga_rows = [r for r in rows if r.group == "vcga" and r.tier == "world"]
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "out_of_bounds": sum(r.wrong for r in checked if r.wrong),
+        "avg_bus_bandwidth_gbps": (sum(r.busbw_gbps for r in vcga_rows) / len(vcga_rows)) if vcga_rows else 0.0,
+        "layout": [{"rank": r, "backend": b, "node": n, "pid": p, "device": d} for r, (b, n, p, d) in enumerate(layouts)],
+    }
+
+
+def _measure(spec: BenchSpec, op: str, dt: str, redop: str, units: list[Unit], mine: Unit | None,
+             all_sizes: list[int], control: Any, device: Any, rank: int, take: OnRow, note: OnNote) -> str | None:
+    """All sizes of one (collective, dtype, op) on the units of one tier (side by side); rank 0's
+    rows go to ``take`` size by size. Returns why the combination was skipped (the same on every
+    rank), or None."""
+    import torch
+    import torch.distributed as dist
+
+    from vcga import dtypes
+
+    tdtype = dtypes.to_torch(DTYPES[dt])
+    elt = torch.empty(0, dtype=tdtype).element_size()
+    kinds = [("vcga", False)] + ([("gloo", True)] if spec.compare == "gloo" else [])
+    n_me = len(mine.ranks) if mine is not None else 0
+    root = spec.root
+
+    def agree(problem: str | None) -> str | None:
+        """Every rank's verdict -> the first problem any rank met (so all ranks skip together)."""
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, problem, group=control)
+        return next((p for p in seen if p), None)
+
+    if op == "send_recv" and min(len(u.ranks) for u in units) < 2:
+        return f"{op}: needs 2 ranks or more"
+    if op in ROOTED and not 0 <= root < min(len(u.ranks) for u in units):
+        return f"{op}: root {root} is not a rank of every group measured"
+
+    # Warm-up, as nccl-tests: every size from minbytes doubling, warmup_iters calls each. A refusal
+    # (the capability table says no) or a library error skips this combination on every rank.
+    problem: dict[str, str | None] = {"vcga": None, "gloo": None}
+    for kind, _ in kinds:
+        err = None
+        if mine is not None:
+            grp = mine.group if kind == "vcga" else mine.gloo
+            dev = device if kind == "vcga" else torch.device("cpu")
+            try:
+                s = max(all_sizes[0], 1)
+                while s <= all_sizes[-1]:
+                    c = _Collective(op, tdtype, redop, geometry(op, s, elt, n_me), grp, mine.ranks, root, dev)
+                    for _ in range(max(spec.warmup_iters, 1)):
+                        c.call(False)
+                    _sync(dev)
+                    s *= 2
+            except (VcgaError, RuntimeError, ValueError, TypeError) as e:
+                err = f"{op} {dt} {redop} on {kind}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        problem[kind] = agree(err)
+    if problem["vcga"]:
+        return problem["vcga"]  # type: ignore[return-value]
+    if problem["gloo"] is not None:
+        kinds = [("vcga", False)]
+        note(f"no gloo comparison for {op} {dt} {redop}: {problem['gloo']}")
+
+    gloo_wrong: dict[bool, int] = {}
+    for nbytes in all_sizes:
+        local: list[tuple[str, bool, float, int]] = []  # (kind, in_place, seconds, wrong)
+        for kind, _ in kinds:
+            for in_place in (False, True):
+                if in_place and op == "send_recv":
+                    continue
+                secs, wrong = 0.0, 0
+                c = None
+                if mine is not None:
+                    grp = mine.group if kind == "vcga" else mine.gloo
+                    dev = device if kind == "vcga" else torch.device("cpu")
+                    c = _Collective(op, tdtype, redop, geometry(op, nbytes, elt, n_me), grp, mine.ranks, root, dev)
+                    c.fill(0, in_place)
+                    c.call(in_place)  # one untimed call (nccl-tests' BenchTime)
+                    _sync(dev)
+                dist.barrier(group=control)
+                if c is not None:
+                    t0 = time.perf_counter()
+                    for _ in range(spec.iters):
+                        c.call(in_place)
+                    _sync(c.device)
+                    secs = (time.perf_counter() - t0) / spec.iters
+                dist.barrier(group=control)
+                if c is not None:
+                    for rep in range(1, spec.check + 1):
+                        c.fill(rep, in_place)
+                        c.call(in_place)
+                        _sync(c.device)
+                        wrong += c.wrong(rep, in_place)
+                        if wrong:
+                            break
+                    del c
+                local.append((kind, in_place, secs, wrong))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, local, group=control)
+        if rank != 0:
+            continue
+        size_rows: list[Row] = []
+        for u in units:
+            g = geometry(op, nbytes, elt, len(u.ranks))
+            times: dict[tuple[str, bool], float] = {}
+            for i, (kind, in_place, _, _) in enumerate(every[u.ranks[0]]):
+                secs = sum(every[r][i][2] for r in u.ranks) / len(u.ranks)  # nccl-tests' -a 1: mean over ranks
+                wrong_n = sum(every[r][i][3] for r in u.ranks)
+                times[(kind, in_place)] = secs
+                algbw = algbw_bytes(op, g, elt, len(u.ranks)) / 1e9 / secs if secs > 0 else 0.0
+                size_rows.append(Row(op=op, nranks=len(u.ranks), size_bytes=max(g.send, g.recv) * elt, count=g.param,
+                                     dtype=dt, redop=redop if op in REDUCING else "none",
+                                     root=root if op in ROOTED else -1, time_us=secs * 1e6, algbw_gbps=algbw,
+                                     busbw_gbps=algbw * bus_factor(op, len(u.ranks)),
+                                     wrong=wrong_n if spec.check else None, in_place=in_place, group=kind,
+                                     tier=u.tier, ranks=list(u.ranks), backends=list(u.backends)))
+            for row in size_rows[-len(every[u.ranks[0]]):]:
+                if row.group == "vcga" and ("gloo", row.in_place) in times and times[("gloo", row.in_place)] > 0:
+                    row.vs_gloo = times[("vcga", row.in_place)] / times[("gloo", row.in_place)]
+                if row.group == "gloo" and row.wrong:
+                    gloo_wrong[row.in_place] = gloo_wrong.get(row.in_place, 0) + row.wrong
+        take(size_rows)
+    for in_place, n_wrong in gloo_wrong.items():
+        note(f"plain gloo got {n_wrong} elements wrong in {op} {dt} {'in-place' if in_place else 'out-of-place'} "
+             "(the comparison's anchor, not counted as out of bounds)")
+    return None
