@@ -1,0 +1,65 @@
+"""Ray Train on backend vcga: TorchTrainer(..., torch_config=TorchConfig(backend="vcga")) on a local
+Ray cluster (ray.init(num_cpus=4)), 2 workers, once on one vendor and once on two simulated
+vendors (VCGA_SIM_VENDORS through the run's worker_runtime_env). Nothing registers vcga in the
+workers but torch's ``torch.backends`` autoload of the installed vcga: no setup hook, no import.
+
+argv: out_dir. Each worker writes out_dir/<run>-<rank>.json.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def train_loop(config: dict) -> None:
+    import hashlib
+    import json
+
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    ctx = ray.train.get_context()
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(10 + ctx.get_world_rank())  # each worker its own data
+    for _ in range(4):
+        opt.zero_grad()
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    with open(os.path.join(config["out"], f"{config['run']}-{ctx.get_world_rank()}.json"), "w") as f:
+        json.dump({"sha256": digest, "backend": dist.get_backend(), "transport": dist.group.WORLD.transport.backend_name,
+                   "world": dist.get_world_size()}, f)
+
+
+def main() -> None:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    out = sys.argv[1]
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        for run, env in (("single", {}), ("mixed", {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"})):
+            trainer = TorchTrainer(
+                train_loop, train_loop_config={"out": out, "run": run},
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                torch_config=TorchConfig(backend="vcga"),
+                run_config=RunConfig(name=f"vcga-{run}", storage_path=os.path.join(out, "ray"),
+                                     worker_runtime_env={"env_vars": env}))
+            trainer.fit()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

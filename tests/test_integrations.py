@@ -1,0 +1,132 @@
+"""VCGA inside the frameworks, each with the real package on CPU, 2 processes (docs/integrations.md).
+
+Each test runs a script from tests/integrations/ as its framework expects to be launched, and
+asserts that the job ran on backend vcga (single vendor: transport gloo; mixed: the bridge between
+sim-nccl and sim-hccl) and that every rank ends with bitwise identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, VENV_BIN, free_port
+
+SCRIPTS = ROOT / "tests" / "integrations"
+MIXED = {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}
+BRIDGE = "bridge(sim-nccl:1,sim-hccl:1)"
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    env.update({"PYTHONWARNINGS": "ignore", "RUST_LOG": "error", **(extra or {})})
+    return env
+
+
+def _run(cmd: list[str], extra_env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(extra_env), cwd=ROOT,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    return r
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
+def test_lightning_ddp_and_fsdp_strategies(tmp_path, vendors):
+    """DDPStrategy(process_group_backend="vcga") and FSDP (ModelParallelStrategy + fully_shard)."""
+    pytest.importorskip("pytorch_lightning")
+    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path)], vendors)
+    for strategy in ("DDPStrategy", "ModelParallelStrategy"):
+        ranks = [_read(tmp_path / f"{strategy}-{r}.json") for r in (0, 1)]
+        assert ranks[0]["sha256"] == ranks[1]["sha256"], strategy
+        assert ranks[0]["sha256"] != ranks[0]["start_sha256"] and ranks[0]["steps"] == 4  # it trained
+        for x in ranks:
+            assert x["backend"] == "vcga" and x["transport"] == (BRIDGE if vendors else "gloo") and x["world"] == 2
+
+
+@pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
+def test_accelerate_helper_runs_vcga_and_says_so(tmp_path, vendors):
+    """vcga.integrations.accelerate.accelerator(cpu=True) under torchrun: DDP over vcga, and
+    Accelerate reports backend vcga (it would say gloo: it forces gloo on CPU)."""
+    pytest.importorskip("accelerate")
+    _run([str(VENV_BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+          str(SCRIPTS / "accelerate_run.py"), str(tmp_path), "helper"], vendors)
+    ranks = [_read(tmp_path / f"{r}.json") for r in (0, 1)]
+    assert ranks[0]["sha256"] == ranks[1]["sha256"]
+    for x in ranks:
+        assert x["state_backend"] == x["partial_state_backend"] == x["torch_backend"] == "vcga"
+        assert x["transport"] == (BRIDGE if vendors else "gloo")
+        assert x["num_processes"] == 2 and x["steps"] == 4 and x["distributed_type"].endswith("MULTI_CPU")
+
+
+def test_accelerate_alone_refuses_vcga_on_cpu():
+    """Why the helper exists: asked for backend vcga on CPU, Accelerate raises (as the issue found)."""
+    pytest.importorskip("accelerate")
+    code = ("from accelerate import Accelerator\nfrom accelerate.utils import InitProcessGroupKwargs\n"
+            "try:\n    Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend='vcga')])\n"
+            "except ValueError as e:\n    print('ValueError:', e)\n")
+    r = _run([sys.executable, "-c", code], {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, timeout=120)
+    assert "ValueError: Your assigned backend vcga is not available, please use gloo" in r.stdout
+
+
+def test_ray_train_torch_config_backend_vcga(tmp_path):
+    """TorchTrainer(torch_config=TorchConfig(backend="vcga")) on ray.init(num_cpus=4): the workers
+    find backend vcga through torch's autoload alone; one vendor, then two."""
+    pytest.importorskip("ray.train")
+    _run([sys.executable, str(SCRIPTS / "ray_run.py"), str(tmp_path)], timeout=280)
+    for run, transport in (("single", "gloo"), ("mixed", BRIDGE)):
+        ranks = [_read(tmp_path / f"{run}-{r}.json") for r in (0, 1)]
+        assert ranks[0]["sha256"] == ranks[1]["sha256"], run
+        assert all(x["backend"] == "vcga" and x["transport"] == transport and x["world"] == 2 for x in ranks)
+
+
+def test_torchft_heals_a_dead_replica_group_on_a_mixed_vendor_world(tmp_path):
+    """torchft's Manager over ProcessGroupVcga: replica 0 on sim-nccl, replica 1 on sim-hccl. Replica
+    1 crashes mid-training; replica 0 trains on alone (the job is not restarted); a new replica 1
+    process joins, torchft heals it from replica 0, and both end bitwise identical."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20,
+                                  heartbeat_timeout_ms=1000)
+    script = str(SCRIPTS / "torchft_replica.py")
+    addr = lighthouse.address()
+    go = tmp_path / "go"
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, replica: str, backend: str, *extra: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, script, role, replica, addr, str(tmp_path / f"{role}.json"), *extra],
+                             env=_env({"VCGA_BACKEND": backend}), cwd=ROOT, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{role}.log", "w"))
+        procs.append(p)
+        return p
+
+    try:
+        survivor = start("survivor", "0", "sim-nccl")
+        victim = start("victim", "1", "sim-hccl")
+        rejoiner = start("rejoiner", "1", "sim-hccl", str(go))  # imports now, joins when told
+        assert victim.wait(timeout=180) == 17, (tmp_path / "victim.log").read_text()[-3000:]
+        go.write_text("the victim died")
+        assert rejoiner.wait(timeout=180) == 0, (tmp_path / "rejoiner.log").read_text()[-3000:]
+        assert survivor.wait(timeout=60) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        lighthouse.shutdown()
+    s, r = _read(tmp_path / "survivor.json"), _read(tmp_path / "rejoiner.json")
+    assert s["sha256"] == r["sha256"] and s["step"] == r["step"]  # healed: bitwise identical, same step
+    assert s["pid"] == survivor.pid  # the survivor is the process started first: the job never restarted
+    assert r["healed"] is not None and r["healed"]["step"] > 1  # the rejoiner's first step came from a heal
+    assert BRIDGE in s["groups"] and "sim-nccl" in s["groups"]  # mixed quorum, then alone, then mixed again
+    assert r["groups"] == [BRIDGE]
