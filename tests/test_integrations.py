@@ -63,6 +63,7 @@ def test_accelerate_helper_runs_vcga_and_says_so(tmp_path, vendors):
     ranks = [_read(tmp_path / f"{r}.json") for r in (0, 1)]
     assert ranks[0]["sha256"] == ranks[1]["sha256"]
     for x in ranks:
+        assert x["reported_without_helper"] == "gloo"  # Accelerate alone: runs the vcga group, says gloo
         assert x["state_backend"] == x["partial_state_backend"] == x["torch_backend"] == "vcga"
         assert x["transport"] == (BRIDGE if vendors else "gloo")
         assert x["num_processes"] == 2 and x["steps"] == 4 and x["distributed_type"].endswith("MULTI_CPU")

@@ -37,8 +37,15 @@ def main() -> None:
             json.dump(result, f)
         return
 
+    from accelerate.state import PartialState
+
+    import vcga
     from vcga.integrations.accelerate import accelerator
 
+    # Accelerate alone, with the vcga group made first (the only way it runs vcga on CPU): it uses
+    # the group but reports gloo. accelerator() then builds on the same (singleton) state.
+    vcga.init()
+    before = PartialState(cpu=True).backend
     acc = accelerator(cpu=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -54,10 +61,8 @@ def main() -> None:
         opt.step()
         steps += 1
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in acc.unwrap_model(model).parameters())).hexdigest()
-    from accelerate.state import PartialState
-
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"sha256": digest, "steps": steps, "state_backend": acc.state.backend,
+        json.dump({"sha256": digest, "reported_without_helper": before, "steps": steps, "state_backend": acc.state.backend,
                    "partial_state_backend": PartialState().backend, "distributed_type": str(acc.distributed_type),
                    "num_processes": acc.num_processes, "torch_backend": dist.get_backend(),
                    "transport": dist.group.WORLD.transport.backend_name}, f)

@@ -1,4 +1,5 @@
-"""``vcga bench --plot``: busbw against message size, one panel per collective, one line per group.
+"""``vcga bench --plot``: busbw against message size, one panel per collective, one line per group
+(out-of-place; in-place rows are in the table, --json and --csv).
 
 matplotlib is an optional extra (``pip install 'vcga[plot]'``); the CLI checks for it before the run.
 """
@@ -32,17 +33,16 @@ def plot_rows(rows: list[Any], path: str) -> None:
     for ax, op in zip(axes[0], ops):
         series: dict[tuple[str, bool], list[Any]] = {}
         for r in rows:
-            if r.op == op and r.size_bytes > 0:
+            if r.op == op and r.size_bytes > 0 and not r.in_place:
                 series.setdefault((_label(r) + (f" {r.dtype} {r.redop}" if r.redop != "none" else f" {r.dtype}"),
                                    r.in_place), []).append(r)
         for (label, in_place), pts in series.items():
             pts.sort(key=lambda r: r.size_bytes)
             ax.plot([r.size_bytes for r in pts], [max(r.busbw_gbps, 1e-6) for r in pts],
-                    marker="o", markersize=3, linestyle="--" if in_place else "-",
-                    label=label + (" in-place" if in_place else " out-of-place"))
+                    marker="o", markersize=3, linestyle="--" if label.startswith("gloo") else "-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{op} (n={pts[0].nranks})" if series else op)
+        ax.set_title(f"{op}, out-of-place")
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
