@@ -275,7 +275,7 @@ class _Table:
     def note(self, text: str) -> None:
         self._out(f"#  {text}")
 
-    def _columns(self) -> None:
+    def _columns(self, tier: str) -> None:
         head1 = f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}           out-of-place                       in-place          "
         head2 = (f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>7}  {'algbw':>6}  "
                  f"{'busbw':>6}  {'#wrong':>6}  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}")
@@ -285,6 +285,9 @@ class _Table:
             head1 += "   gloo out-of-place        gloo in-place"
             head2 += f"  {'time':>7}  {'busbw':>6}  {'ratio':>5}  {'time':>7}  {'busbw':>6}  {'ratio':>5}"
             head3 += f"  {'(us)':>7}  {'(GB/s)':>6}  {'vcga/':>5}  {'(us)':>7}  {'(GB/s)':>6}  {'vcga/':>5}"
+        if tier != "world":  # the subgroups of a tier run side by side: each line says which one it is
+            head2 += "  group"
+            head3 += "  (ranks, backends)"
         self._out(head1)
         self._out(head2)
         self._out(head3)
@@ -296,13 +299,17 @@ class _Table:
         for key, cells in by_group.items():
             tier, ranks, op, dtype, redop = key
             first = cells[("vcga", False)]
-            if key != self.section:
-                self.section = key
-                who = "+".join(dict.fromkeys(first.backends))
+            section = (tier, op, dtype, redop) if tier != "world" else key
+            if section != self.section:
+                self.section = section
                 self._out("#")
-                self._out(f"# {op}  {dtype}  {redop}  on {_TIER_TITLE.get(tier, tier)}: {len(ranks)} ranks "
-                          f"{','.join(map(str, ranks))} ({who})")
-                self._columns()
+                if tier == "world":
+                    who = "+".join(dict.fromkeys(first.backends))
+                    self._out(f"# {op}  {dtype}  {redop}  on {_TIER_TITLE['world']}: {len(ranks)} ranks "
+                              f"{','.join(map(str, ranks))} ({who})")
+                else:
+                    self._out(f"# {op}  {dtype}  {redop}  on {_TIER_TITLE.get(tier, tier)}: its groups side by side")
+                self._columns(tier)
             line = f"  {first.size_bytes:>10}  {first.count:>12}  {first.dtype:>8}  {first.redop:>6}  {first.root:>6}"
             for in_place in (False, True):
                 r = cells.get(("vcga", in_place))
@@ -316,6 +323,8 @@ class _Table:
                     else:
                         ratio = f"{v.vs_gloo:5.2f}" if v is not None and v.vs_gloo is not None else f"{'N/A':>5}"
                         line += f"  {_f(g.time_us, 7)}  {_f(g.busbw_gbps, 6)}  {ratio}"
+            if tier != "world":
+                line += f"  {','.join(map(str, ranks))} {'+'.join(dict.fromkeys(first.backends))}"
             self._out(line)
 
     @staticmethod
