@@ -81,10 +81,12 @@ def test_accelerate_alone_refuses_vcga_on_cpu():
 
 def test_ray_train_torch_config_backend_vcga(tmp_path):
     """TorchTrainer(torch_config=TorchConfig(backend="vcga")) on ray.init(num_cpus=4): the workers
-    find backend vcga through torch's autoload alone; one vendor, then two."""
+    find backend vcga through torch's autoload alone, on two vendors. (Ray's cluster start is most
+    of this test's cost, so it runs the mixed world only; `ray_run.py OUT --runs single,mixed` adds
+    the one-vendor run, docs/integrations.md.)"""
     pytest.importorskip("ray.train")
     _run([sys.executable, str(SCRIPTS / "ray_run.py"), str(tmp_path)], timeout=280)
-    for run, transport in (("single", "gloo"), ("mixed", BRIDGE)):
+    for run, transport in (("mixed", BRIDGE),):
         ranks = [_read(tmp_path / f"{run}-{r}.json") for r in (0, 1)]
         assert ranks[0]["sha256"] == ranks[1]["sha256"], run
         assert all(x["backend"] == "vcga" and x["transport"] == transport and x["world"] == 2 for x in ranks)

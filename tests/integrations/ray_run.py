@@ -1,9 +1,10 @@
 """Ray Train on backend vcga: TorchTrainer(..., torch_config=TorchConfig(backend="vcga")) on a local
-Ray cluster (ray.init(num_cpus=4)), 2 workers, once on one vendor and once on two simulated
-vendors (VCGA_SIM_VENDORS through the run's worker_runtime_env). Nothing registers vcga in the
-workers but torch's ``torch.backends`` autoload of the installed vcga: no setup hook, no import.
+Ray cluster (ray.init(num_cpus=4)), 2 workers, on two simulated vendors (VCGA_SIM_VENDORS through
+the run's worker_runtime_env) and, with ``--runs single,mixed``, first on one vendor. Nothing
+registers vcga in the workers but torch's ``torch.backends`` autoload of the installed vcga: no
+setup hook, no import.
 
-argv: out_dir. Each worker writes out_dir/<run>-<rank>.json.
+argv: out_dir [--runs single,mixed]. Each worker writes out_dir/<run>-<rank>.json.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def main() -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     out = sys.argv[1]
+    runs = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[2] == "--runs" else ["mixed"]
+    envs = {"single": {}, "mixed": {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        for run, env in (("single", {}), ("mixed", {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"})):
+        for run in runs:
+            env = envs[run]
             trainer = TorchTrainer(
                 train_loop, train_loop_config={"out": out, "run": run},
                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
