@@ -114,11 +114,16 @@ def test_torchft_heals_a_dead_replica_group_on_a_mixed_vendor_world(tmp_path):
         return p
 
     try:
-        survivor = start("survivor", "0", "sim-nccl")
+        alone = tmp_path / "alone"
+        survivor = start("survivor", "0", "sim-nccl", str(alone))
         victim = start("victim", "1", "sim-hccl")
         rejoiner = start("rejoiner", "1", "sim-hccl", str(go))  # imports now, joins when told
         assert victim.wait(timeout=180) == 17, (tmp_path / "victim.log").read_text()[-3000:]
-        go.write_text("the victim died")
+        until = time.monotonic() + 120
+        while not alone.exists():  # the survivor saw the crash (a quorum of one) and trains on alone
+            assert survivor.poll() is None and time.monotonic() < until, (tmp_path / "survivor.log").read_text()[-3000:]
+            time.sleep(0.05)
+        go.write_text("the victim died and the survivor trains alone")
         assert rejoiner.wait(timeout=180) == 0, (tmp_path / "rejoiner.log").read_text()[-3000:]
         assert survivor.wait(timeout=60) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
     finally:

@@ -1,7 +1,10 @@
 """One torchft replica group (one process) training on backend vcga; run by tests/test_integrations.py.
 
-argv: role replica_id lighthouse_addr out_json [go_file], role one of survivor, victim, rejoiner
-(the rejoiner imports everything, then waits for go_file before it creates its Manager)
+argv: role replica_id lighthouse_addr out_json [signal_file], role one of survivor, victim, rejoiner
+(the survivor creates signal_file when it trains alone; the rejoiner imports everything, then
+waits for its signal_file -- the test writes it once the survivor is alone -- before it creates
+its Manager: were it to join before the survivor saw the crash, the survivor could never tell the
+crash happened)
 
 Trains a small model with torchft's DDP and OptimizerWrapper under a Manager whose process group is
 vcga.integrations.torchft.ProcessGroupVcga (this replica's vendor: VCGA_BACKEND). The victim exits
@@ -86,6 +89,8 @@ def main() -> None:
             heal_from = manager.current_step() if phase == "healed" else None
         elif phase == "joint" and n == 1:
             phase = "alone"
+            if len(sys.argv) > 5:
+                open(sys.argv[5], "w").close()
         elif phase == "alone" and n == 2:
             phase, heal_from = "healed", manager.current_step()
         x = torch.randn(16, 8, generator=gen)
