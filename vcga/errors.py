@@ -26,11 +26,26 @@ __all__ = [
     "VcgaFormatError",
     "VcgaChecksumError",
     "VcgaConversionError",
+    "VcgaCheckpointError",
 ]
 
 
 class VcgaError(Exception):
-    """Base of every error VCGA raises deliberately."""
+    """Base of every error VCGA raises deliberately.
+
+    Picklable whatever the subclass's constructor takes: torch.distributed.checkpoint gathers a
+    rank's exception to the other ranks by pickling it, and the default (calling the class with
+    the message alone) fails for every error here that takes more than a message."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type[VcgaError], args: tuple[Any, ...], state: dict[str, Any]) -> VcgaError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 class VcgaConfigError(VcgaError, ValueError):
@@ -187,6 +202,19 @@ class VcgaFormatError(VcgaError, ValueError):
 
 class VcgaChecksumError(VcgaFormatError):
     """Stored and computed checksums differ: the data was damaged after it was written."""
+
+
+class VcgaCheckpointError(VcgaError, RuntimeError):
+    """A distributed checkpoint could not be saved or loaded (:mod:`vcga.checkpoint`).
+
+    :param step: the checkpoint's step, when known.
+    :param failures: rank -> what went wrong there (the first line of each rank's error).
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, failures: Mapping[int, str] | None = None) -> None:
+        self.step = step
+        self.failures = dict(failures or {})
+        super().__init__(message)
 
 
 class VcgaConversionError(VcgaError, ValueError):
