@@ -113,6 +113,19 @@ def _effective_timeout(given: timedelta | None, config: Config) -> timedelta:
     return timedelta(seconds=config.collective_timeout_s)
 
 
+def _attempt_store(store: Any) -> Any:
+    """The group's store, with a key space of its own per torchrun attempt.
+
+    torchrun's agent keeps one TCP store for the whole job, across restarts: the keys an earlier
+    attempt wrote -- the dead workers' addresses among them -- are still there, and a rank of the
+    new attempt reading a peer's key before that peer rewrote it would connect to a dead address.
+    ``TORCHELASTIC_RESTART_COUNT`` is the same on every worker of an attempt and new each restart."""
+    import os
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return store if attempt is None else dist.PrefixStore(f"vcga/attempt-{attempt}", store)
+
+
 def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessGroup:
     """The creator torch calls for ``backend="vcga"`` (``extended_api=True``).
 
@@ -122,7 +135,7 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
     """
     from vcga.plugin_manager import get_plugin_manager
 
-    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    store, rank, size = _attempt_store(dist_opts.store), dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
     group_name = str(dist_opts.group_id)
     if isinstance(pg_options, VcgaOptions):
