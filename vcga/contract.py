@@ -90,6 +90,7 @@ __all__ = [
     "Backend",
     "TensorEntry",
     "FormatReader",
+    "RandomAccessReader",
     "FormatWriter",
     "FormatSpec",
     "CheckResult",
@@ -377,6 +378,32 @@ class FormatReader(Protocol):
     def __enter__(self) -> FormatReader: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class RandomAccessReader(FormatReader, Protocol):
+    """A reader that also serves tensors by name, in any order (vendor-bin's does).
+
+    :mod:`vcga.checkpoint` reads a checkpoint's shard files through it: each rank takes only the
+    chunks it needs, and a damaged file is detected before any of its bytes are used."""
+
+    def entry(self, name: str) -> TensorEntry:
+        """One tensor with its data (a view where the format maps its file) and its stored
+        ``checksum``; the data is checked against it first when the reader verifies.
+
+        :raises KeyError: no tensor of that name."""
+        ...
+
+    def verify(self) -> None:
+        """Check every stored checksum of the file(s) and every byte between the tensors.
+
+        :raises vcga.errors.VcgaChecksumError: naming the file and the tensor (or offset)."""
+        ...
+
+    def release(self, name: str | None = None) -> None:
+        """Let this process's resident memory drop tensor ``name``'s pages (all when None); data
+        already handed out stays valid."""
+        ...
 
 
 @runtime_checkable

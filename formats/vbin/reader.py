@@ -440,6 +440,21 @@ class VbinReader(ReaderContext):
         self._shards = [None] * len(self._shards)
 
 
+    def release(self, name: str | None = None) -> None:
+        """Drop the pages of tensor ``name`` (of every tensor read so far when None) from this
+        process's resident memory. Views handed out stay valid: their pages fault back in from the
+        page cache if read again. Random-access readers call it after each tensor to keep memory
+        bounded by one tensor, as :meth:`entries` does on its own."""
+        if name is not None:
+            rec = self._by_name.get(name)
+            if rec is not None:
+                self._file_of(rec).release(rec)
+            return
+        for rec in self._records:
+            f = self._root if rec.shard is None else self._shards[rec.shard]
+            if f is not None:  # a shard never opened has no pages
+                f.release(rec)
+
     # -- lazy access -----------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
