@@ -84,6 +84,9 @@ def format_by_name(name: str, specs: Sequence[FormatSpec] | None = None) -> Form
     for s in specs:
         if s.name == name:
             return s
+    if name == "dcp":
+        raise VcgaConversionError("format dcp is a directory layout (torch.distributed.checkpoint), read-only: give "
+                                  "the checkpoint directory as the source")
     raise VcgaConversionError(f"unknown format {name!r}; known formats: {_names(specs)}")
 
 
@@ -143,7 +146,15 @@ def detect_source(path: str | os.PathLike[str], name: str | None = None,
                                   f"{p.name}0, {p.name}00, ..., nor a shard index {index.name})")
         p = shard
     if p.is_dir():
-        raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard)")
+        # A torch.distributed.checkpoint directory (torch's layout or vcga.checkpoint's) is read as one
+        # checkpoint of whole tensors. It is a layout, not a plugin's file format: read-only, so it is
+        # not among the registered formats.
+        from vcga.checkpoint.directory import DCP_SPEC, is_dcp_directory
+
+        if name in (None, DCP_SPEC.name) and is_dcp_directory(p):
+            return DCP_SPEC, p
+        raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard), or a "
+                              "torch.distributed.checkpoint directory (one holding .metadata)")
     if name is not None:
         return format_by_name(name, specs), p
     sniffed = [s for s in specs if _safe_sniff(s, p)]
@@ -363,6 +374,14 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _inside(path: Path, directory: Path) -> bool:
+    try:
+        path.resolve().relative_to(directory.resolve())
+        return True
+    except (ValueError, OSError):
+        return False
+
+
 def _notes_of(obj: Any) -> list[str]:
     notes = getattr(obj, "notes", None)
     return [str(n) for n in notes] if isinstance(notes, (list, tuple)) else []
@@ -399,6 +418,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_for
         raise VcgaConversionError(f"destination directory {str(parent)!r} does not exist")
     if _same_file(src_path, dst_path) or _same_file(Path(src), dst_path):
         raise VcgaConversionError(f"destination {str(dst_path)!r} is the source; VCGA never modifies a source")
+    if src_path.is_dir() and _inside(parent, src_path):
+        raise VcgaConversionError(f"destination {str(dst_path)!r} is inside the source directory {str(src_path)!r}; "
+                                  "VCGA never modifies a source")
     if dst_path.exists() and not overwrite:
         raise VcgaConversionError(f"destination {str(dst_path)!r} exists; pass --overwrite to replace it")
 

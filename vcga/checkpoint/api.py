@@ -1,0 +1,368 @@
+"""save / async_save / load_latest: the public verbs of :mod:`vcga.checkpoint` (docs/checkpoint.md)."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from vcga import fault
+from vcga.errors import VcgaCheckpointError, VcgaError
+
+from .storage import (
+    SafeLoadPlanner,
+    VcgaStorageReader,
+    VcgaStorageWriter,
+    complete_steps,
+    read_latest,
+    step_dir,
+)
+
+__all__ = ["save", "async_save", "load_latest", "wait", "latest_step", "SaveFuture"]
+
+log = logging.getLogger("vcga.checkpoint")
+
+
+# --------------------------------------------------------------------------------------------------
+# Failures
+# --------------------------------------------------------------------------------------------------
+
+
+def _describe(e: BaseException) -> tuple[str, dict[int, str]]:
+    """One line per failing rank, from DCP's CheckpointException (it gathers every rank's error)."""
+    if isinstance(e, CheckpointException):
+        failures = {}
+        for rank, wrapped in sorted(e.failures.items()):
+            exc = getattr(wrapped, "exception", wrapped)
+            if isinstance(exc, tuple) and exc:  # (exception, stack summary) in some torch versions
+                exc = exc[0]
+            failures[rank] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        first = next(iter(failures.items()), None)
+        text = f"rank {first[0]}: {first[1]}" if first else str(e)
+        if len(failures) > 1:
+            text += f" (and {len(failures) - 1} more rank(s))"
+        return text, failures
+    return f"{type(e).__name__}: {e}".splitlines()[0], {}
+
+
+# --------------------------------------------------------------------------------------------------
+# save
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_and_dist(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
+    if dist.is_available() and dist.is_initialized():
+        return process_group, False
+    return None, True
+
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what was asked."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _to_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Stateful values (a model, an optimizer wrapper) become their state dicts, as DCP does."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def _save_now(state_dict: Mapping[str, Any], root: Path, step: int, keep_last: int | None,
+              group: dist.ProcessGroup | None, no_dist: bool, planner: Any) -> Path:
+    writer = VcgaStorageWriter(root, step, keep_last=keep_last,
+                               on_rank_written=lambda: fault.point("save", step))
+    try:
+        with _quiet(no_dist):
+            dcp.save(dict(state_dict), storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
+    except BaseException as e:
+        writer.abort()  # rank 0 removes this save's directory; nothing was published
+        if isinstance(e, CheckpointException):
+            text, failures = _describe(e)
+            raise VcgaCheckpointError(f"saving checkpoint step {step} under {root} failed: {text}. The previous "
+                                      "checkpoint stays the latest", step=step, failures=failures) from None
+        raise
+    return root / step_dir(step)
+
+
+def save(state_dict: Mapping[str, Any], root: str | os.PathLike[str], *, step: int, keep_last: int | None = 2,
+         process_group: dist.ProcessGroup | None = None, planner: Any = None) -> Path:
+    """Save ``state_dict`` as checkpoint ``root/step-<step>`` -- collective: every rank calls it.
+
+    Each rank writes its chunks (DCP's plan: replicated tensors once, shards by their owner) into a
+    checksummed vendor-bin file; the checkpoint is published by writing ``root/latest`` only once
+    every rank's file is durable. Then all but the newest ``keep_last`` checkpoints are removed.
+    A previous :func:`async_save` still running is waited for first; if it failed and nobody
+    looked at its future, its error is raised here.
+
+    :returns: the checkpoint directory.
+    :raises VcgaCheckpointError: on every rank when any rank failed (disk full, ...); the previous
+        checkpoint stays the latest and nothing of this one remains.
+    """
+    _ASYNC.drain()
+    group, no_dist = _group_and_dist(process_group)
+    return _save_now(_to_state_dict(state_dict), Path(root), _check_step(step), keep_last, group, no_dist, planner)
+
+
+def _check_step(step: Any) -> int:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+# --------------------------------------------------------------------------------------------------
+# async_save
+# --------------------------------------------------------------------------------------------------
+
+
+class SaveFuture:
+    """The outcome of one :func:`async_save`: :meth:`result` waits and returns the checkpoint
+    directory, or raises the save's :class:`~vcga.errors.VcgaCheckpointError`."""
+
+    def __init__(self, step: int, fut: concurrent.futures.Future[Path]) -> None:
+        self.step = step
+        self._fut = fut
+        self.observed = False
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return self._fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"async save of step {self.step} still running after {timeout} s") from None
+        except BaseException:
+            self.observed = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = self._fut.exception(timeout)
+        if exc is not None:
+            self.observed = True
+        return exc
+
+
+class _Stager:
+    """Copies a state dict into host buffers kept from one save to the next (pinned when the
+    tensors live on an accelerator that can pin host memory), so staging is one copy per tensor
+    and no allocation once warm."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # torch's own helpers (what DCP's BlockingAsyncStager uses): they know DTensor and
+        # ShardedTensor, keeping each shard's placement while copying its local data.
+        from torch.distributed._state_dict_utils import (
+            _check_state_dict_similarity,
+            _copy_state_dict,
+            _create_cpu_state_dict,
+        )
+
+        on_device = _device_type(state_dict)
+        if self._cache is None or not _check_state_dict_similarity(state_dict, self._cache):
+            pin = on_device is not None and torch.accelerator.is_available()
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
+        staged = _copy_state_dict(state_dict, self._cache, non_blocking=on_device is not None)
+        if on_device is not None:
+            torch.accelerator.synchronize()  # the copies were queued on the device's stream
+        return staged
+
+
+def _device_type(state_dict: Any) -> str | None:
+    stack = [state_dict]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            if local.device.type not in ("cpu", "meta"):
+                return local.device.type
+    return None
+
+
+class _AsyncSaver:
+    """At most one save in flight per process; its failure is kept until someone sees it."""
+
+    def __init__(self) -> None:
+        self.pending: SaveFuture | None = None
+        self.thread: threading.Thread | None = None
+        self.groups: dict[Any, dist.ProcessGroup] = {}
+        self.stager = _Stager()
+        self.lock = threading.Lock()
+
+    def drain(self) -> None:
+        """Wait for the save in flight; raise its failure unless its future already showed it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        exc = pending._fut.exception()  # waits
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if exc is not None and not pending.observed:
+            pending.observed = True
+            if isinstance(exc, VcgaError):
+                raise VcgaCheckpointError(f"the previous async save (step {pending.step}) failed: {exc}",
+                                          step=pending.step,
+                                          failures=getattr(exc, "failures", None)) from exc
+            raise VcgaCheckpointError(f"the previous async save (step {pending.step}) failed: "
+                                      f"{type(exc).__name__}: {exc}", step=pending.step) from exc
+
+    def group_for(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        """A gloo group over the same ranks, for the background thread's collectives: they must
+        never interleave with the training's collectives on the training's group, and gloo moves
+        the host-staged data of every vendor alike. Created on first use (collective, called by
+        every rank at the same async_save)."""
+        key = process_group if process_group is not None else "WORLD"
+        grp = self.groups.get(key)
+        if grp is None:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            grp = dist.new_group(ranks=ranks, backend="gloo")
+            self.groups[key] = grp
+        return grp
+
+    def start(self, staged: dict[str, Any], root: Path, step: int, keep_last: int | None,
+              group: dist.ProcessGroup | None, no_dist: bool, planner: Any) -> SaveFuture:
+        fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(_save_now(staged, root, step, keep_last, group, no_dist, planner))
+            except BaseException as e:  # noqa: BLE001 - it belongs to the future
+                log.error("async save of step %d failed: %s", step, e)
+                fut.set_exception(e)
+
+        # Not a daemon: an interpreter exiting normally waits for the checkpoint being written.
+        self.thread = threading.Thread(target=run, name=f"vcga-checkpoint-{step}", daemon=False)
+        self.pending = SaveFuture(step, fut)
+        self.thread.start()
+        return self.pending
+
+
+_ASYNC = _AsyncSaver()
+
+
+def async_save(state_dict: Mapping[str, Any], root: str | os.PathLike[str], *, step: int,
+               keep_last: int | None = 2, process_group: dist.ProcessGroup | None = None,
+               planner: Any = None) -> SaveFuture:
+    """Like :func:`save`, but returns once the state is copied to host memory; a background thread
+    writes and publishes it while training goes on. Collective (every rank calls it).
+
+    At most one save is in flight: a second call first waits for the first (and raises its error
+    if it failed and its future was never asked). Call :func:`wait` before destroying the process
+    group.
+
+    :returns: a :class:`SaveFuture`; ``result()`` gives the checkpoint directory or raises.
+    """
+    _ASYNC.drain()
+    step = _check_step(step)
+    group, no_dist = _group_and_dist(process_group)
+    bg_group = None if no_dist else _ASYNC.group_for(group)
+    staged = _ASYNC.stager.stage(_to_state_dict(state_dict))
+    return _ASYNC.start(staged, Path(root), step, keep_last, bg_group, no_dist, planner)
+
+
+def wait() -> Path | None:
+    """Wait for the async save in flight, if any; return its directory or raise its error."""
+    pending = _ASYNC.pending
+    _ASYNC.drain()
+    return pending._fut.result() if pending is not None else None
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait()
+    except Exception as e:  # noqa: BLE001 - nobody is left to raise to; say it
+        log.error("the last async checkpoint save failed: %s", e)
+
+
+atexit.register(_wait_at_exit)
+
+
+# --------------------------------------------------------------------------------------------------
+# load_latest
+# --------------------------------------------------------------------------------------------------
+
+
+def latest_step(root: str | os.PathLike[str]) -> int | None:
+    """The step ``root/latest`` names (None when nothing was published). Local; not collective."""
+    return read_latest(Path(root))
+
+
+def _candidates(root: Path) -> list[int]:
+    """The published checkpoint, then every older complete one, newest first."""
+    try:
+        latest = read_latest(root)
+    except VcgaError as e:
+        log.warning("%s; trying every complete checkpoint under %s, newest first", e, root)
+        return complete_steps(root)
+    if latest is None:
+        return []
+    return [latest] + [s for s in complete_steps(root) if s < latest]
+
+
+def load_latest(state_dict: dict[str, Any], root: str | os.PathLike[str], *,
+                process_group: dist.ProcessGroup | None = None, planner: Any = None) -> int | None:
+    """Load the newest complete checkpoint under ``root`` into ``state_dict``, in place -- collective.
+
+    Every file read is verified (each tensor's checksum, every padding byte, the metadata and
+    manifest checksums). A damaged checkpoint is skipped for the previous one with a warning
+    naming the file and the tensor. DCP's planner reshards: the checkpoint may come from another
+    world size or vendor mix (DDP, FSDP2 and DTensor state dicts, optimizer state included).
+
+    :returns: the step loaded, or None when ``root`` holds no published checkpoint.
+    :raises VcgaCheckpointError: checkpoints exist but none could be loaded.
+    """
+    _ASYNC.drain()
+    root = Path(root)
+    group, no_dist = _group_and_dist(process_group)
+    if no_dist:
+        candidates = _candidates(root)
+    else:
+        # Rank 0 decides, so every rank tries the same checkpoints in the same order.
+        box: list[Any] = [_candidates(root) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+        candidates = box[0]
+    tried: dict[int, str] = {}
+    for step in candidates:
+        reader = VcgaStorageReader(root / step_dir(step))
+        try:
+            with _quiet(no_dist):
+                dcp.load(state_dict, storage_reader=reader, planner=planner or SafeLoadPlanner(),
+                         process_group=group, no_dist=no_dist)
+        except CheckpointException as e:  # every rank gets it, with every rank's error
+            text, _ = _describe(e)
+            tried[step] = text
+        except VcgaError as e:  # single process: the reader's own error
+            if not no_dist:
+                raise
+            tried[step] = f"{type(e).__name__}: {e}"
+        else:
+            return step
+        log.warning("checkpoint %s is damaged or incomplete, skipped: %s", root / step_dir(step), tried[step])
+    if tried:
+        raise VcgaCheckpointError(f"no checkpoint under {root} could be loaded: "
+                                  + "; ".join(f"step {s}: {t}" for s, t in tried.items()),
+                                  failures={})
+    return None
