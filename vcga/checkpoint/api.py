@@ -236,8 +236,15 @@ class _AsyncSaver:
         key = process_group if process_group is not None else "WORLD"
         grp = self.groups.get(key)
         if grp is None:
+            from datetime import timedelta
+
+            from vcga.config import load_config
+
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-            grp = dist.new_group(ranks=ranks, backend="gloo")
+            # VCGA's collective timeout, not torch's default of 30 minutes: a peer that dies
+            # mid-save must fail the save (and let this process exit) as soon as a collective would.
+            timeout = timedelta(seconds=load_config().collective_timeout_s)
+            grp = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             self.groups[key] = grp
         return grp
 

@@ -282,7 +282,7 @@ def _plain_object(data: bytes, where: str) -> Any:
         try:
             return _TensorUnpickler(zf.read(prefix + "data.pkl"), allow_tensor=False).load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-                RecursionError) as e:
+                RecursionError, zipfile.BadZipFile) as e:
             raise VcgaFormatError(where, f"value is not plain data ({str(e)[:120]})") from None
 
 

@@ -1,0 +1,99 @@
+"""Run examples/train_elastic.py under real torchrun for the fault-matrix tests.
+
+:func:`launch` starts torchrun and waits for it, acting as the operator of a hung worker would be
+expected to: when a worker stopped by SIGSTOP (``VCGA_FAULT=hang:...``) has a SIGTERM pending --
+torchrun's agent sends it when it tears the failed attempt down, and a stopped process cannot act
+on it -- the harness continues it (SIGCONT) so it dies at once, instead of the agent waiting its
+fixed 30 s before SIGKILL. The waiting polls the process table with a deadline; nothing is
+synchronised by sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_elastic.py"
+_SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    events: list[dict] = field(default_factory=list)
+    result: dict | None = None
+    continued: int = 0  # stopped workers the harness continued
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def _stopped_with_sigterm_pending(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return False
+    if not fields.get("State", "").strip().startswith("T"):
+        return False
+    pending = int(fields.get("SigPnd", "0").strip(), 16) | int(fields.get("ShdPnd", "0").strip(), 16)
+    return bool(pending & _SIGTERM_BIT)
+
+
+def launch(tmp: Path, *, nproc: int, vendors: str, args: list[str], fault: str = "", max_restarts: int = 0,
+           timeout_s: float = 15.0, deadline_s: float = 280.0, name: str = "run") -> Run:
+    out, events = tmp / f"{name}.json", tmp / f"{name}.events"
+    env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "VCGA_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault,
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(SCRIPT), *args,
+           "--out", str(out), "--events", str(events)]
+    log = tmp / f"{name}.log"
+    continued = 0
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.monotonic() + deadline_s
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > end:
+                    raise AssertionError(f"torchrun did not finish within {deadline_s:g} s; log: {log}")
+                for child in _children(proc.pid):
+                    if _stopped_with_sigterm_pending(child):
+                        os.kill(child, signal.SIGCONT)
+                        continued += 1
+                try:
+                    proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    run = Run(proc.returncode, log.read_text(errors="replace"), continued=continued)
+    if events.exists():
+        run.events = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    if out.exists():
+        run.result = json.loads(out.read_text())
+    return run

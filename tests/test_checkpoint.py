@@ -1,0 +1,231 @@
+"""vcga.checkpoint in one process (DCP without a process group): the layout, publication, keep-last,
+verification at load with fallback to the previous checkpoint, async saving and its failures, and
+the refusal to run code from a checkpoint. Multi-rank behaviour: tests/test_checkpoint_world.py;
+restarts under torchrun: tests/test_elastic.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import vcga.checkpoint as ckpt
+from vcga import fault
+from vcga.checkpoint.dcpmeta import MANIFEST_FILE, METADATA_FILE, dump_manifest, load_manifest, metadata_checksum
+from vcga.errors import VcgaCheckpointError, VcgaChecksumError, VcgaConfigError, VcgaFormatError
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g).to(torch.bfloat16),
+             "mask": torch.rand(7, generator=g) > 0.5, "big": torch.randn(2048, generator=g)}
+    return {"model": model, "optim": {"step": torch.tensor(float(seed)), "lr": 0.1 * seed,
+                                      "betas": (0.9, 0.99)}, "epoch": seed}
+
+
+def _fresh() -> dict:
+    s = _state(999)
+    s["epoch"] = -1
+    s["optim"]["lr"] = -1.0
+    return s
+
+
+def _assert_state_equal(got: dict, want: dict) -> None:
+    for k, v in want["model"].items():
+        assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k].view(torch.uint8),
+                                                                 v.view(torch.uint8)), k
+    assert torch.equal(got["optim"]["step"], want["optim"]["step"])
+    assert got["optim"]["lr"] == want["optim"]["lr"] and tuple(got["optim"]["betas"]) == (0.9, 0.99)
+    assert got["epoch"] == want["epoch"]
+
+
+def test_save_publishes_a_checksummed_checkpoint_and_keeps_the_last_k(tmp_path):
+    root = tmp_path / "ck"
+    for step in (1, 2, 3):
+        assert ckpt.save(_state(step), root, step=step, keep_last=2) == root / f"step-{step}"
+        assert ckpt.latest_step(root) == step
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2", "step-3"]
+    assert sorted(p.name for p in (root / "step-3").iterdir()) == [METADATA_FILE, "__0_0.vbin", MANIFEST_FILE]
+    manifest = load_manifest((root / "step-3" / MANIFEST_FILE).read_bytes())
+    assert manifest["step"] == 3 and manifest["world_size"] == 1
+    assert manifest["metadata"]["checksum"] == metadata_checksum((root / "step-3" / METADATA_FILE).read_bytes())
+    # The shard is an ordinary vendor-bin file: every tensor has its stored checksum.
+    from vcga.convert import inspect_checkpoint
+
+    rows = inspect_checkpoint(root / "step-3" / "__0_0.vbin", verify=True).tensors
+    assert {r["name"] for r in rows} >= {"model.w", "model.b", "model.mask", "model.big"}
+    assert all(r["status"] == "ok" for r in rows)
+
+    state = _fresh()
+    assert ckpt.load_latest(state, root) == 3
+    _assert_state_equal(state, _state(3))
+    assert ckpt.load_latest(_fresh(), tmp_path / "nothing-here") is None
+
+
+def _flip(path: Path, offset: int, bit: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+def _positions(path: Path) -> list[tuple[int, str | None]]:
+    """Byte offsets covering every part of a vendor-bin file -- preamble, each tensor's bytes
+    (first, middle, last), every gap, the index and the trailer -- with the tensor each is in."""
+    from vcga.formats import vbin
+
+    size = path.stat().st_size
+    with vbin.VbinReader(path) as r:
+        recs = sorted((rec.offset, rec.nbytes, rec.name) for rec in r._records if rec.nbytes)
+        index_offset = r._root.index_offset
+    out: list[tuple[int, str | None]] = [(0, None), (12, None), (40, None), (63, None)]
+    prev = 64
+    for off, n, name in recs:
+        out += [(p, None) for p in {prev, (prev + off) // 2, off - 1} if prev <= p < off]  # the gap before
+        out += [(off, name), (off + n // 2, name), (off + n - 1, name)]
+        prev = off + n
+    out += [(index_offset, None), ((index_offset + size - 64) // 2, None), (size - 64, None), (size - 1, None)]
+    return out
+
+
+def test_a_flipped_bit_anywhere_is_detected_and_the_previous_checkpoint_loads(tmp_path, caplog):
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+    ckpt.save(_state(2), root, step=2)
+    shard = root / "step-2" / "__0_0.vbin"
+    cases = [(shard, off, name) for off, name in _positions(shard)]
+    cases += [(root / "step-2" / METADATA_FILE, off, None)
+              for off in (0, 40, (root / "step-2" / METADATA_FILE).stat().st_size - 2)]
+    cases += [(root / "step-2" / MANIFEST_FILE, off, None) for off in (0, 30, 100)]
+    assert len(cases) > 30
+    for path, off, tensor in cases:
+        caplog.clear()
+        _flip(path, off, bit=off % 8)
+        state = _fresh()
+        with caplog.at_level(logging.WARNING, logger="vcga.checkpoint"):
+            assert ckpt.load_latest(state, root) == 1, (path.name, off)
+        _assert_state_equal(state, _state(1))
+        warning = " ".join(r.getMessage() for r in caplog.records)
+        assert "step-2" in warning and path.name in warning, (path.name, off, warning)
+        if tensor is not None:
+            assert repr(tensor) in warning, (off, tensor, warning)
+        _flip(path, off, bit=off % 8)  # undo: step 2 is whole again
+    state = _fresh()
+    assert ckpt.load_latest(state, root) == 2
+    _assert_state_equal(state, _state(2))
+
+
+def test_a_damaged_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, caplog):
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+    ckpt.save(_state(2), root, step=2)
+    data = bytearray((root / "latest").read_bytes())
+    data[data.index(b'"step":2') + 7] = ord("1")  # one bit: '2' -> '1' would name another step
+    (root / "latest").write_bytes(bytes(data))
+    state = _fresh()
+    with caplog.at_level(logging.WARNING, logger="vcga.checkpoint"):
+        assert ckpt.load_latest(state, root) == 2
+    assert "latest" in caplog.text and "damaged" in caplog.text
+    _assert_state_equal(state, _state(2))
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+    (root / "step-1" / "__0_0.vbin").unlink()
+    with pytest.raises(VcgaCheckpointError, match="no checkpoint .* could be loaded.*__0_0.vbin"):
+        ckpt.load_latest(_fresh(), root)
+
+
+def test_resaving_a_step_replaces_it_and_checkpoints_of_an_abandoned_timeline_go(tmp_path):
+    root = tmp_path / "ck"
+    for step in (2, 4, 6):
+        ckpt.save(_state(step), root, step=step, keep_last=5)
+    (root / ".step-8.tmp-0123abcd").mkdir()  # left by a save that was killed
+    # Training restarted from step 2 (say step 4 was bad) and saves step 4 again.
+    (root / "latest").unlink()
+    from vcga.checkpoint.storage import write_latest
+
+    write_latest(root, 2)
+    ckpt.save(_state(40), root, step=4, keep_last=5)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2", "step-4"]
+    state = _fresh()
+    assert ckpt.load_latest(state, root) == 4
+    _assert_state_equal(state, _state(40))
+
+
+def test_async_save_returns_a_future_and_a_failure_surfaces_in_the_next_save(tmp_path):
+    root = tmp_path / "ck"
+    state = _state(5)
+    fut = ckpt.async_save(state, root, step=5)
+    state["model"]["w"].add_(1.0)  # training goes on: the save holds its own copy
+    assert fut.result(timeout=60) == root / "step-5"
+    got = _fresh()
+    assert ckpt.load_latest(got, root) == 5
+    _assert_state_equal(got, _state(5))
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    fut = ckpt.async_save(_state(6), blocked / "ck", step=6)
+    with pytest.raises(VcgaCheckpointError, match="step 6"):
+        fut.result(timeout=60)
+    ckpt.save(_state(7), root, step=7)  # seen on the future: the next save goes ahead
+
+    ckpt.async_save(_state(8), blocked / "ck", step=8)  # nobody looks at this future...
+    with pytest.raises(VcgaCheckpointError, match=r"previous async save \(step 8\) failed"):
+        ckpt.save(_state(9), root, step=9)  # ...so the next save raises it
+    ckpt.save(_state(9), root, step=9)
+    assert ckpt.wait() is None and ckpt.latest_step(root) == 9
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_a_metadata_pickle_with_code_is_refused_and_never_run(tmp_path):
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+    d = root / "step-1"
+    _Evil.marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Evil())
+    (d / METADATA_FILE).write_bytes(evil)
+    # An attacker who can write files can also fix the manifest's checksums: the allow-list is
+    # what stops the code, not the checksum.
+    manifest = load_manifest((d / MANIFEST_FILE).read_bytes())
+    manifest["metadata"]["checksum"] = metadata_checksum(evil)
+    (d / MANIFEST_FILE).write_bytes(dump_manifest(manifest))
+    with pytest.raises(VcgaCheckpointError, match="refused: the pickle needs posix.system"):
+        ckpt.load_latest(_fresh(), root)
+    from vcga.convert import inspect_checkpoint
+
+    with pytest.raises(VcgaFormatError, match="refused: the pickle needs posix.system"):
+        inspect_checkpoint(d)
+    assert not _Evil.marker.exists()
+
+
+def test_a_value_pickle_with_code_is_not_run_on_load(tmp_path):
+    """DCP's own planner unpickles non-tensor values with weights_only=False; VCGA's does not."""
+    root = tmp_path / "ck"
+    _Evil.marker = tmp_path / "pwned2"
+    state = _state(1)
+    state["hook"] = _Evil()
+    ckpt.save(state, root, step=1)  # torch.save pickles the object's __reduce__: os.system and its argument
+    with pytest.raises(VcgaCheckpointError, match="(?i)weights.only|unsupported global"):
+        ckpt.load_latest(_fresh() | {"hook": None}, root)
+    assert not _Evil.marker.exists()
+
+
+def test_fault_specifications():
+    f = fault.parse("kill:rank=1:step=7:at=mid, hang:rank=2:step=5:attempt=1")
+    assert [(x.kind, x.rank, x.step, x.at, x.attempt) for x in f] == [("kill", 1, 7, "mid", 0), ("hang", 2, 5, "step", 1)]
+    for bad in ("explode:rank=1:step=2", "kill:rank=1", "kill:rank=x:step=1", "kill:rank=1:step=1:at=lunch",
+                "kill:rank=1:step=1:rank=2"):
+        with pytest.raises(VcgaConfigError, match="VCGA_FAULT"):
+            fault.parse(bad)
+    assert fault.parse("") == []
