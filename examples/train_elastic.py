@@ -29,6 +29,10 @@ Fault injection (documented in vcga/fault.py): ``VCGA_FAULT=kill:rank=R:step=S[:
 
 from __future__ import annotations
 
+import time
+
+T_PROCESS = time.time()  # before torch is imported: when this worker process began
+
 import argparse
 import contextlib
 import hashlib
@@ -36,7 +40,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -81,10 +84,11 @@ def sum_hook(state, bucket):  # no annotations: DDP inspects them
     return dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def event(path: str | None, **fields) -> None:
-    if path and dist.get_rank() == 0:
-        with open(path, "a") as f:
-            f.write(json.dumps(fields) + "\n")
+def event(path: str | None, *, every_rank: bool = False, **fields) -> None:
+    """One JSON line (with the wall-clock time) appended to ``path``, by rank 0 unless ``every_rank``."""
+    if path and (every_rank or dist.get_rank() == 0):
+        with open(path, "a") as f:  # O_APPEND: lines from several ranks do not interleave
+            f.write(json.dumps({**fields, "rank": dist.get_rank(), "time": time.time()}) + "\n")
 
 
 def main() -> None:
@@ -101,16 +105,15 @@ def main() -> None:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--stop-after", type=int, default=None, help="exit after the checkpoint of this step")
     p.add_argument("--out", help="rank 0 writes the result here (JSON)")
-    p.add_argument("--events", help="rank 0 appends one JSON line per attempt start and finish")
+    p.add_argument("--events", help="append JSON lines (start, first step, failure, done; with times) here")
     p.add_argument("--record-bound", help="save final parameters and per-step magnitudes here (DDP)")
     p.add_argument("--compare-with", help="check the final parameters against a --record-bound file")
     args = p.parse_args()
 
     dist.init_process_group(backend=args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    G = args.global_batch
-    if G % world:
-        raise SystemExit(f"--global-batch {G} must be a multiple of the world size {world}")
+    world = dist.get_world_size()
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of the world size {world}")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)  # the same initial weights everywhere; the checkpoint replaces them on resume
     module = TinyTransformer()
@@ -122,9 +125,7 @@ def main() -> None:
 
         for layer in module.layers:
             fully_shard(layer)
-        model = fully_shard(module)
-        for m in (*module.layers, module):
-            m.set_gradient_divide_factor(1.0)  # sum, as the DDP hook does
+        model = fully_shard(module)  # its reduce-scatter averages: the loss is scaled by W (train())
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -133,22 +134,37 @@ def main() -> None:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd}
 
-    t0 = time.monotonic()
     sd = state()
     resumed = ckpt.load_latest(sd, args.root)
     if resumed is not None:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     start = resumed or 0
     event(args.events, event="start", attempt=attempt, world=world, resumed_from=resumed,
-          backend=describe_backend())
+          backend=describe_backend(), process_start=T_PROCESS)
+    try:
+        final_step, history = train(args, model, module, opt, state, start, attempt)
+    except Exception as e:
+        # The typed error a lost peer causes here (VcgaCollectiveError, VcgaTimeoutError) and when.
+        event(args.events, every_rank=True, event="failed", attempt=attempt, error=type(e).__name__)
+        raise
+    finish(args, model, resumed, start, final_step, history, attempt)
 
+
+def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[int, list[dict]]:
+    """Steps ``start`` .. ``--steps`` (or ``--stop-after``); returns the last step done and, with
+    ``--record-bound``, each step's magnitudes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    G = args.global_batch
     record = args.record_bound is not None
     if record and args.parallel != "ddp":
         raise SystemExit("--record-bound needs --parallel ddp")
     params = list(module.parameters())
     history: list[dict[str, torch.Tensor]] = []
+    done = start
     lo, hi = rank * G // world, (rank + 1) * G // world
-    first_step_s = None
+    # DDP's hook sums the ranks' gradients; FSDP2's reduce-scatter averages them (a sum with a
+    # divide factor, which needs PREMUL_SUM, is not on every backend): scale its loss by W.
+    scale = 1.0 if args.parallel == "ddp" else float(world)
     for step in range(start, args.steps):
         fault.point("step", step)
         opt.zero_grad(set_to_none=True)
@@ -165,15 +181,15 @@ def main() -> None:
                 out = model(x)
                 if j == lo:
                     fault.point("mid", step)
-                loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)) / G
+                loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)) * (scale / G)
                 loss.backward()
             if record:  # the same sample's gradient once more, alone, for Σⱼ|gⱼ|
                 lj = nn.functional.cross_entropy(module(x).reshape(-1, VOCAB), y.reshape(-1)) / G
                 for a, g in zip(abs_local, torch.autograd.grad(lj, params)):
                     a.add_(g.abs())
         opt.step()
-        if first_step_s is None:
-            first_step_s = time.monotonic() - t0
+        if step == start:
+            event(args.events, event="first_step", attempt=attempt, step=step)
         if record:
             flat = torch.cat([a.reshape(-1) for a in abs_local])
             dist.all_reduce(flat)
@@ -189,21 +205,27 @@ def main() -> None:
         if args.stop_after is not None and done >= args.stop_after:
             break
     ckpt.wait()
+    return done, history
+
+
+def finish(args, model, resumed, start: int, final_step: int, history: list[dict], attempt: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record = args.record_bound is not None
 
     full = full_params(model, args.parallel)
     digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in full)).hexdigest()
     digests: list = [None] * world
     dist.all_gather_object(digests, digest)
     result = {"world": world, "attempt": attempt, "resumed_from": resumed, "start_step": start,
-              "final_step": step + 1 if start < args.steps else start, "digest": digest,
-              "identical_on_every_rank": len(set(digests)) == 1, "first_step_s": first_step_s,
+              "final_step": final_step, "digest": digest,
+              "identical_on_every_rank": len(set(digests)) == 1,
               "backend": describe_backend()}
     ok = result["identical_on_every_rank"]
     if rank == 0:
         flat = torch.cat([t.reshape(-1) for t in full])
         if record:
             torch.save({"params": flat, "history": history, "start": start, "lr": args.lr,
-                        "momentum": args.momentum, "G": G}, args.record_bound)
+                        "momentum": args.momentum, "G": args.global_batch}, args.record_bound)
         if args.compare_with:
             result["bound"] = compare(flat, torch.load(args.compare_with), start)
             ok = ok and result["bound"]["within_bound"]

@@ -229,3 +229,15 @@ def test_fault_specifications():
         with pytest.raises(VcgaConfigError, match="VCGA_FAULT"):
             fault.parse(bad)
     assert fault.parse("") == []
+
+
+def test_vcga_errors_survive_pickling_as_dcp_gathers_them_across_ranks():
+    import pickle
+
+    from vcga.errors import VcgaTimeoutError
+
+    for err in (VcgaChecksumError("f.vbin", "tensor 'w': checksum mismatch", offset=4096, expected="xxh3_64:0"),
+                VcgaTimeoutError("all_reduce", 15.0, rank=2, seq=7, missing_ranks=[3]),
+                VcgaCheckpointError("save failed", step=3, failures={1: "OSError: disk full"})):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__

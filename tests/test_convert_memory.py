@@ -73,3 +73,41 @@ def _measure(work, fmt, src_ext, dst_ext):
     bound = 2 * m["largest"] + 150 * MiB
     print(f"{fmt}{src_ext}->{dst_ext}: peak RSS grew by {growth / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)")
     assert growth <= bound, f"peak RSS grew by {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"
+
+
+MAKE_DCP = r"""
+import sys, warnings, torch
+path, layout, count, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+state = {f"layer{i}.weight": torch.full((size // 4,), float(i)) for i in range(count)}
+warnings.simplefilter("ignore")
+if layout == "torch":
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+else:
+    import vcga.checkpoint as ckpt
+    ckpt.save(state, path, step=1)
+"""
+
+
+@pytest.mark.parametrize("layout", ["torch", "vcga"])
+def test_dcp_directories_convert_with_bounded_memory(tmp_path, layout):
+    """A DCP directory (torch's FileSystemWriter layout, or VCGA's) streams like a file does."""
+    shm = Path("/dev/shm")
+    work = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    try:
+        root = work / "ckpt"
+        subprocess.run([sys.executable, "-c", MAKE_DCP, str(root), layout, str(COUNT), str(TENSOR)], check=True,
+                       timeout=300)
+        src = root if layout == "torch" else root / "step-1"
+        r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(work / "dst.safetensors")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        assert m["largest"] == TENSOR and m["bytes"] == COUNT * TENSOR
+        growth = m["peak"] - m["base"]
+        bound = 2 * m["largest"] + 150 * MiB
+        print(f"dcp ({layout}) -> safetensors: peak RSS grew by {growth / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)")
+        assert growth <= bound, f"peak RSS grew by {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"
+    finally:
+        if work != tmp_path:
+            shutil.rmtree(work, ignore_errors=True)

@@ -13,15 +13,18 @@ Each fault fires in one attempt of the job: ``attempt`` (default 0) is torchrun'
 (``TORCHELASTIC_RESTART_COUNT``), so a restarted job replaying step 7 does not die there again.
 ``rank`` is the global rank (``RANK``). Points: ``step`` (the start of a training step), ``mid``
 (inside it) and ``save`` (inside :func:`vcga.checkpoint.save`, after this rank's shard is
-durable). Training scripts call :func:`point`; the library calls it once per save -- one check of
+durable). With ``VCGA_FAULT_LOG=<file>`` each fault appends a JSON line (kind, rank, step, time)
+there just before it fires. Training scripts call :func:`point`; the library calls it once per save -- one check of
 a module variable when ``VCGA_FAULT`` is unset.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import logging
+import os
 import signal
+import time
 from dataclasses import dataclass
 
 from vcga.errors import VcgaConfigError
@@ -89,6 +92,11 @@ def point(where: str, step: int) -> None:
         if (f.rank, f.step, f.at, f.attempt) == (rank, step, where, attempt):
             # Logged before the signal (handlers flush per record): the process is about to vanish.
             log.warning("vcga fault: %s rank %d at %s of step %d (attempt %d)", f.kind, rank, where, step, attempt)
+            record = os.environ.get("VCGA_FAULT_LOG")
+            if record:  # when it fired, for measuring recovery (benchmarks/recovery.py)
+                with open(record, "a") as out:
+                    out.write(json.dumps({"kind": f.kind, "rank": rank, "step": step, "at": where,
+                                          "attempt": attempt, "time": time.time()}) + "\n")
             os.kill(os.getpid(), _KINDS[f.kind])
 
 

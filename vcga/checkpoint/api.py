@@ -35,6 +35,8 @@ __all__ = ["save", "async_save", "load_latest", "wait", "latest_step", "SaveFutu
 
 log = logging.getLogger("vcga.checkpoint")
 
+_BACKGROUND_NICE = 10
+
 
 # --------------------------------------------------------------------------------------------------
 # Failures
@@ -253,6 +255,12 @@ class _AsyncSaver:
         fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
 
         def run() -> None:
+            # Below the training threads in the CPU scheduler's eyes (Linux threads are tasks:
+            # this renices only this one): where cores are short, training keeps them.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+            except (OSError, AttributeError):
+                pass
             try:
                 fut.set_result(_save_now(staged, root, step, keep_last, group, no_dist, planner))
             except BaseException as e:  # noqa: BLE001 - it belongs to the future

@@ -194,7 +194,9 @@ class VcgaStorageWriter(StorageWriter):
         assert self.tmp_dir is not None, "finish() runs on the coordinator after prepare_global_plan()"
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        atomic_write_bytes(self.tmp_dir / METADATA_FILE, raw)
+        # Plain writes: the directory is private to this save until it is renamed, so nothing can
+        # see a half-written file; each is fsynced, then the directory once.
+        _write_synced(self.tmp_dir / METADATA_FILE, raw)
         files = sorted({wr.storage_data.relative_path for rank_results in results for wr in rank_results})
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -206,7 +208,7 @@ class VcgaStorageWriter(StorageWriter):
             "files": [{"file": f, "size": (self.tmp_dir / f).stat().st_size} for f in files],
             "save_id": self.save_id,
         }
-        atomic_write_bytes(self.tmp_dir / MANIFEST_FILE, dump_manifest(manifest))
+        _write_synced(self.tmp_dir / MANIFEST_FILE, dump_manifest(manifest))
         fsync_dir(self.tmp_dir)
         publish(self.root, self.step, self.tmp_dir, keep_last=self.keep_last)
 
@@ -218,6 +220,17 @@ class VcgaStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # used explicitly, never picked by DCP's storage auto-detection
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def publish(root: Path, step: int, tmp_dir: Path, *, keep_last: int | None) -> None:
@@ -295,15 +308,13 @@ def prune(root: Path, keep_last: int | None, *, latest: int) -> None:
     keep = [s for s in steps if s <= latest]
     if keep_last is not None:
         keep = keep[:max(1, keep_last)]
-    for s in steps:
-        if s not in keep:
-            shutil.rmtree(root / step_dir(s), ignore_errors=True)
-    for name in os.listdir(root):
-        if _STALE.match(name):
-            shutil.rmtree(root / name, ignore_errors=True)
-        elif _STEP_DIR.match(name) and not (root / name / MANIFEST_FILE).exists():
-            shutil.rmtree(root / name, ignore_errors=True)
-    fsync_dir(root)
+    doomed = [step_dir(s) for s in steps if s not in keep]
+    doomed += [name for name in os.listdir(root) if _STALE.match(name)
+               or (_STEP_DIR.match(name) and not (root / name / MANIFEST_FILE).exists())]
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    if doomed:
+        fsync_dir(root)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,6 +380,7 @@ class VcgaStorageReader(StorageReader):
         spec = _data_format()
         for name, reqs in per_file.items():
             path = self.path / name
+            _read_ahead(path)
             with spec.open_reader(path, verify=True) as reader:
                 # Every tensor's checksum and every padding byte, before any byte is used: a
                 # damaged file fails the whole load, so no rank continues from a mix.
@@ -402,6 +414,23 @@ class VcgaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _read_ahead(path: Path) -> None:
+    """Ask the kernel to read the whole file now, in large requests: it is all verified next, and
+    faulting a mapping in page by page reads a cold file in small pieces. Only a hint."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -1,0 +1,264 @@
+"""Checkpointing and recovery, measured side by side with torch's own, in one run, as median ratios.
+
+Three parts (``--part io|stall|recovery``, all by default):
+
+- **io** -- save and load throughput of ``vcga.checkpoint`` against torch.distributed.checkpoint's
+  ``FileSystemWriter``/``FileSystemReader`` on the same state dict, at equal durability
+  (``FileSystemWriter(sync_files=True)`` fsyncs every file it writes; VCGA fsyncs its shard, the
+  metadata, the manifest, ``latest`` and the directories). Repetitions alternate which goes
+  first. Loads are measured cold (each checkpoint's pages dropped with POSIX_FADV_DONTNEED after
+  an fsync, so both read the disk -- or the hypervisor's cache on a VM) and warm. VCGA's load
+  verifies every checksum and padding byte of what it reads; torch's verifies nothing.
+- **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
+  the same state: the time the call blocks (staging the state to host memory) plus the time the
+  steps run while the background write is in flight lose against the same steps without it.
+  The training step is a fixed single-threaded matmul workload on one core.
+- **recovery** -- ``examples/train_elastic.py`` under torchrun with one rank SIGKILLed mid-step
+  (``VCGA_FAULT``), on backend vcga with two simulated vendors and, as the anchor, on torch's own
+  gloo backend: time from the kill to the first peer's error (detection), from the new workers'
+  start to their first completed step, from the kill to that step, and the steps lost (done but
+  not checkpointed).
+
+    flock /work/locks/heavy .venv/bin/python benchmarks/recovery.py            # docs/benchmarks.md
+    .venv/bin/python benchmarks/recovery.py --part io --mib 64 --reps 2        # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import vcga.checkpoint as ckpt
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_state(mib: float, seed: int = 0) -> dict:
+    """A model-and-optimizer-like state: weights, and Adam's two moments of each, fp32, plus bf16
+    embeddings and small biases; ``mib`` MiB in all."""
+    g = torch.Generator().manual_seed(seed)
+    total = int(mib * MiB)
+    model, moments = {}, {}
+    i = 0
+    used = 0
+    while used < total:
+        n = min(1 << 20, (total - used) // 12 + 1)  # a weight and its two moments: 12 bytes/element
+        w = torch.randn(n, generator=g)
+        model[f"layer{i}.weight"] = w
+        model[f"layer{i}.bias"] = torch.randn(256, generator=g)
+        moments[f"layer{i}.weight"] = {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g),
+                                       "step": torch.tensor(10.0)}
+        used += 12 * n
+        i += 1
+    model["embed"] = torch.randn(1024, 512, generator=g).to(torch.bfloat16)
+    return {"model": model, "optim": {"state": moments, "lr": 1e-3}}
+
+
+def _files(d: Path) -> list[Path]:
+    return [p for p in d.rglob("*") if p.is_file()]
+
+
+def _drop_cache(d: Path) -> None:
+    for p in _files(d):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _nbytes(state: dict) -> int:
+    total = 0
+    stack = [state]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, torch.Tensor):
+            total += o.numel() * o.element_size()
+    return total
+
+
+def _zeros_like(state):
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return state
+
+
+def part_io(work: Path, mib: float, reps: int) -> dict:
+    state = make_state(mib)
+    nbytes = _nbytes(state)
+    rows: dict[str, list[float]] = {k: [] for k in ("vcga_save", "torch_save", "vcga_load_cold", "torch_load_cold",
+                                                     "vcga_load_warm", "torch_load_warm")}
+    for rep in range(reps):
+        vroot, tdir = work / f"vcga-{rep}", work / f"torch-{rep}"
+        order = ("vcga", "torch") if rep % 2 == 0 else ("torch", "vcga")
+        for who in order:
+            t = time.perf_counter()
+            if who == "vcga":
+                ckpt.save(state, vroot, step=rep, keep_last=1)
+            else:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tdir, sync_files=True))
+            rows[f"{who}_save"].append(nbytes / (time.perf_counter() - t) / 1e6)
+        for temp in ("cold", "warm"):
+            for who in order:
+                if temp == "cold":
+                    _drop_cache(vroot if who == "vcga" else tdir)
+                target = _zeros_like(state)
+                t = time.perf_counter()
+                if who == "vcga":
+                    assert ckpt.load_latest(target, vroot) == rep
+                else:
+                    dcp.load(target, storage_reader=dcp.FileSystemReader(tdir))
+                rows[f"{who}_load_{temp}"].append(nbytes / (time.perf_counter() - t) / 1e6)
+                assert torch.equal(target["model"]["layer0.weight"], state["model"]["layer0.weight"])
+        shutil.rmtree(vroot)
+        shutil.rmtree(tdir)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {"mib": nbytes / MiB, "reps": reps, "MB_per_s": med,
+            "ratio": {"save": med["vcga_save"] / med["torch_save"],
+                      "load_cold": med["vcga_load_cold"] / med["torch_load_cold"],
+                      "load_warm": med["vcga_load_warm"] / med["torch_load_warm"]},
+            "samples": rows}
+
+
+def part_stall(work: Path, mib: float, reps: int, steps_ms: float) -> dict:
+    torch.set_num_threads(1)
+    state = make_state(mib, seed=1)
+    a = torch.randn(384, 384)
+
+    def step() -> float:
+        t = time.perf_counter()
+        b = a
+        for _ in range(reps_per_step):
+            b = torch.tanh(b @ a)
+        return time.perf_counter() - t
+
+    reps_per_step = 1
+    while step() < steps_ms / 1000:  # size the step to about steps_ms
+        reps_per_step *= 2
+    base = statistics.median(step() for _ in range(30))
+    sync, stalls, blocked, overlap_steps = [], [], [], []
+    for rep in range(reps + 1):  # the first async save allocates its staging buffers: reported apart
+        root = work / f"stall-{rep}"
+        t = time.perf_counter()
+        ckpt.save(state, root, step=0, keep_last=1)
+        sync_s = time.perf_counter() - t
+        t = time.perf_counter()
+        fut = ckpt.async_save(state, root, step=1, keep_last=1)
+        call = time.perf_counter() - t
+        lost = 0.0
+        n = 0
+        while not fut.done():
+            lost += step() - base
+            n += 1
+        fut.result()
+        # the step during which the save finished ran partly alongside it: counted in full
+        if rep == 0:
+            first = {"sync_s": sync_s, "blocked_s": call, "stall_s": call + max(0.0, lost)}
+        else:
+            sync.append(sync_s)
+            blocked.append(call)
+            stalls.append(call + max(0.0, lost))
+            overlap_steps.append(n)
+        shutil.rmtree(root)
+    med_sync, med_stall = statistics.median(sync), statistics.median(stalls)
+    return {"mib": _nbytes(state) / MiB, "reps": reps, "step_s": base, "sync_save_s": med_sync,
+            "async_blocked_s": statistics.median(blocked), "async_stall_s": med_stall,
+            "stall_over_sync": med_stall / med_sync, "steps_during_write": statistics.median(overlap_steps),
+            "first_async": first, "samples": {"sync": sync, "stall": stalls, "blocked": blocked}}
+
+
+def _launch(work: Path, name: str, backend: str, vendors: str, fault: str) -> dict:
+    events, faults = work / f"{name}.events", work / f"{name}.faults"
+    env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": "30",
+           "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault, "VCGA_FAULT_LOG": str(faults)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "--max-restarts", "1", "--monitor-interval", "0.1", str(ROOT / "examples" / "train_elastic.py"),
+           "--root", str(work / f"{name}-ckpt"), "--steps", "10", "--save-every", "3", "--backend", backend,
+           "--events", str(events)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"{name}: torchrun failed\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    ev = [json.loads(x) for x in events.read_text().splitlines()]
+    kill = json.loads(faults.read_text().splitlines()[0])
+    failed = [e for e in ev if e["event"] == "failed" and e["attempt"] == 0]
+    start1 = next(e for e in ev if e["event"] == "start" and e["attempt"] == 1)
+    first1 = next(e for e in ev if e["event"] == "first_step" and e["attempt"] == 1)
+    return {"detect_s": min(e["time"] for e in failed) - kill["time"] if failed else None,
+            "errors": sorted({e["error"] for e in failed}),
+            "restart_to_first_step_s": first1["time"] - start1["process_start"],
+            "kill_to_first_step_s": first1["time"] - kill["time"],
+            "steps_lost": kill["step"] - start1["resumed_from"]}
+
+
+def part_recovery(work: Path, reps: int) -> dict:
+    rows: dict[str, list[dict]] = {"vcga": [], "gloo": []}
+    for rep in range(reps):
+        for who in (("vcga", "gloo") if rep % 2 == 0 else ("gloo", "vcga")):
+            rows[who].append(_launch(work, f"{who}-{rep}", who, "nccl:2,hccl:2", "kill:rank=1:step=7:at=mid"))
+    out = {}
+    for who, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs if r[k] is not None)
+               for k in ("detect_s", "restart_to_first_step_s", "kill_to_first_step_s", "steps_lost")}
+        out[who] = {**med, "errors": sorted({x for r in runs for x in r["errors"]}), "runs": runs}
+    out["ratio_vcga_over_gloo"] = {k: out["vcga"][k] / out["gloo"][k] for k in
+                                   ("restart_to_first_step_s", "kill_to_first_step_s") if out["gloo"][k]}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("io", "stall", "recovery", "all"), default="all")
+    p.add_argument("--mib", type=float, default=256, help="state size for io and stall")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--recovery-reps", type=int, default=3)
+    p.add_argument("--step-ms", type=float, default=50.0, help="training step length for the stall part")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory on disk)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    work = Path(tempfile.mkdtemp(prefix="vcga-recovery-", dir=args.dir or str(ROOT)))
+    out: dict = {"host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__}
+    try:
+        if args.part in ("io", "all"):
+            out["io"] = part_io(work, args.mib, args.reps)
+            print(json.dumps({"io": {k: v for k, v in out["io"].items() if k != "samples"}}, indent=1), flush=True)
+        if args.part in ("stall", "all"):
+            out["stall"] = part_stall(work, args.mib, args.reps, args.step_ms)
+            print(json.dumps({"stall": {k: v for k, v in out["stall"].items() if k != "samples"}}, indent=1),
+                  flush=True)
+        if args.part in ("recovery", "all"):
+            out["recovery"] = part_recovery(work, args.recovery_reps)
+            print(json.dumps({"recovery": {k: ({kk: vv for kk, vv in v.items() if kk != "runs"}
+                                               if isinstance(v, dict) else v)
+                                           for k, v in out["recovery"].items()}}, indent=1), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        ckpt.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda a: None if a.exc_type is SystemExit else sys.__excepthook__(a.exc_type,
+                                                                                             a.exc_value,
+                                                                                             a.exc_traceback)
+    main()
