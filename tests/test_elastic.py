@@ -18,7 +18,6 @@ shard and resharding without restarts: tests/test_checkpoint_world.py and tests/
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 

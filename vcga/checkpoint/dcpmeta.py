@@ -32,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from vcga.errors import VcgaFormatError
+from vcga.errors import VcgaChecksumError, VcgaFormatError
 
 __all__ = [
     "METADATA_FILE",
@@ -302,8 +302,6 @@ def load_manifest(data: bytes, where: Any = MANIFEST_FILE) -> dict[str, Any]:
     stored = doc.pop("checksum", None)
     got = _checksum(_canonical(doc))
     if stored != got:
-        from vcga.errors import VcgaChecksumError
-
         raise VcgaChecksumError(where, f"checkpoint manifest checksum mismatch (computed {got}); the file was "
                                 "damaged after it was written", expected=str(stored))
     files = doc.get("files")

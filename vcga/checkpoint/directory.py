@@ -311,7 +311,7 @@ class DcpDirectoryReader(ReaderContext):
         self.path = Path(path)
         self.verify = verify
         self.notes: list[str] = []
-        self._maps: dict[str, tuple[Any, mmap.mmap | None, memoryview]] = {}
+        self._maps: dict[str, tuple[mmap.mmap | None, memoryview]] = {}
         self._vbin: dict[str, Any] = {}
         if not self.path.is_dir():
             raise VcgaFormatError(self.path, "is not a directory")
@@ -460,7 +460,7 @@ class DcpDirectoryReader(ReaderContext):
                 self._release_all()
 
     def close(self) -> None:
-        for _f, mm, view in self._maps.values():
+        for mm, view in self._maps.values():
             view.release()
             if mm is not None:
                 try:
@@ -533,8 +533,8 @@ class DcpDirectoryReader(ReaderContext):
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
             finally:
                 f.close()
-            self._maps[name] = (None, mm, memoryview(mm) if mm is not None else memoryview(b""))
-        view = self._maps[name][2]
+            self._maps[name] = (mm, memoryview(mm) if mm is not None else memoryview(b""))
+        view = self._maps[name][1]
         if loc.offset + loc.length > len(view):
             raise VcgaFormatError(self.path / name, f"{fqn!r}: {loc.length} bytes at {loc.offset} run past the end of "
                                   f"the file ({len(view)} bytes); it was truncated", offset=loc.offset)
@@ -542,7 +542,7 @@ class DcpDirectoryReader(ReaderContext):
 
     def _release_all(self) -> None:
         """Drop the pages of every chunk read for the last tensor from this process's memory."""
-        for _f, mm, _v in self._maps.values():
+        for mm, _view in self._maps.values():
             if mm is not None:
                 try:
                     mm.madvise(mmap.MADV_DONTNEED)
