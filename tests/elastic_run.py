@@ -62,7 +62,7 @@ def _stopped_with_sigterm_pending(pid: int) -> bool:
 
 
 def launch(tmp: Path, *, nproc: int, vendors: str, args: list[str], fault: str = "", max_restarts: int = 0,
-           timeout_s: float = 15.0, deadline_s: float = 280.0, name: str = "run") -> Run:
+           timeout_s: float = 20.0, deadline_s: float = 540.0, name: str = "run") -> Run:
     out, events = tmp / f"{name}.json", tmp / f"{name}.events"
     env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1",
            "VCGA_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault,

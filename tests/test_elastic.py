@@ -27,6 +27,11 @@ VENDORS = "nccl:2,hccl:2"
 STEPS = ["--steps", "12", "--save-every", "3"]
 
 
+# Each launch starts a fresh interpreter per rank (torchrun, not a forkserver): on a busy 2-core
+# machine a launch with restarts can take minutes. The runs end on their own; these are backstops.
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
