@@ -15,7 +15,7 @@ with bitwise identical parameters (``--out`` reports their digest).
 On another world size the same global batch is split differently, so only the order of the
 additions changes. Each sample's gradient (of its loss divided by G) is computed alone, so it has
 the same bits on any rank; the ranks sum theirs locally, then all-reduce the sums (a SUM comm hook:
-no division). Both ways sum the same G terms in some order, each within γ_{G−1}·Σⱼ|gⱼ| of the
+no division; with ``--parallel fsdp`` FSDP2's reduce-scatter averages, so its loss is scaled by W). Both ways sum the same G terms in some order, each within γ_{G−1}·Σⱼ|gⱼ| of the
 exact sum (Higham), so the two averaged gradients differ by at most Δg = 2γ_{G−1}·Σⱼ|gⱼ| per
 step. Through SGD with momentum (m ← μm + g, p ← p − ηm in fp32) that grows, to first order, as
 Δm ← μΔm + Δg + 2u(μ|m_prev| + |m|) and Δp ← Δp + ηΔm + 2u(η|m| + |p|), u = 2⁻²⁴ -- the bound of

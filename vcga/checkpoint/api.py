@@ -178,12 +178,14 @@ class _Stager:
         )
 
         on_device = _device_type(state_dict)
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; else the device's module
+        device_module = accelerator if accelerator is not None else getattr(torch, on_device or "cpu", None)
         if self._cache is None or not _check_state_dict_similarity(state_dict, self._cache):
-            pin = on_device is not None and torch.accelerator.is_available()
+            pin = on_device is not None and device_module is not None and device_module.is_available()
             self._cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
         staged = _copy_state_dict(state_dict, self._cache, non_blocking=on_device is not None)
-        if on_device is not None:
-            torch.accelerator.synchronize()  # the copies were queued on the device's stream
+        if on_device is not None and device_module is not None:
+            device_module.synchronize()  # the copies were queued on the device's stream
         return staged
 
 
