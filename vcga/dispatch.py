@@ -79,6 +79,40 @@ def _flat1d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
+def _units(t: torch.Tensor, target: torch.dtype, fill: bool = True) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+    """The bytes of ``t`` as a 1-D tensor of whole ``target`` elements, for a library that moves
+    ``target`` but not ``t.dtype`` (the ``bitcast`` recipe of a moving collective).
+
+    Returns ``(units, back)``. When ``target``'s width divides ``t``'s, ``units`` is a view of the
+    same bytes (no copy for a contiguous tensor). Otherwise the bytes are copied (``fill``) into a
+    buffer padded with zero bytes to a whole number of ``target`` elements -- the same length on
+    every rank, since it depends only on the element count and dtype -- and the library moves the
+    padded buffer. ``back()`` (None when nothing is to do) puts received bytes into ``t``, cut back
+    to its length. Either way the library only moves bytes: the result is exact."""
+    b = _dense(t)
+    width = target.itemsize
+    if t.element_size() % width == 0:
+        return _flat_view(b, target), (None if b is t else partial(t.copy_, b))
+    raw = b.reshape(-1).view(torch.uint8)
+    nbytes = raw.numel()
+    buf = torch.empty(-(-nbytes // width) * width, dtype=torch.uint8, device=t.device)
+    buf[nbytes:].zero_()  # deterministic padding: no stale memory goes on the wire
+    if fill:
+        buf[:nbytes].copy_(raw)
+
+    def back() -> None:
+        raw.copy_(buf[:nbytes])
+        if b is not t:
+            t.copy_(b)
+
+    return buf.view(target), back
+
+
+def _then(steps: Steps, back: Callable[[], Any] | None) -> None:
+    if back is not None:
+        steps.finish.append(back)
+
+
 def _is_complex_factor(factor: Any) -> bool:
     if isinstance(factor, torch.Tensor):
         return factor.is_complex()
@@ -135,6 +169,10 @@ class Dispatcher:
         self.rank = rank
         self.size = size
         self._cells: dict[tuple[Collective, torch.dtype, ReduceOp | None], Cell] = {}
+        # What an empty message travels as: the first dtype the library sends natively, so it
+        # depends only on the table -- sender and receiver pick the same, whatever the message's dtype.
+        native = [d for d in _dtypes.ALL if self.table.lookup(P2P, d).support is Support.NATIVE]
+        self._p2p_unit: torch.dtype | None = _dtypes.to_torch(native[0]) if native else None
 
     # -- table lookups ---------------------------------------------------------------------------
 
@@ -349,9 +387,11 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(BC, t.dtype, depth)
         if via == "bitcast":
-            b = _dense(t)
-            self.broadcast(_flat_view(b, target), root, like, steps, depth + 1)
-            _copy_back(steps, t, b)
+            at_root = self.rank == root
+            units, back = _units(t, target, fill=at_root)
+            self.broadcast(units, root, like, steps, depth + 1)
+            if not at_root:
+                _then(steps, back)
         else:
             w = t.to(target, memory_format=torch.contiguous_format)
             self.broadcast(w, root, like, steps, depth + 1)
@@ -366,11 +406,11 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(AG, inp.dtype, depth)
         if via == "bitcast":
-            bufs = [_dense(o) for o in outs]
-            self.all_gather([_flat_view(b, target) for b in bufs], _flat_view(_dense(inp), target), like, steps,
-                            depth + 1)
-            for o, b in zip(outs, bufs):
-                _copy_back(steps, o, b)
+            src, _ = _units(inp, target)
+            staged = [_units(o, target, fill=False) for o in outs]
+            self.all_gather([u for u, _ in staged], src, like, steps, depth + 1)
+            for _, back in staged:
+                _then(steps, back)
         else:
             wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
             self.all_gather(wide, inp.to(target), like, steps, depth + 1)
@@ -391,11 +431,11 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(GA, inp.dtype, depth)
         if via == "bitcast":
-            bufs = [_dense(o) for o in outs]
-            self.gather([_flat_view(b, target) for b in bufs], _flat_view(_dense(inp), target), root, like, steps,
-                        depth + 1)
-            for o, b in zip(outs, bufs):
-                _copy_back(steps, o, b)
+            src, _ = _units(inp, target)
+            staged = [_units(o, target, fill=False) for o in outs]
+            self.gather([u for u, _ in staged], src, root, like, steps, depth + 1)
+            for _, back in staged:
+                _then(steps, back)
         else:
             wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
             self.gather(wide, inp.to(target), root, like, steps, depth + 1)
@@ -414,10 +454,9 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(SC, out.dtype, depth)
         if via == "bitcast":
-            b = _dense(out)
-            self.scatter(_flat_view(b, target), [_flat_view(_dense(x), target) for x in ins], root, like, steps,
-                         depth + 1)
-            _copy_back(steps, out, b)
+            dst, back = _units(out, target, fill=False)
+            self.scatter(dst, [_units(x, target)[0] for x in ins], root, like, steps, depth + 1)
+            _then(steps, back)
         else:
             w = torch.empty(out.shape, dtype=target, device=out.device)
             self.scatter(w, [x.to(target) for x in ins], root, like, steps, depth + 1)
@@ -433,38 +472,72 @@ class Dispatcher:
             _copy_back(steps, out, b)
             return
         via, target = self._moving_recipe(A2A, inp.dtype, depth)
-        if via == "bitcast":
-            # Flattening turns a split of k rows into k * row_elems * ratio elements of the view.
-            ratio = inp.element_size() // torch.empty(0, dtype=target).element_size()
-
-            def scaled(splits: list[int], t: torch.Tensor) -> list[int]:
-                if not splits:
-                    return []
-                row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
-                return [s * row * ratio for s in splits]
-
-            b = _dense(out)
-            self.all_to_all(_flat_view(b, target), _flat_view(_dense(inp), target), scaled(out_splits, out),
-                            scaled(in_splits, inp), like, steps, depth + 1)
-            _copy_back(steps, out, b)
-        else:
+        if via != "bitcast":
             w = torch.empty(out.shape, dtype=target, device=out.device)
             self.all_to_all(w, inp.to(target), out_splits, in_splits, like, steps, depth + 1)
             steps.finish.append(partial(out.copy_, w))
+            return
+
+        def chunk_bytes(splits: list[int], t: torch.Tensor) -> list[int]:
+            """Bytes of each rank's chunk: ``splits`` rows of dim 0, or equal parts when empty."""
+            if not splits:
+                return [t.numel() * t.element_size() // self.size] * self.size
+            row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
+            return [s * row * t.element_size() for s in splits]
+
+        width = target.itemsize
+        if inp.element_size() % width == 0:
+            # Flat views of the same bytes; each chunk is a whole number of target elements.
+            b = _dense(out)
+            self.all_to_all(_flat_view(b, target), _flat_view(_dense(inp), target),
+                            [n // width for n in chunk_bytes(out_splits, out)] if out_splits else [],
+                            [n // width for n in chunk_bytes(in_splits, inp)] if in_splits else [],
+                            like, steps, depth + 1)
+            _copy_back(steps, out, b)
+            return
+        # Narrower than the target: every chunk is padded to whole target elements on its own (the
+        # sender and the receiver of a chunk agree on its byte count, so on its padded length), the
+        # padded chunks travel with explicit splits, and each received chunk is cut back.
+        send_bytes, recv_bytes = chunk_bytes(in_splits, inp), chunk_bytes(out_splits, out)
+        pad = [-(-n // width) * width for n in send_bytes]
+        rpad = [-(-n // width) * width for n in recv_bytes]
+        src = _dense(inp).reshape(-1).view(torch.uint8)
+        send = torch.zeros(sum(pad), dtype=torch.uint8, device=inp.device)
+        at = off = 0
+        for n, p in zip(send_bytes, pad):
+            send[at:at + n].copy_(src[off:off + n])
+            at, off = at + p, off + n
+        recv = torch.empty(sum(rpad), dtype=torch.uint8, device=out.device)
+        self.all_to_all(recv.view(target), send.view(target), [p // width for p in rpad], [p // width for p in pad],
+                        like, steps, depth + 1)
+        b = _dense(out)
+        dst = b.reshape(-1).view(torch.uint8)
+
+        def cut_back() -> None:
+            at = off = 0
+            for n, p in zip(recv_bytes, rpad):
+                dst[off:off + n].copy_(recv[at:at + n])
+                at, off = at + p, off + n
+            if b is not out:
+                out.copy_(b)
+
+        steps.finish.append(cut_back)
 
     def _empty_p2p(self, t: torch.Tensor, depth: int) -> torch.Tensor | None:
-        """The one-byte stand-in for an empty message, or None when ``t`` is not empty.
+        """The one-element stand-in for an empty message, or None when ``t`` is not empty.
 
         gloo's receive from any source fails an enforce on an empty message (the sender then
-        waits out the timeout), so every empty message travels as one uint8 byte, sent and
-        received alike: both ends hold empty tensors, both swap them. The tensor's own dtype is
-        still looked up first, so a refused dtype is refused even when empty."""
+        waits out the timeout), so every empty message travels as one element of
+        ``_p2p_unit``, sent and received alike: both ends hold empty tensors, both swap them.
+        The tensor's own dtype is still looked up first, so a refused dtype is refused even when
+        empty (on both ends alike: the table is shared)."""
         if depth or t.numel():
             return None
         cell = self.cell(P2P, t.dtype)
         if cell.support is Support.REFUSED:
             raise self.refuse(P2P, t.dtype, None, cell.note or "refused")
-        return torch.zeros(1, dtype=torch.uint8, device=t.device)
+        unit = self._p2p_unit if self._p2p_unit is not None else t.dtype
+        return torch.zeros(1, dtype=unit, device=t.device)
 
     def send(self, t: torch.Tensor, dst: int, tag: int, steps: Steps, depth: int = 0) -> None:
         stand_in = self._empty_p2p(t, depth)
@@ -475,7 +548,7 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(P2P, t.dtype, depth)
         if via == "bitcast":
-            self.send(_flat_view(_dense(t), target), dst, tag, steps, depth + 1)
+            self.send(_units(t, target)[0], dst, tag, steps, depth + 1)
         else:
             self.send(t.to(target), dst, tag, steps, depth + 1)
 
@@ -483,7 +556,7 @@ class Dispatcher:
         """Receive into ``t`` from ``src`` (None: from any source; ``steps.source`` then tells who)."""
         stand_in = self._empty_p2p(t, depth)
         if stand_in is not None:
-            t, depth = stand_in, depth + 1  # the byte lands in the stand-in; ``t`` has nothing to fill
+            t, depth = stand_in, depth + 1  # the element lands in the stand-in; ``t`` has nothing to fill
         if self.is_native(P2P, t.dtype):
             b = _dense(t)
             if src is None:
@@ -496,11 +569,10 @@ class Dispatcher:
             return
         via, target = self._moving_recipe(P2P, t.dtype, depth)
         if via == "bitcast":
-            b = _dense(t)
-            self.recv(_flat_view(b, target), src, tag, steps, depth + 1)
-            _copy_back(steps, t, b)
+            units, back = _units(t, target, fill=False)
+            self.recv(units, src, tag, steps, depth + 1)
+            _then(steps, back)
         else:
             w = torch.empty(t.shape, dtype=target, device=t.device)
             self.recv(w, src, tag, steps, depth + 1)
             steps.finish.append(partial(t.copy_, w))
-

@@ -350,12 +350,23 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:  # noqa: N803 - torch's names
         t = _one(tensors, "send")
-        if self._debug is not None:
-            self._p2p_fingerprint_send(t, dstRank, tag)
         if t.numel() and self._fast_native(Collective.SEND_RECV, t):  # empty messages: see Dispatcher._empty_p2p
+            if self._debug is not None:
+                self._p2p_fingerprint_send(t, dstRank, tag)
             return self._native_call("send", None, self.native.send, tensors, dstRank, tag, async_op=True,
                                      result=tensors)
-        return self._issue("send", None, lambda s: self._d.send(t, dstRank, tag, s), tensors, True)
+        steps = Steps()
+        try:
+            # A refused dtype raises here, before anything is posted or counted; the receiver's
+            # recv refuses the same dtype from the same table, so neither end waits for the other.
+            self._d.send(t, dstRank, tag, steps)
+        except (VcgaError, ValueError, TypeError):
+            raise
+        except Exception as e:
+            raise self._translate(e, "send", None) from e
+        if self._debug is not None:
+            self._p2p_fingerprint_send(t, dstRank, tag)
+        return self._wrap("send", None, steps, tensors, True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:  # noqa: N803
         t = _one(tensors, "recv")
