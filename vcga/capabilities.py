@@ -117,7 +117,8 @@ EMULATIONS: Mapping[str, str] = {
     "bool_as_min": "bool PRODUCT/BAND as MIN (logical and), exact",
     "upcast:<dtype>": "cast to a wider dtype the library has, run natively, cast back (integers: exact, "
     "wrap-around included; low-precision floats: one rounding at the end instead of one per step)",
-    "bitcast:<dtype>": "move the same bytes viewed as a dtype whose width divides this one (data movement only)",
+    "bitcast:<dtype>": "move the same bytes as <dtype> elements: a view when <dtype>'s width divides this one's, "
+    "else the bytes padded to whole <dtype> elements and cut back after the call (data movement; bool MIN/MAX as uint8)",
     "as_real": "complex viewed as pairs of its real dtype (SUM, AVG, PREMUL_SUM and data movement)",
     "gather_then_reduce": "all-gather the raw bytes, reduce locally in rank order in the dtype itself",
 }
@@ -309,8 +310,11 @@ class CapabilityBuilder:
           bool or uint8);
         - integers and bool: ``upcast`` to the narrowest native signed type that holds every value;
         - fp16, bf16, fp8: ``upcast:float32`` (one rounding at the end);
-        - complex SUM/AVG/PREMUL_SUM and complex data movement: ``as_real``;
-        - data movement: ``bitcast`` to a native dtype of equal (else dividing) width.
+        - complex SUM/AVG/PREMUL_SUM: ``as_real``;
+        - data movement, for every dtype, whenever the collective moves any dtype natively:
+          ``bitcast`` to a dtype it moves natively -- integers before floats (bool never carries
+          other bytes), a width that divides this dtype's (a plain view, equal width first) before
+          a padded byte view. A moving collective only moves bytes, so every one of these is exact.
 
         Cells with no rule stay refused, with the library's reason when one was recorded.
         """
@@ -407,13 +411,20 @@ def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell], final: AbstractS
             if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) and native(coll, "float32", ReduceOp.SUM):
                 return "upcast:float32"
         return None
-    # data movement: an integer dtype whose width divides ours carries the same bytes. Only
-    # integers: a library may normalise bool bytes or canonicalise float NaN payloads in transit.
-    ints = [d for d in _dtypes.DTYPES.values() if d.kind in "ui" and d.name != dt]
-    same = [d.name for d in ints if d.itemsize == info.itemsize]
-    narrower = [d.name for d in sorted(ints, key=lambda d: -d.itemsize)
-                if d.itemsize < info.itemsize and info.itemsize % d.itemsize == 0]
-    for cand in same + narrower:
-        if native(coll, cand, None):
-            return f"bitcast:{cand}"
-    return None
+    # Data movement: any dtype the collective moves natively carries our bytes (the dispatcher's
+    # bitcast: a view when its width divides ours, else a byte view padded to its width and cut
+    # back). Integers first: a library could in principle normalise bool bytes or canonicalise
+    # float NaN payloads in transit, so a float carries other dtypes' bytes only when no integer
+    # can (verify moves NaN payloads and special bytes through every derived cell), and bool never.
+    # Then views before padded copies, equal width first.
+    order = list(_dtypes.DTYPES)
+    carriers = [d for d in _dtypes.DTYPES.values()
+                if d.name not in (dt, "bool") and native(coll, d.name, None)]
+    if not carriers:
+        return None
+
+    def preference(d: _dtypes.DType) -> tuple[bool, bool, int, int]:
+        view = info.itemsize % d.itemsize == 0
+        return (d.kind not in "ui", not view, -d.itemsize if view else d.itemsize, order.index(d.name))
+
+    return f"bitcast:{min(carriers, key=preference).name}"
