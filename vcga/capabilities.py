@@ -31,6 +31,7 @@ __all__ = [
     "Collective",
     "ReduceOp",
     "Support",
+    "cell_name",
 ]
 
 
@@ -211,6 +212,41 @@ class CapabilityTable:
         )
         return {"cells": counts, "all_reduce_native_dtypes": native_reduce, "all_reduce_native_ops": native_ops}
 
+    def route(self, collective: Collective | str, dtype: str, op: ReduceOp | str | None = None,
+              ) -> list[tuple[CellKey, Cell]]:
+        """The cells one call goes through, as the dispatcher follows recipes: the asked cell first,
+        then the cell of each rewritten call, ending at a native cell (or at a refused one, or where
+        the chain would loop). Every recipe issues exactly one further call, so this is a chain.
+
+        ``vcga verify`` and ``vcga info`` name an emulated cell's last (native) cell as the cell it is
+        *derived from*: if the library gets that one wrong, every cell routed through it is wrong too.
+        (A complex PREMUL_SUM factor turns ``as_real``'s rewritten op into SUM at run time; the route
+        shows the op as called.)"""
+        coll = Collective(collective)
+        key: CellKey = (coll, dtype, ReduceOp(op) if (op is not None and coll.reduces) else None)
+        out: list[tuple[CellKey, Cell]] = []
+        seen: set[CellKey] = set()
+        while key not in seen:
+            seen.add(key)
+            cell = self.lookup(*key)
+            out.append((key, cell))
+            if cell.support is not Support.EMULATED or cell.via is None:
+                break
+            nxt = _rewritten(key, cell.via)
+            if nxt is None:
+                break
+            key = nxt
+        return out
+
+    def derived_from(self, collective: Collective | str, dtype: str, op: ReduceOp | str | None = None,
+                     ) -> CellKey | None:
+        """For an emulated cell, the native cell its recipes finally run on (see :meth:`route`);
+        None for native and refused cells and for chains that end refused."""
+        chain = self.route(collective, dtype, op)
+        if len(chain) < 2 or chain[-1][1].support is not Support.NATIVE:
+            return None
+        return chain[-1][0]
+
     def to_json(self) -> list[dict[str, Any]]:
         """Every explicit cell as a JSON-ready row."""
         return [
@@ -341,6 +377,30 @@ def _all_keys() -> Iterator[CellKey]:
                     yield (coll, dt, op)
             else:
                 yield (coll, dt, None)
+
+
+def cell_name(key: CellKey) -> str:
+    """A cell as ``vcga verify`` and ``vcga info`` name it: ``"all_reduce int16 SUM"``, ``"broadcast bool"``."""
+    coll, dt, op = key
+    return f"{coll.value} {dt}" + (f" {op.value}" if op is not None else "")
+
+
+def _rewritten(key: CellKey, via: str) -> CellKey | None:
+    """The cell of the call recipe ``via`` rewrites ``key`` into (mirrors :mod:`vcga.dispatch`)."""
+    coll, dt, op = key
+    base, _, arg = via.partition(":")
+    if base in ("sum_then_divide", "mul_then_sum"):
+        return (coll, dt, ReduceOp.SUM)
+    if base in ("bool_as_max", "bool_as_min"):
+        return (coll, dt, ReduceOp.MAX if base == "bool_as_max" else ReduceOp.MIN)
+    if base in ("upcast", "bitcast") and arg:
+        return (coll, arg, op)
+    if base == "as_real" and dt in _REAL_OF:
+        return (coll, _REAL_OF[dt], op)
+    if base == "gather_then_reduce" and coll.reduces:
+        return ({Collective.ALL_REDUCE: Collective.ALL_GATHER, Collective.REDUCE: Collective.GATHER,
+                 Collective.REDUCE_SCATTER: Collective.ALL_TO_ALL}[coll], dt, None)
+    return None
 
 
 def _recipe_key(via: str) -> str:

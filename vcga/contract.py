@@ -55,6 +55,7 @@ from vcga.capabilities import (
     Collective,
     ReduceOp,
     Support,
+    cell_name,
 )
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ __all__ = [
     "MOVING",
     "BITWISE",
     "CellKey",
+    "cell_name",
     "MemoryStats",
     "StreamLike",
     "EventLike",
@@ -472,6 +474,11 @@ class CheckResult:
     :param bound: the bound it was checked against, when numeric.
     :param detail: one line explaining a failure (or a skip).
     :param skipped: True when the case did not apply (e.g. a refused cell).
+    :param cell: the capability cell the case exercises, named as :func:`cell_name` names it
+        (``"all_reduce int16 SUM"``), when it exercises one.
+    :param derived_from: when that cell is emulated, the native cell its recipe finally runs on
+        (:meth:`CapabilityTable.derived_from`): a wrong native cell makes every cell derived from it
+        fail too, and the report says so.
     """
 
     check: str
@@ -483,6 +490,8 @@ class CheckResult:
     bound: float | None = None
     detail: str = ""
     skipped: bool = False
+    cell: str | None = None
+    derived_from: str | None = None
 
 
 @runtime_checkable
