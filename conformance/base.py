@@ -6,15 +6,15 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vcga import dtypes as _dtypes
-from vcga.contract import CapabilityTable, CheckResult, Collective, ReduceOp, Support
+from vcga.contract import CapabilityTable, CheckResult, Collective, ReduceOp, Support, cell_name
 
 from . import bounds
-from .context import Context, Verdict
+from .context import CellRef, Context, Verdict
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Check", "runnable", "compare_exact", "compare_ulps", "compare_reference", "ulps", "judge_refusal"]
+__all__ = ["Check", "runnable", "needs", "compare_exact", "compare_ulps", "compare_reference", "ulps", "judge_refusal"]
 
 
 class Check:
@@ -52,16 +52,31 @@ def runnable(ctx: Context, table: CapabilityTable | None, collective: Collective
              op: ReduceOp | None) -> str | None:
     """None when this check should run the combination, else why it is skipped.
 
-    Refused cells are skipped (the dtype-matrix check proves they raise the typed error); emulated
-    cells need the ``vcga`` group's dispatch and are skipped on a native group."""
+    Refused cells are skipped with the table's reason (the dtype-matrix check proves they raise the
+    typed error); emulated cells need the ``vcga`` group's dispatch and are skipped on a native group."""
     if table is None:
         return None
     cell = table.lookup(collective, dtype, op)
     if cell.support is Support.REFUSED:
-        return f"refused by the {table.backend} capability table (checked by dtype-matrix)"
+        return (f"refused by the {table.backend} capability table: {cell.note or 'no reason given'} "
+                "(dtype-matrix checks that the refusal is typed)")
     if cell.support is Support.EMULATED and not ctx.through_vcga:
         return f"emulated by VCGA ({cell.via}); a native group cannot run it"
     return None
+
+
+def needs(ctx: Context, table: CapabilityTable | None, cells: Sequence[CellRef], what: str) -> str | None:
+    """For a case that uses several cells (DDP, object collectives): None when all of them run
+    here, else what is missing, cell by cell, with the table's reasons."""
+    missing = []
+    for coll, dt, op in cells:
+        why = runnable(ctx, table, coll, dt, op)
+        if why:
+            key = (Collective(coll), dt, ReduceOp(op) if op is not None and Collective(coll).reduces else None)
+            missing.append(f"{cell_name(key)} ({why})")
+    if not missing:
+        return None
+    return f"{what} needs {len(cells)} cells of which {len(missing)} cannot run here: " + "; ".join(missing)
 
 
 def judge_refusal(ctx: Context, e: BaseException, elapsed: float, what: str = "refused") -> Verdict:

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from vcga.contract import Backend, CapabilityTable, CheckResult
+from vcga.contract import Backend, CapabilityTable, CheckResult, Collective, cell_name
 
-__all__ = ["Context", "Verdict", "CaseAborted", "first_line"]
+#: A capability cell as checks pass it: (collective, canonical dtype, reduce op or None).
+CellRef = tuple[Collective, str, Any]
+
+__all__ = ["Context", "Verdict", "CaseAborted", "CellRef", "first_line"]
 
 _ABORT_POLL = timedelta(milliseconds=200)
 
@@ -108,6 +111,7 @@ class Context:
         self._cases = 0
         self._inner = 0
         self.group_resets = 0
+        self._table: CapabilityTable | None | bool = False  # not looked up yet
 
     # -- the group under test ----------------------------------------------------------------------
 
@@ -136,7 +140,13 @@ class Context:
 
         The group's own table when it exposes one (``capabilities()`` on the process group: a
         mixed-vendor group's effective table), else this rank's backend's table in a single-vendor
-        world, else None (a mixed-vendor group that does not say)."""
+        world, else None (a mixed-vendor group that does not say). Looked up once: a group rebuilt
+        after a failed case has the same table."""
+        if self._table is False:
+            self._table = self._lookup_table()
+        return self._table  # type: ignore[return-value]
+
+    def _lookup_table(self) -> CapabilityTable | None:
         group_table = getattr(self.group, "capabilities", None)  # the vcga group: a property
         if callable(group_table):
             group_table = group_table()
@@ -207,18 +217,32 @@ class Context:
 
     # -- results -----------------------------------------------------------------------------------
 
-    def result(self, case: str, passed: bool, **kw: Any) -> CheckResult:
-        return CheckResult(self.check, self.backend_label, case, passed, **kw)
+    def result(self, case: str, passed: bool, *, cell: CellRef | None = None, **kw: Any) -> CheckResult:
+        """One result; ``cell`` names the capability cell the case exercises, and the report then
+        says which native cell an emulated one is derived from."""
+        return CheckResult(self.check, self.backend_label, case, passed, **self._cell_fields(cell), **kw)
+
+    def _cell_fields(self, cell: CellRef | None) -> dict[str, Any]:
+        if cell is None:
+            return {}
+        table = self.capabilities()
+        if table is None:
+            coll, dt, op = cell
+            return {"cell": cell_name((Collective(coll), dt, op if Collective(coll).reduces else None))}
+        key = table.route(*cell)[0][0]
+        src = table.derived_from(*key)
+        return {"cell": cell_name(key), "derived_from": cell_name(src) if src is not None else None}
 
     def run_unless(self, case: str, skip: str | None, body: Callable[[], Verdict | None], *,
-                   dtype: str | None = None) -> CheckResult:
+                   dtype: str | None = None, cell: CellRef | None = None) -> CheckResult:
         """:meth:`run_case`, or -- when ``skip`` says why (:func:`conformance.base.runnable`'s answer)
         -- the case reported as skipped for that reason, without running it."""
         if skip:
-            return self.result(case, True, dtype=dtype, skipped=True, detail=skip)
-        return self.run_case(case, body, dtype=dtype)
+            return self.result(case, True, dtype=dtype, skipped=True, detail=skip, cell=cell)
+        return self.run_case(case, body, dtype=dtype, cell=cell)
 
-    def run_case(self, case: str, body: Callable[[], Verdict | None], *, dtype: str | None = None) -> CheckResult:
+    def run_case(self, case: str, body: Callable[[], Verdict | None], *, dtype: str | None = None,
+                 cell: CellRef | None = None) -> CheckResult:
         """Run one case on every rank and agree on its outcome.
 
         ``body`` returns a :class:`Verdict` (None means passed, exact). An exception in ``body`` is
@@ -243,9 +267,10 @@ class Context:
         everyone = [json.loads(b) for b in self._swap(f"c{case_no}/status", json.dumps(mine).encode(), None)]
         if any("x" in v or "a" in v or v.get("r") for v in everyone):
             self.reset_group()
-        return self._combine(case, everyone, dtype)
+        return self._combine(case, everyone, dtype, cell)
 
-    def _combine(self, case: str, everyone: list[dict[str, Any]], dtype: str | None) -> CheckResult:
+    def _combine(self, case: str, everyone: list[dict[str, Any]], dtype: str | None,
+                 cell: CellRef | None = None) -> CheckResult:
         failures: dict[str, list[int]] = {}  # failure text -> ranks, so identical failures read as one
         for r, v in enumerate(everyone):
             if "x" in v:
@@ -270,4 +295,4 @@ class Context:
             detail = "; ".join(sorted({v["d"] for v in everyone if v.get("d")}))
         skipped = all(v.get("s") for v in everyone) and not failures
         return self.result(case, not failures, dtype=dtype, worst_error=worst, bound=bound, detail=detail,
-                           skipped=skipped)
+                           skipped=skipped, cell=cell)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vcga.contract import CheckResult, Collective, ReduceOp
 
 from . import data
-from .base import Check, compare_exact, judge_refusal, runnable, sizes_label
+from .base import Check, compare_exact, judge_refusal, needs, runnable, sizes_label
 from .context import Context, Verdict, first_line
 from .ops import (
     COLLECTIVE_OF,
@@ -67,7 +67,8 @@ class Collectives(Check):
                     case = f"{form}{' SUM' if op else ''} {dt}{f' root={root}' if root is not None else ''} " \
                            f"n={sizes_label(sizes)}"
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
-                                         lambda f=form, d=dt, rt=root: self._one(ctx, f, d, rt or 0, sizes), dtype=dt)
+                                         lambda f=form, d=dt, rt=root: self._one(ctx, f, d, rt or 0, sizes), dtype=dt,
+                                         cell=(coll, dt, op))
         if self.opt(ctx, "extras"):
             yield from self._extras(ctx, table)
 
@@ -141,20 +142,25 @@ class Collectives(Check):
             ctx.group.monitored_barrier(ctx.timeout, True)
             return Verdict.ok()
 
-        moving = runnable(ctx, table, Collective.ALL_GATHER, "uint8", None)
-        extras: list[tuple[str, Callable[[], Verdict], str | None]] = [
-            ("all_gather_into_tensor float32 (deprecated spelling)", gather_into_tensor,
-             runnable(ctx, table, Collective.ALL_GATHER, "float32", None)),
+        # torch's object collectives move pickles as uint8 and their sizes as int64 (gather and
+        # scatter also all_gather the sizes, and the vcga group all_gathers int64 to agree on them)
+        objects_need = [(c, d, None) for c in (Collective.ALL_GATHER, Collective.BROADCAST, Collective.GATHER,
+                                               Collective.SCATTER) for d in ("uint8", "int64")]
+        ag32, rs32 = (Collective.ALL_GATHER, "float32", None), (Collective.REDUCE_SCATTER, "float32", ReduceOp.SUM)
+        extras: list[tuple[str, Callable[[], Verdict], str | None, Any]] = [
+            ("all_gather_into_tensor float32 (deprecated spelling)", gather_into_tensor, runnable(ctx, table, *ag32),
+             ag32),
             ("reduce_scatter_tensor SUM float32 (deprecated spelling)", reduce_scatter_tensor,
-             runnable(ctx, table, Collective.REDUCE_SCATTER, "float32", ReduceOp.SUM)),
-            ("object collectives (all_gather, broadcast, gather, scatter)", objects, moving),
-            ("barrier, async barrier", barriers, None),
+             runnable(ctx, table, *rs32), rs32),
+            ("object collectives (all_gather, broadcast, gather, scatter)", objects,
+             needs(ctx, table, objects_need, "the object collectives"), None),
+            ("barrier, async barrier", barriers, None, None),
         ]
         extras.append(("monitored_barrier (the vcga group's)", monitored, None if ctx.through_vcga else
                        "torch.distributed allows monitored_barrier only on a group created as 'gloo'; the vcga "
-                       "group provides its own"))
-        for case, body, why in extras:
-            yield ctx.run_unless(case, why, body)
+                       "group provides its own", None))
+        for case, body, why, cell in extras:
+            yield ctx.run_unless(case, why, body, cell=cell)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,15 +236,17 @@ class Layouts(Check):
                     case = f"{form} {dt} {layout} {target}"
                     yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
                                          lambda f=form, d=dt, lay=layout, tg=target: self._one(ctx, f, d, lay, tg, n),
-                                         dtype=dt)
+                                         dtype=dt, cell=(COLLECTIVE_OF[form], dt, op))
             for form in ("all_gather_single", "reduce_scatter_single"):
                 case = f"{form} {dt} in place (aliased input and output)"
                 op = ReduceOp.SUM if form in REDUCING_FORMS else None
                 yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
-                                     lambda f=form, d=dt: self._aliased(ctx, f, d, n), dtype=dt)
+                                     lambda f=form, d=dt: self._aliased(ctx, f, d, n), dtype=dt,
+                                     cell=(COLLECTIVE_OF[form], dt, op))
             case = f"all_gather {dt} outputs are views of one buffer"
             yield ctx.run_unless(case, runnable(ctx, table, Collective.ALL_GATHER, dt, None),
-                                 lambda d=dt: self._gather_views(ctx, d, n), dtype=dt)
+                                 lambda d=dt: self._gather_views(ctx, d, n), dtype=dt,
+                                 cell=(Collective.ALL_GATHER, dt, None))
 
     def _one(self, ctx: Context, form: str, dt: str, layout: str, target: str, n: int) -> Verdict:
         import torch
@@ -387,7 +395,8 @@ class Sizes(Check):
                     sizes[f"large ({large} per rank)"] = large
                 for label, n in sizes.items():
                     case = f"{form} {dt} n={n} ({label})" if not label.startswith("large") else f"{form} {dt} {label}"
-                    yield ctx.run_unless(case, why, lambda f=form, d=dt, k=n: self._one(ctx, f, d, k), dtype=dt)
+                    yield ctx.run_unless(case, why, lambda f=form, d=dt, k=n: self._one(ctx, f, d, k), dtype=dt,
+                                         cell=(COLLECTIVE_OF[form], dt, op))
 
     @staticmethod
     def _one(ctx: Context, form: str, dt: str, n: int) -> Verdict:
@@ -436,7 +445,8 @@ class Uneven(Check):
                     op = ReduceOp.SUM if form in REDUCING_FORMS else None
                     case = f"{form} uneven {dt} splits#{seed}"
                     yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
-                                         lambda f=form, d=dt, s=seed, m=must: self._one(ctx, f, d, s, m), dtype=dt)
+                                         lambda f=form, d=dt, s=seed, m=must: self._one(ctx, f, d, s, m), dtype=dt,
+                                         cell=(COLLECTIVE_OF[form], dt, op))
 
     def _one(self, ctx: Context, form: str, dt: str, seed: int, must: bool) -> Verdict:
         import torch

@@ -90,7 +90,8 @@ class ExactReduce(Check):
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}{unit}"
                     root = ctx.world_size - 1  # a non-zero root where there is one
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt, rt=root:
-                                         _merge_verdicts([_exact_case(ctx, f, o, d, n, rt) for n in sizes]), dtype=dt)
+                                         _merge_verdicts([_exact_case(ctx, f, o, d, n, rt) for n in sizes]), dtype=dt,
+                                         cell=(coll, dt, op))
 
 
 class RandomReduce(Check):
@@ -118,7 +119,8 @@ class RandomReduce(Check):
                         continue
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}"
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt: _merge_verdicts(
-                        [self._one(ctx, f, o, d, n, s) for n in sizes for s in range(seeds)]), dtype=dt)
+                        [self._one(ctx, f, o, d, n, s) for n in sizes for s in range(seeds)]), dtype=dt,
+                        cell=(coll, dt, op))
 
     @staticmethod
     def _one(ctx: Context, form: str, op: ReduceOp, dt: str, n: int, seed: int) -> Verdict:
@@ -165,7 +167,8 @@ class CrossRankIdentity(Check):
                 for op in ops:
                     case = f"{form}{' ' + str(op) if op else ''} {dt} n={sizes_label(sizes)}"
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
-                                         lambda f=form, o=op, d=dt: self._one(ctx, f, o, d, sizes), dtype=dt)
+                                         lambda f=form, o=op, d=dt: self._one(ctx, f, o, d, sizes), dtype=dt,
+                                         cell=(coll, dt, op))
 
     def _one(self, ctx: Context, form: str, op: ReduceOp | None, dt: str, sizes: list[int]) -> Verdict:
         ws = ctx.world_size
@@ -212,24 +215,32 @@ class DtypeMatrix(Check):
                 ops: list[ReduceOp | None] = list(ReduceOp) if coll.reduces else [None]
                 for op in ops:
                     cell = table.lookup(coll, dt, op)
+                    ref = (coll, dt, op)
                     label = f"{cell.support}" + (f" via {cell.via}" if cell.via else "")
                     case = f"{coll} {dt}{' ' + str(op) if op else ''} [{label}]"
+                    if coll is Collective.SEND_RECV and ctx.world_size < 2:
+                        yield ctx.result(case, True, dtype=dt, skipped=True, detail="send/recv needs two ranks",
+                                         cell=ref)
+                        continue
                     if cell.support is Support.REFUSED:
                         if not ctx.through_vcga:
                             yield ctx.result(case, True, dtype=dt, skipped=True,
                                              detail="refusals are raised by the vcga group's dispatch; "
-                                                    "a native group is not asked")
+                                                    "a native group is not asked", cell=ref)
                             continue
-                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._refused(ctx, c, d, o, n), dtype=dt)
+                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._refused(ctx, c, d, o, n), dtype=dt,
+                                           cell=ref)
                         continue
                     if cell.support is Support.EMULATED and not ctx.through_vcga:
                         yield ctx.result(case, True, dtype=dt, skipped=True,
-                                         detail=f"emulated by VCGA ({cell.via}); a native group cannot run it")
+                                         detail=f"emulated by VCGA ({cell.via}); a native group cannot run it", cell=ref)
                         continue
                     if op is not None and op not in data.ops_for(dt):
-                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._runs(ctx, c, d, o, n), dtype=dt)
+                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._runs(ctx, c, d, o, n), dtype=dt,
+                                           cell=ref)
                         continue
-                    yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._claimed(ctx, c, d, o, n), dtype=dt)
+                    yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._claimed(ctx, c, d, o, n), dtype=dt,
+                                       cell=ref)
 
     @staticmethod
     def _call(ctx: Context, coll: Collective, dt: str, op: ReduceOp | None, n: int) -> Verdict:
@@ -279,14 +290,14 @@ class DtypeMatrix(Check):
 
     @staticmethod
     def _refused(ctx: Context, coll: Collective, dt: str, op: ReduceOp | None, n: int) -> Verdict:
+        if coll is Collective.SEND_RECV:
+            return _send_recv_refused(ctx, dt, n)
         try:
             DtypeMatrix._call(ctx, coll, dt, op, n)
         except VcgaUnsupportedError as e:
-            wrong = [f"{k}={getattr(e, k)!r} (expected {v!r})"
-                     for k, v in (("collective", str(coll)), ("dtype", dt), ("op", str(op) if op else None))
-                     if str(getattr(e, k, None)) != str(v) and not (k == "op" and v is None)]
+            wrong = _wrong_cell(e, coll, dt, op)
             if wrong:
-                return Verdict.fail("VcgaUnsupportedError names the wrong cell: " + ", ".join(wrong))
+                return Verdict.fail("VcgaUnsupportedError names the wrong cell: " + wrong)
             return Verdict.ok(detail="refused with VcgaUnsupportedError")
         except ValueError as e:
             if _refused_by_torch(e):
@@ -305,18 +316,59 @@ def _refused_by_torch(e: ValueError) -> bool:
     return "does not support" in text and "complex tensors" in text
 
 
+def _wrong_cell(e: VcgaUnsupportedError, coll: Collective, dt: str, op: ReduceOp | None) -> str:
+    """What a refusal names differently from the cell refused (empty when it names the cell)."""
+    return ", ".join(f"{k}={getattr(e, k)!r} (expected {v!r})"
+                     for k, v in (("collective", str(coll)), ("dtype", dt), ("op", str(op) if op else None))
+                     if str(getattr(e, k, None)) != str(v) and not (k == "op" and v is None))
+
+
 def _send_recv_cell(ctx: Context, dt: str, n: int) -> Verdict:
+    """Every rank sends to its right and receives from its left, so every rank exercises the cell."""
     import torch
     import torch.distributed as dist
 
-    if ctx.world_size < 2:
-        return Verdict.skip("send/recv needs two ranks")
-    want = data.movement_input(dt, n, 0, "matrix-p2p")
-    if ctx.rank == 0:
-        dist.send(want.clone(), dst=1)
-        return Verdict.ok(0.0, 0.0)
-    if ctx.rank == 1:
-        got = torch.empty(n, dtype=want.dtype)
-        dist.recv(got, src=0)
-        return compare_exact(got, want)
-    return Verdict.ok(0.0, 0.0)
+    rank, ws = ctx.rank, ctx.world_size
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    got = torch.empty(n, dtype=data.movement_input(dt, 0, 0).dtype)
+    works = [dist.isend(data.movement_input(dt, n, rank, "matrix-p2p"), dst=right),
+             dist.irecv(got, src=left)]
+    for w in works:
+        w.wait()
+    return compare_exact(got, data.movement_input(dt, n, left, "matrix-p2p"))
+
+
+def _send_recv_refused(ctx: Context, dt: str, n: int) -> Verdict:
+    """Every rank, alike: isend, irecv, batch_isend_irecv, send and recv of a refused dtype each raise
+    VcgaUnsupportedError at once. The decision depends only on the table and the dtype, which both
+    ends of a pair share, so nothing is posted and no rank waits for a peer. The non-blocking calls
+    go first: a dispatch that lets one through is caught before a blocking call could wait."""
+    import torch
+    import torch.distributed as dist
+
+    rank, ws = ctx.rank, ctx.world_size
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    x = data.movement_input(dt, n, rank, "matrix-p2p")
+    y = torch.empty_like(x)
+    calls = {
+        "isend": lambda: dist.isend(x, dst=right),
+        "irecv": lambda: dist.irecv(y, src=left),
+        "batch_isend_irecv": lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, right),
+                                                             dist.P2POp(dist.irecv, y, left)]),
+        "send": lambda: dist.send(x, dst=right),
+        "recv": lambda: dist.recv(y, src=left),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except VcgaUnsupportedError as e:
+            wrong = _wrong_cell(e, Collective.SEND_RECV, dt, None)
+            if wrong:
+                return Verdict.fail(f"{name}: VcgaUnsupportedError names the wrong cell: {wrong}")
+            continue
+        except Exception as e:
+            return Verdict(False, detail=f"{name}: the table refuses this cell; expected VcgaUnsupportedError, "
+                                         f"got {first_line(e)}", reset=True)
+        return Verdict(False, detail=f"the table refuses this cell but {name} ran: the table or the dispatch lies",
+                       reset=True)
+    return Verdict.ok(detail="isend, irecv, batch_isend_irecv, send and recv refused with VcgaUnsupportedError")

@@ -61,7 +61,7 @@ def build_report(outcome: SuiteOutcome, command: Sequence[str] | None = None) ->
     results = [{
         "world": world, "world_size": size, "check": r.check, "backend": r.backend, "case": r.case,
         "dtype": r.dtype, "status": _status(r), "worst_error": _number(r.worst_error), "bound": _number(r.bound),
-        "detail": r.detail,
+        "detail": r.detail, "cell": r.cell, "derived_from": r.derived_from,
     } for world, size, r in rows]
     counts = {s: sum(1 for x in results if x["status"] == s) for s in ("pass", "fail", "skip")}
     return {
@@ -134,6 +134,8 @@ def write_junit(path: str | os.PathLike[str], outcome: SuiteOutcome) -> None:
             elif not r.passed:
                 failure = ET.SubElement(case, "failure", message=(r.detail or "failed")[:500], type=r.check)
                 failure.text = f"{r.detail}{numbers}\nbackend: {r.backend}\ndtype: {r.dtype}"
+                if r.cell:
+                    failure.text += f"\ncell: {r.cell}" + (f"\nderived from: {r.derived_from}" if r.derived_from else "")
             elif r.detail or numbers:
                 ET.SubElement(case, "system-out").text = f"{r.detail}{numbers}".strip()
         totals["tests"] += len(results)

@@ -12,7 +12,7 @@ from vcga.contract import CheckResult, Collective, ReduceOp
 from vcga.errors import VcgaMismatchError, VcgaTimeoutError
 
 from . import data
-from .base import Check, compare_exact, runnable
+from .base import Check, compare_exact, needs, runnable
 from .context import Context, Verdict, first_line
 from .ops import COLLECTIVE_OF, REDUCING_FORMS, input_numel
 
@@ -36,21 +36,22 @@ class AsyncOps(Check):
         table = ctx.capabilities()
         dt = str(self.opt(ctx, "dtype"))
         k, n = int(self.opt(ctx, "outstanding")), int(self.opt(ctx, "n"))
-        blocked = [why for f in self.FORMS
-                   if (why := runnable(ctx, table, COLLECTIVE_OF[f], dt,
-                                       ReduceOp.SUM if f in REDUCING_FORMS else None))]
-        cases: list[tuple[str, Callable[[], Verdict]]] = [
-            (f"{k} outstanding collectives on {dt}, waited in reverse order", lambda: self._many(ctx, dt, k, n)),
+        every = [(COLLECTIVE_OF[f], dt, ReduceOp.SUM if f in REDUCING_FORMS else None) for f in self.FORMS]
+        sum_ = (Collective.ALL_REDUCE, dt, ReduceOp.SUM)
+        cases: list[tuple[str, Callable[[], Verdict], str | None, Any]] = [
+            (f"{k} outstanding collectives on {dt}, waited in reverse order", lambda: self._many(ctx, dt, k, n),
+             needs(ctx, table, every, "this case"), None),
             (f"futures: then() callbacks and collect_all over {min(k, 8)} all_reduce on {dt}",
-             lambda: self._futures(ctx, dt, min(k, 8), n)),
+             lambda: self._futures(ctx, dt, min(k, 8), n), runnable(ctx, table, *sum_), sum_),
         ]
-        for case, body in cases:
-            yield ctx.run_unless(case, blocked[0] if blocked else None, body, dtype=dt)
+        for case, body, why, cell in cases:
+            yield ctx.run_unless(case, why, body, dtype=dt, cell=cell)
         case = f"{k} outstanding isend/irecv around the ring on {dt}"
         why = runnable(ctx, table, Collective.SEND_RECV, dt, None)
         if ctx.world_size < 2:
             why = why or "point-to-point needs two ranks"
-        yield ctx.run_unless(case, why, lambda: self._p2p(ctx, dt, k, n), dtype=dt)
+        yield ctx.run_unless(case, why, lambda: self._p2p(ctx, dt, k, n), dtype=dt,
+                             cell=(Collective.SEND_RECV, dt, None))
 
     def _many(self, ctx: Context, dt: str, k: int, n: int) -> Verdict:
         import torch
@@ -162,9 +163,11 @@ class Faults(Check):
 
     def run(self, ctx: Context) -> Iterator[CheckResult]:
         t, grace = float(self.opt(ctx, "timeout_s")), float(self.opt(ctx, "grace_s"))
+        # both faults are provoked with all_reduce SUM on float32
+        why = runnable(ctx, ctx.capabilities(), Collective.ALL_REDUCE, "float32", ReduceOp.SUM)
         case = f"missing rank: the others raise a timeout error within {t:g} s + {grace:g} s"
-        if ctx.world_size < 2:
-            yield ctx.result(case, True, skipped=True, detail="needs two ranks")
+        if ctx.world_size < 2 or why:
+            yield ctx.result(case, True, skipped=True, detail=why or "needs two ranks")
         else:
             holder: dict[str, Any] = {}
             yield ctx.run_case(case, lambda: self._missing_rank(ctx, t, grace, holder))
@@ -174,8 +177,8 @@ class Faults(Check):
             yield ctx.result(case, True, skipped=True,
                              detail="native libraries do not compare collectives across ranks; this runs on the "
                                     "vcga group (debug mode)")
-        elif ctx.world_size < 2:
-            yield ctx.result(case, True, skipped=True, detail="needs two ranks")
+        elif ctx.world_size < 2 or why:
+            yield ctx.result(case, True, skipped=True, detail=why or "needs two ranks")
         else:
             holder = {}
             yield ctx.run_case(case, lambda: self._mismatch(ctx, t, grace, holder))
@@ -275,7 +278,7 @@ class SendRecv(Check):
             for name, fn in patterns.items():
                 case = f"{name} {dt} n={','.join(map(str, self.opt(ctx, 'sizes')))}"
                 yield ctx.run_unless(case, why, lambda f=fn, d=dt: _all_sizes(ctx, f, d, list(self.opt(ctx, "sizes"))),
-                                     dtype=dt)
+                                     dtype=dt, cell=(Collective.SEND_RECV, dt, None))
 
 
 def _all_sizes(ctx: Context, fn: Callable[[Context, str, int], Verdict], dt: str, sizes: list[int]) -> Verdict:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from vcga.contract import CheckResult, Collective, ReduceOp
 
 from . import bounds, data
-from .base import Check, runnable
+from .base import Check, needs
 from .context import Context, Verdict
 
 if TYPE_CHECKING:
@@ -41,6 +41,15 @@ GLOBAL_BATCH = 48
 IN, HIDDEN, OUT = 8, 16, 4
 LOSS_SCALE = 2.0**-6  # loss = LOSS_SCALE · Σ (y − t)²: dL/dy = 2^-5 (y − t), exact
 LR = 2.0**-6
+
+#: The cells DDP (torch 2.13) uses on a float32 model: the parameter-shape check all-gathers int64
+#: metadata, construction broadcasts the float32 parameters, the bucket rebuild after step 1
+#: broadcasts int32 bucket indices and int64 sizes, and every backward all-reduces float32 buckets
+#: with SUM (after dividing by the world size). A table with any natively moved dtype gets every
+#: moving cell derived (docs/emulation.md); the all_reduce must be stated or derivable.
+DDP_CELLS = [(Collective.ALL_GATHER, "int64", None), (Collective.BROADCAST, "float32", None),
+             (Collective.BROADCAST, "int32", None), (Collective.BROADCAST, "int64", None),
+             (Collective.ALL_REDUCE, "float32", ReduceOp.SUM)]
 
 
 def _model(dtype: Any) -> torch.nn.Module:
@@ -83,9 +92,7 @@ class Gradients(Check):
     defaults = {"steps": 3, "bucket_cap_mb": 0.0005}
 
     def run(self, ctx: Context) -> Iterator[CheckResult]:
-        table = ctx.capabilities()
-        why = (runnable(ctx, table, Collective.ALL_REDUCE, "float32", ReduceOp.SUM)
-               or runnable(ctx, table, Collective.BROADCAST, "float32", None))
+        why = needs(ctx, ctx.capabilities(), DDP_CELLS, "DDP")
         steps = int(self.opt(ctx, "steps"))
         if GLOBAL_BATCH % ctx.world_size:
             why = why or f"the global batch of {GLOBAL_BATCH} does not split over {ctx.world_size} ranks"

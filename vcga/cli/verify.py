@@ -202,7 +202,11 @@ def _print_summary(console: Any, outcome: Any, rows: list[Any]) -> None:
     if failures:
         console.print("[bold red]failures[/bold red]")
         for world, r in failures[:60]:
-            console.print("  [red]FAIL[/red] " + _esc(f"{r.check} [{world}] {r.case}: {r.detail}"), soft_wrap=True)
+            cell = ""
+            if r.cell:  # which cell failed, and the native cell an emulated one is derived from
+                cell = f" (cell {r.cell}" + (f", derived from {r.derived_from}" if r.derived_from else "") + ")"
+            console.print("  [red]FAIL[/red] " + _esc(f"{r.check} [{world}] {r.case}: {r.detail}{cell}"),
+                          soft_wrap=True)
         if len(failures) > 60:
             console.print(f"  ... and {len(failures) - 60} more (see --report)")
     skipped_worlds = [w for w in outcome.worlds if w.status == "skipped"]
