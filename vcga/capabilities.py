@@ -142,11 +142,14 @@ class Cell:
     :param via: for emulated cells, the recipe (a key of :data:`EMULATIONS`).
     :param note: where the fact comes from (file, doc, measurement) and, for refused cells,
         what the user can do instead. Shown verbatim in errors and ``vcga info``.
+    :param derived: True for an emulation :meth:`CapabilityBuilder.build` derived (the plugin did
+        not state the cell); ``vcga info --cells`` marks these.
     """
 
     support: Support
     via: str | None = None
     note: str = ""
+    derived: bool = False
 
     def __post_init__(self) -> None:
         if self.support is Support.EMULATED:
@@ -194,13 +197,17 @@ class CapabilityTable:
         return self.lookup(collective, dtype, op).support
 
     def summary(self) -> dict[str, Any]:
-        """Counts per support kind plus the dtypes with any native reduction, for ``vcga info``."""
+        """Counts per support kind (and how many emulated cells VCGA derived) plus the dtypes with
+        any native reduction, for ``vcga info``."""
         counts = {s.value: 0 for s in Support}
+        derived = 0
         for coll in Collective:
             for dt in _dtypes.ALL:
                 ops: Iterable[ReduceOp | None] = ReduceOp if coll.reduces else (None,)
                 for op in ops:
-                    counts[self.lookup(coll, dt, op).support.value] += 1
+                    cell = self.lookup(coll, dt, op)
+                    counts[cell.support.value] += 1
+                    derived += cell.derived
         native_reduce = sorted(
             {dt for (c, dt, op), cell in self._cells.items() if c is Collective.ALL_REDUCE and cell.support is Support.NATIVE},
             key=_dtypes.ALL.index,
@@ -210,7 +217,8 @@ class CapabilityTable:
              if c is Collective.ALL_REDUCE and cell.support is Support.NATIVE and op is not None},
             key=[o.value for o in ReduceOp].index,
         )
-        return {"cells": counts, "all_reduce_native_dtypes": native_reduce, "all_reduce_native_ops": native_ops}
+        return {"cells": counts, "derived_cells": derived, "all_reduce_native_dtypes": native_reduce,
+                "all_reduce_native_ops": native_ops}
 
     def route(self, collective: Collective | str, dtype: str, op: ReduceOp | str | None = None,
               ) -> list[tuple[CellKey, Cell]]:
@@ -248,12 +256,15 @@ class CapabilityTable:
         return chain[-1][0]
 
     def to_json(self) -> list[dict[str, Any]]:
-        """Every explicit cell as a JSON-ready row."""
-        return [
-            {"collective": c.value, "dtype": dt, "op": op.value if op else None,
-             "support": cell.support.value, "via": cell.via, "note": cell.note}
-            for (c, dt, op), cell in self._cells.items()
-        ]
+        """Every explicit cell as a JSON-ready row: ``derived`` says whether VCGA derived the cell
+        (else the plugin stated it), ``derived_from`` names the native cell an emulated one runs on."""
+        rows = []
+        for (c, dt, op), cell in self._cells.items():
+            src = self.derived_from(c, dt, op) if cell.support is Support.EMULATED else None
+            rows.append({"collective": c.value, "dtype": dt, "op": op.value if op else None,
+                         "support": cell.support.value, "via": cell.via, "note": cell.note,
+                         "derived": cell.derived, "derived_from": cell_name(src) if src is not None else None})
+        return rows
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CapabilityTable):
@@ -365,7 +376,7 @@ class CapabilityBuilder:
                     note = f"VCGA emulation: {EMULATIONS[_recipe_key(derived)]}"
                     if reason:
                         note += f" (library: {reason})"
-                    cells[key] = Cell(Support.EMULATED, via=derived, note=note)
+                    cells[key] = Cell(Support.EMULATED, via=derived, note=note, derived=True)
         return CapabilityTable(self.backend, cells)
 
 

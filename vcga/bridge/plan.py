@@ -293,7 +293,8 @@ def table_from_json(backend: str, rows: Sequence[dict[str, Any]]) -> CapabilityT
     for row in rows:
         coll = Collective(row["collective"])
         op = ReduceOp(row["op"]) if row["op"] is not None else None
-        cells[(coll, row["dtype"], op)] = Cell(Support(row["support"]), via=row["via"], note=row["note"])
+        cells[(coll, row["dtype"], op)] = Cell(Support(row["support"]), via=row["via"], note=row["note"],
+                                               derived=bool(row.get("derived", False)))
     return CapabilityTable(backend, cells)
 
 

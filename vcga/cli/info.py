@@ -71,7 +71,7 @@ def _render(data: dict[str, Any]) -> None:
     console.print(pt)
 
     bt = Table(title="Backends", title_justify="left")
-    for col in ("backend", "vendor", "device", "library", "ok", "devs", "cells n/e/r", "all_reduce ops"):
+    for col in ("backend", "vendor", "device", "library", "ok", "devs", "cells n/e/r", "derived", "all_reduce ops"):
         bt.add_column(col, overflow="fold", no_wrap=col == "cells n/e/r")
     for b in data["backends"]:
         avail = "[green]yes[/green]" if b["available"] else "[red]no[/red]"
@@ -79,11 +79,12 @@ def _render(data: dict[str, Any]) -> None:
         if caps:
             c = caps["cells"]
             counts = f"{c['native']}/{c['emulated']}/{c['refused']}"
+            derived = str(caps.get("derived_cells", ""))
             ops = " ".join(caps["all_reduce_native_ops"]).replace("PRODUCT", "PROD").replace("PREMUL_SUM", "PREMUL") or "-"
         else:
-            counts, ops = "[red]error[/red]", b.get("capabilities_error", "-")
+            counts, derived, ops = "[red]error[/red]", "", b.get("capabilities_error", "-")
         lib = b["dist_backend"] + (f" (sim {b['stands_for']})" if b.get("simulated") else "")
-        bt.add_row(b["name"], b["vendor"], b["device_type"], lib, avail, str(b["device_count"]), counts, ops)
+        bt.add_row(b["name"], b["vendor"], b["device_type"], lib, avail, str(b["device_count"]), counts, derived, ops)
     console.print(bt)
     console.print("[bold]Availability[/bold]")
     for b in data["backends"]:
@@ -95,6 +96,49 @@ def _render(data: dict[str, Any]) -> None:
         console.print(f"selected backend for this process: [bold]{data['selected_backend']}[/bold]")
     else:
         console.print(f"[red]no backend can be selected[/red]: {data['selection_error']}")
+
+
+#: Column headings of the cell grid (``vcga info --cells``), one per canonical dtype.
+_SHORT = {"bool": "bool", "uint8": "u8", "int8": "i8", "int16": "i16", "uint16": "u16", "int32": "i32",
+          "uint32": "u32", "int64": "i64", "uint64": "u64", "float16": "f16", "bfloat16": "bf16", "float32": "f32",
+          "float64": "f64", "complex64": "c64", "complex128": "c128", "float8_e4m3fn": "f8e4", "float8_e5m2": "f8e5"}
+_MARK = {"native": "N", "stated": "E", "derived": "d", "refused": "·"}
+
+
+def _render_cells(data: dict[str, Any], only: tuple[str, ...]) -> None:
+    """Every backend's table as a grid: one row per collective (and reduce op), one column per dtype.
+    N native, E emulated as the plugin stated, d emulation VCGA derived, · refused."""
+    from vcga.cli._common import stdout_console
+    from rich.table import Table
+
+    from vcga import dtypes as vdt
+    from vcga.contract import Collective, ReduceOp
+
+    console = stdout_console()
+    for b in data["backends"]:
+        if only and b["name"] not in only:
+            continue
+        rows = b.get("capability_cells")
+        if rows is None:
+            console.print(f"[red]{b['name']}: no capability table[/red]: {b.get('capabilities_error', '')}")
+            continue
+        cells = {(r["collective"], r["dtype"], r["op"]): r for r in rows}
+        grid = Table(title=f"{b['name']}: N native, E emulated as stated, d derived by VCGA, · refused",
+                     title_justify="left", pad_edge=False, box=None)
+        grid.add_column("cell")
+        for dt in vdt.ALL:
+            grid.add_column(_SHORT.get(dt, dt), justify="center")
+        for coll in Collective:
+            for op in (list(ReduceOp) if coll.reduces else [None]):
+                marks = []
+                for dt in vdt.ALL:
+                    r = cells.get((coll.value, dt, op.value if op else None))
+                    kind = "refused" if r is None or r["support"] == "refused" else (
+                        "native" if r["support"] == "native" else ("derived" if r.get("derived") else "stated"))
+                    marks.append(_MARK[kind])
+                grid.add_row(coll.value + (f" {op.value}" if op else ""), *marks)
+        console.print(grid)
+        console.print("derived cells and what they run on: vcga info --json --cells (derived, derived_from)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,7 +274,10 @@ def render_plan(data: dict[str, Any]) -> str:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
-@click.option("--cells", is_flag=True, help="With --json: include every capability cell.")
+@click.option("--cells", is_flag=True,
+              help="Every capability cell: a grid per backend (N native, E stated emulation, d derived by VCGA, "
+                   "· refused); with --json, every cell with its recipe, note and the native cell it derives from.")
+@click.option("--backend", "only", multiple=True, metavar="NAME", help="With --cells: only this backend (repeatable).")
 @click.option("--plan", "plan", is_flag=True,
               help="Show the mixed-vendor plan (vendor groups, leaders, shard peers, routes, algorithm per size).")
 @click.option("--vendors", metavar="SPEC", help="With --plan: simulated vendors, VCGA_SIM_VENDORS syntax (nccl:2,hccl:2).")
@@ -238,8 +285,8 @@ def render_plan(data: dict[str, Any]) -> str:
 @click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
 @click.option("--algorithm", type=click.Choice(["auto", "leader", "bandwidth", "replicated"]),
               help="With --plan: bridge_algorithm (default: the configured one).")
-def info(as_json: bool, cells: bool, plan: bool, vendors: str | None, backends: str | None, nodes: int | None,
-         algorithm: str | None) -> None:
+def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
+         nodes: int | None, algorithm: str | None) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -257,7 +304,11 @@ def info(as_json: bool, cells: bool, plan: bool, vendors: str | None, backends: 
         data = collect(verbose=cells)
     except VcgaError as e:
         raise click.ClickException(str(e)) from None
+    if only and not cells:
+        raise click.UsageError("--backend goes with --cells")
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=False))
+    elif cells:
+        _render_cells(data, only)
     else:
         _render(data)
