@@ -1,4 +1,6 @@
-"""Out-of-tree plugins, installed for real: the example vendor package and a plugin that breaks."""
+"""Out-of-tree plugins, installed for real: the example vendor package, a plugin that breaks, and
+a vendor's first day -- the example certified with the full quick profile next to a minimal table
+that lies about one cell, in one `vcga verify` run whose report several tests read."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import textwrap
 import pytest
 
 from conftest import ROOT, run_vcga
+
+HELPERS = ROOT / "tests" / "helper_plugins"
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +66,7 @@ def test_broken_plugin_is_shown_with_its_error_and_the_rest_works(site_dir):
     assert {b["name"] for b in data["backends"]} >= {"gloo", "acme", "sim-hccl"}
     table = run_vcga("info", env=_env(site_dir))
     assert "failed" in table.stdout and "libvendor.so.3" in table.stdout
-    # ... and the plugin's own backend still certifies
-    v = run_vcga("verify", "--backend", "acme", "--world-size", "2", "--check", "collectives",
-                 "--check", "exact-reduce", env=_env(site_dir), timeout=300)
-    assert v.returncode == 0, v.stdout + v.stderr
+    # ... and the example's backend still certifies next to it: test_the_example_plugin_passes_...
 
 
 def test_autoload_switch_hides_entry_point_plugins(site_dir):
@@ -84,3 +85,100 @@ def test_repository_copy_untouched():
     leftovers = [p.name for p in (ROOT / "examples" / "vcga-example-plugin").iterdir()
                  if p.name in ("build",) or p.name.endswith(".egg-info")]
     assert not leftovers, textwrap.shorten(str(leftovers), 200)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A vendor's first day: one verify run, read by the tests below
+# ---------------------------------------------------------------------------------------------------
+
+#: The lie of tests/helper_plugins/minimal_plugins.py and the cells VCGA derives from it.
+LIE = "all_reduce int16 SUM"
+DERIVED_FROM_LIE = {"all_reduce bool SUM", "all_reduce uint8 SUM", "all_reduce int8 SUM"}
+
+
+@pytest.fixture(scope="module")
+def first_day(site_dir, tmp_path_factory):
+    """``vcga verify`` with the full quick profile on two backends, as one run (one report):
+    ``acme`` (examples/vcga-example-plugin, pip-installed, found through its entry point) and
+    ``minimal-liar`` (tests/helper_plugins/minimal_plugins.py: float32 moved and float32 SUM reduced
+    natively, plus one lie). Returns (exit status, stdout, {backend: [result rows]})."""
+    tmp = tmp_path_factory.mktemp("first-day")
+    report = tmp / "report.json"
+    env = {"PYTHONPATH": os.pathsep.join([str(site_dir), str(HELPERS), os.environ.get("PYTHONPATH", "")]),
+           "VCGA_PLUGINS": "minimal_plugins", "COLUMNS": "250", "TMPDIR": str(tmp)}
+    r = run_vcga("verify", "--backend", "acme", "--backend", "minimal-liar", "--quiet", "--report", str(report),
+                 env=env, timeout=1200)
+    assert report.exists(), r.stdout + r.stderr
+    data = json.loads(report.read_text())
+    by_backend: dict[str, list[dict]] = {}
+    for row in data["results"]:
+        by_backend.setdefault(row["backend"], []).append(row)
+    assert [w["id"] for w in data["worlds"]] == [f"{b} ws={n}" for b in ("acme", "minimal-liar") for n in (1, 2, 3)]
+    assert all(w["status"] == "completed" for w in data["worlds"]), data["worlds"]
+    return r.returncode, r.stdout, by_backend
+
+
+def _quick_checks() -> set[str]:
+    import yaml
+
+    return set(yaml.safe_load((ROOT / "conformance" / "quick.yaml").read_text())["checks"])
+
+
+@pytest.mark.timeout(1500)
+def test_the_example_plugin_passes_the_full_quick_profile(first_day):
+    """`pip install ./examples/vcga-example-plugin && vcga verify --backend acme`: every family ran,
+    nothing failed; what acme's table refuses is skipped with the table's reason."""
+    _, _, rows = first_day
+    acme = rows["acme"]
+    failed = [f"{r['world']} {r['check']} {r['case']}: {r['detail']}" for r in acme if r["status"] == "fail"]
+    assert not failed, failed[:10]
+    ran = {r["check"] for r in acme if r["status"] == "pass"}
+    assert ran == _quick_checks() - {"mixed-vendors"}  # mixed-vendors runs only in simulated vendor sets
+    assert sum(r["status"] == "pass" for r in acme) > 2000
+    refused = [r for r in acme if r["status"] == "skip" and r["detail"].startswith("refused by")]
+    assert refused and all("acme capability table: acme does not support this combination" in r["detail"]
+                           for r in refused)
+    # what the issue found broken: p2p and moving of every dtype, DDP (it broadcasts int32)
+    by_case = {(r["world"], r["check"], r["case"]): r for r in acme}
+    for ws in (2, 3):
+        for dt in ("bool", "int32", "uint8", "bfloat16"):
+            cell = by_case[(f"acme ws={ws}", "dtype-matrix", f"send_recv {dt} [emulated via bitcast:int64]")]
+            assert cell["status"] == "pass" and cell["derived_from"] == "send_recv int64"
+        assert by_case[(f"acme ws={ws}", "send-recv", "ring bool n=0,1,257")]["status"] == "pass"
+    assert [r["status"] for r in acme if r["check"] == "gradients"] == ["pass", "pass"]
+
+
+@pytest.mark.timeout(1500)
+def test_a_plugin_that_lies_about_one_cell_fails_that_cell_and_the_cells_derived_from_it(first_day):
+    code, stdout, rows = first_day
+    assert code == 1
+    failed = [r for r in rows["minimal-liar"] if r["status"] == "fail"]
+    assert failed and {r["cell"] for r in failed} == {LIE} | DERIVED_FROM_LIE, \
+        sorted({(r["check"], r["case"], r["cell"]) for r in failed})
+    for r in failed:
+        assert r["derived_from"] == (None if r["cell"] == LIE else LIE), r
+    # every world size, through both families that exercise the cells
+    assert {(r["world_size"], r["check"]) for r in failed} == {
+        (n, c) for n in (1, 2, 3) for c in ("exact-reduce", "dtype-matrix")}
+    for cell in DERIVED_FROM_LIE:
+        assert f"(cell {cell}, derived from {LIE})" in stdout
+    assert f"(cell {LIE})" in stdout
+
+
+@pytest.mark.timeout(1500)
+def test_a_float32_only_table_passes_everything_else_and_ddp_trains(first_day):
+    """Apart from the lie, the liar's table is the minimal one: float32 moved and float32 SUM reduced
+    natively. Every other case passes or is skipped with the table's reason; DDP trains on it."""
+    _, _, rows = first_day
+    liar = [r for r in rows["minimal-liar"] if r["cell"] not in {LIE} | DERIVED_FROM_LIE]
+    assert all(r["status"] in ("pass", "skip") for r in liar)
+    assert {r["check"] for r in liar if r["status"] == "pass"} == _quick_checks() - {"mixed-vendors"}
+    grads = [r for r in liar if r["check"] == "gradients"]
+    assert [(r["world_size"], r["status"]) for r in grads] == [(2, "pass"), (2, "pass")]
+    refused = [r for r in liar if r["status"] == "skip" and r["detail"].startswith("refused by")]
+    assert refused and all("minimal-liar capability table: minimal-liar does not support" in r["detail"]
+                           for r in refused)
+    # every dtype moves, derived from the one native float32 cell of each moving collective
+    moved = [r for r in liar if r["check"] == "dtype-matrix" and r["cell"] and r["cell"].split()[0] in
+             ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv") and r["world_size"] == 3]
+    assert len(moved) == 6 * 17 and all(r["status"] == "pass" for r in moved)

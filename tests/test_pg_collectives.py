@@ -75,8 +75,11 @@ def test_matrix(world_size: int) -> None:
 
 
 def emu_world(rank: int, world_size: int, init_method: str) -> list[dict]:
+    import sys
+
     import torch.distributed as dist
 
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helper_plugins"))  # minimal_plugins
     import vcga  # noqa: F401
     from pg_cases import Matrix
     from vcga.process_group import VcgaOptions
@@ -85,18 +88,25 @@ def emu_world(rank: int, world_size: int, init_method: str) -> list[dict]:
                             pg_options=VcgaOptions(backend="test-emulations"))
     res = [Matrix(dist.group.WORLD, "test-emulations",
                   ["bool", "uint8", "int16", "float16", "bfloat16", "float32", "float64", "complex64"]).run()]
+    # The minimal table (float32 moved natively, nothing else): every other dtype moves through
+    # float32 -- padded byte views for 1- and 2-byte dtypes, views for wider ones -- in every
+    # variant, layout (strided, empty) and uneven all_to_all split, and point-to-point.
+    g = dist.new_group(backend="vcga", pg_options=VcgaOptions(backend="minimal"))
+    res.append(Matrix(g, "minimal", ["bool", "int16", "float16", "int64", "complex128"]).run())
     dist.destroy_process_group()
     return res
 
 
 def test_forced_recipes() -> None:
-    """A plugin table (tests/pg_emu_plugin.py) that forces every recipe the shipped tables skip."""
-    results = run_world(emu_world, 2, env={"VCGA_PLUGINS": "pg_emu_plugin"}, timeout=300)
+    """A plugin table (tests/pg_emu_plugin.py) that forces every recipe the shipped tables skip,
+    and the minimal table (tests/helper_plugins/minimal_plugins.py) whose data movement is all derived."""
+    results = run_world(emu_world, 2, env={"VCGA_PLUGINS": "pg_emu_plugin,minimal_plugins"}, timeout=300)
     for k, v in _check(results).items():
         _SEEN[k] = _SEEN.get(k, 0) + v
     for recipe in ("bool_as_min", "bool_as_max", "upcast", "as_real", "bitcast", "gather_then_reduce",
                    "sum_then_divide", "mul_then_sum"):
         assert results[0][0]["recipes"].get(recipe), f"recipe {recipe} did not run on the forced table"
+    assert results[0][1]["recipes"].get("bitcast")  # the minimal table: every other dtype moved as float32
 
 
 def test_every_recipe_ran() -> None:
