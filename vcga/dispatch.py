@@ -40,10 +40,6 @@ __all__ = ["Steps", "Dispatcher", "local_reduce", "MAX_EMULATION_DEPTH"]
 #: Longest chain of recipes one call may go through (a table that loops is refused, not followed).
 MAX_EMULATION_DEPTH = 6
 
-AR, RD, RS = Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER
-BC, AG, GA, SC, A2A, P2P = (Collective.BROADCAST, Collective.ALL_GATHER, Collective.GATHER, Collective.SCATTER,
-                            Collective.ALL_TO_ALL, Collective.SEND_RECV)
-
 _REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
@@ -171,7 +167,7 @@ class Dispatcher:
         self._cells: dict[tuple[Collective, torch.dtype, ReduceOp | None], Cell] = {}
         # What an empty message travels as: the first dtype the library sends natively, so it
         # depends only on the table -- sender and receiver pick the same, whatever the message's dtype.
-        native = [d for d in _dtypes.ALL if self.table.lookup(P2P, d).support is Support.NATIVE]
+        native = [d for d in _dtypes.ALL if self.table.lookup(Collective.SEND_RECV, d).support is Support.NATIVE]
         self._p2p_unit: torch.dtype | None = _dtypes.to_torch(native[0]) if native else None
 
     # -- table lookups ---------------------------------------------------------------------------
@@ -237,12 +233,12 @@ class Dispatcher:
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp, factor: Any, like: Any, steps: Steps, depth: int = 0) -> None:
         """All-reduce ``t`` in place."""
-        if self.is_native(AR, t.dtype, op):
+        if self.is_native(Collective.ALL_REDUCE, t.dtype, op):
             b = _dense(t)
             steps.works.append(self.group.allreduce([b], options("allreduce", like=like, op=op, factor=factor)))
             _copy_back(steps, t, b)
             return
-        via, arg = self._recipe(AR, t.dtype, op, depth)
+        via, arg = self._recipe(Collective.ALL_REDUCE, t.dtype, op, depth)
         d = depth + 1
         if via == "sum_then_divide":
             self.all_reduce(t, ReduceOp.SUM, None, like, steps, d)
@@ -270,21 +266,21 @@ class Dispatcher:
             self.all_gather(list(buf.unbind(0)), b, like, steps, d)
             steps.finish.append(lambda: t.copy_(local_reduce(buf, op, factor, self.size).reshape(t.shape)))
         else:
-            raise self._bad_recipe(AR, t.dtype, op, f"{via}:{arg}" if arg else via)
+            raise self._bad_recipe(Collective.ALL_REDUCE, t.dtype, op, f"{via}:{arg}" if arg else via)
 
     def reduce(self, t: torch.Tensor, root: int, op: ReduceOp, factor: Any, like: Any, steps: Steps,
                depth: int = 0) -> None:
         """Reduce ``t`` into ``t`` on ``root``; other ranks' ``t`` is left unchanged (as NCCL does;
         gloo alone would leave partial sums there)."""
         at_root = self.rank == root
-        if self.is_native(RD, t.dtype, op):
+        if self.is_native(Collective.REDUCE, t.dtype, op):
             # Libraries may use a non-root rank's buffer as scratch (gloo does): hand them a copy there.
             b = _dense(t) if at_root else t.clone(memory_format=torch.contiguous_format)
             steps.works.append(self.group.reduce([b], options("reduce", like=like, op=op, factor=factor, root=root)))
             if at_root:
                 _copy_back(steps, t, b)
             return
-        via, arg = self._recipe(RD, t.dtype, op, depth)
+        via, arg = self._recipe(Collective.REDUCE, t.dtype, op, depth)
         d = depth + 1
         if via == "sum_then_divide":
             self.reduce(t, root, ReduceOp.SUM, None, like, steps, d)
@@ -321,18 +317,18 @@ class Dispatcher:
             else:
                 self.gather([], b, root, like, steps, d)
         else:
-            raise self._bad_recipe(RD, t.dtype, op, f"{via}:{arg}" if arg else via)
+            raise self._bad_recipe(Collective.REDUCE, t.dtype, op, f"{via}:{arg}" if arg else via)
 
     def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, factor: Any, like: Any,
                        steps: Steps, depth: int = 0) -> None:
         """Reduce ``ins[j]`` of every rank into ``out`` of rank ``j``."""
-        if self.is_native(RS, out.dtype, op):
+        if self.is_native(Collective.REDUCE_SCATTER, out.dtype, op):
             b = _dense(out)
             steps.works.append(self.group.reduce_scatter(
                 [b], [[_dense(x) for x in ins]], options("reduce_scatter", like=like, op=op, factor=factor)))
             _copy_back(steps, out, b)
             return
-        via, arg = self._recipe(RS, out.dtype, op, depth)
+        via, arg = self._recipe(Collective.REDUCE_SCATTER, out.dtype, op, depth)
         d = depth + 1
         if via == "sum_then_divide":
             self.reduce_scatter(out, ins, ReduceOp.SUM, None, like, steps, d)
@@ -363,7 +359,7 @@ class Dispatcher:
             self.all_to_all(recv, send, [], [], like, steps, d)
             steps.finish.append(lambda: out.copy_(local_reduce(recv, op, factor, self.size).reshape(out.shape)))
         else:
-            raise self._bad_recipe(RS, out.dtype, op, f"{via}:{arg}" if arg else via)
+            raise self._bad_recipe(Collective.REDUCE_SCATTER, out.dtype, op, f"{via}:{arg}" if arg else via)
 
     # ===========================================================================================
     # Collectives that only move data: bitcast / as_real (same bytes) or upcast (lossless copy)
@@ -380,12 +376,12 @@ class Dispatcher:
         raise self._bad_recipe(coll, dtype, None, f"{via}:{arg}" if arg else via)
 
     def broadcast(self, t: torch.Tensor, root: int, like: Any, steps: Steps, depth: int = 0) -> None:
-        if self.is_native(BC, t.dtype):
+        if self.is_native(Collective.BROADCAST, t.dtype):
             b = _dense(t)
             steps.works.append(self.group.broadcast([b], options("broadcast", like=like, root=root)))
             _copy_back(steps, t, b)
             return
-        via, target = self._moving_recipe(BC, t.dtype, depth)
+        via, target = self._moving_recipe(Collective.BROADCAST, t.dtype, depth)
         if via == "bitcast":
             at_root = self.rank == root
             units, back = _units(t, target, fill=at_root)
@@ -398,13 +394,13 @@ class Dispatcher:
             steps.finish.append(partial(t.copy_, w))
 
     def all_gather(self, outs: list[torch.Tensor], inp: torch.Tensor, like: Any, steps: Steps, depth: int = 0) -> None:
-        if self.is_native(AG, inp.dtype):
+        if self.is_native(Collective.ALL_GATHER, inp.dtype):
             bufs = [_dense(o) for o in outs]
             steps.works.append(self.group.allgather([bufs], [_dense(inp)], options("allgather", like=like)))
             for o, b in zip(outs, bufs):
                 _copy_back(steps, o, b)
             return
-        via, target = self._moving_recipe(AG, inp.dtype, depth)
+        via, target = self._moving_recipe(Collective.ALL_GATHER, inp.dtype, depth)
         if via == "bitcast":
             src, _ = _units(inp, target)
             staged = [_units(o, target, fill=False) for o in outs]
@@ -420,7 +416,7 @@ class Dispatcher:
     def gather(self, outs: list[torch.Tensor], inp: torch.Tensor, root: int, like: Any, steps: Steps,
                depth: int = 0) -> None:
         """``outs`` has one tensor per rank on ``root`` and is empty elsewhere."""
-        if self.is_native(GA, inp.dtype):
+        if self.is_native(Collective.GATHER, inp.dtype):
             # Flat views: every rank's element count was checked equal (process group); libraries
             # compare shapes, which may legitimately differ (e.g. (2, 3) into (6,)).
             bufs = [_dense(o) for o in outs]
@@ -429,7 +425,7 @@ class Dispatcher:
             for o, b in zip(outs, bufs):
                 _copy_back(steps, o, b)
             return
-        via, target = self._moving_recipe(GA, inp.dtype, depth)
+        via, target = self._moving_recipe(Collective.GATHER, inp.dtype, depth)
         if via == "bitcast":
             src, _ = _units(inp, target)
             staged = [_units(o, target, fill=False) for o in outs]
@@ -445,14 +441,14 @@ class Dispatcher:
     def scatter(self, out: torch.Tensor, ins: list[torch.Tensor], root: int, like: Any, steps: Steps,
                 depth: int = 0) -> None:
         """``ins`` has one tensor per rank on ``root`` and is empty elsewhere."""
-        if self.is_native(SC, out.dtype):
+        if self.is_native(Collective.SCATTER, out.dtype):
             b = _dense(out)
             steps.works.append(self.group.scatter([_flat1d(b)],
                                                   [[_flat1d(_dense(x)) for x in ins]] if self.rank == root else [],
                                                   options("scatter", like=like, root=root)))
             _copy_back(steps, out, b)
             return
-        via, target = self._moving_recipe(SC, out.dtype, depth)
+        via, target = self._moving_recipe(Collective.SCATTER, out.dtype, depth)
         if via == "bitcast":
             dst, back = _units(out, target, fill=False)
             self.scatter(dst, [_units(x, target)[0] for x in ins], root, like, steps, depth + 1)
@@ -465,13 +461,13 @@ class Dispatcher:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    like: Any, steps: Steps, depth: int = 0) -> None:
         """``all_to_all_single``: split ``inp`` along dim 0 by ``in_splits`` (equal when empty)."""
-        if self.is_native(A2A, inp.dtype):
+        if self.is_native(Collective.ALL_TO_ALL, inp.dtype):
             b = _dense(out)
             steps.works.append(self.group.alltoall_base(b, _dense(inp), list(out_splits), list(in_splits),
                                                         options("alltoall", like=like)))
             _copy_back(steps, out, b)
             return
-        via, target = self._moving_recipe(A2A, inp.dtype, depth)
+        via, target = self._moving_recipe(Collective.ALL_TO_ALL, inp.dtype, depth)
         if via != "bitcast":
             w = torch.empty(out.shape, dtype=target, device=out.device)
             self.all_to_all(w, inp.to(target), out_splits, in_splits, like, steps, depth + 1)
@@ -533,9 +529,9 @@ class Dispatcher:
         empty (on both ends alike: the table is shared)."""
         if depth or t.numel():
             return None
-        cell = self.cell(P2P, t.dtype)
+        cell = self.cell(Collective.SEND_RECV, t.dtype)
         if cell.support is Support.REFUSED:
-            raise self.refuse(P2P, t.dtype, None, cell.note or "refused")
+            raise self.refuse(Collective.SEND_RECV, t.dtype, None, cell.note or "refused")
         unit = self._p2p_unit if self._p2p_unit is not None else t.dtype
         return torch.zeros(1, dtype=unit, device=t.device)
 
@@ -543,10 +539,10 @@ class Dispatcher:
         stand_in = self._empty_p2p(t, depth)
         if stand_in is not None:
             t, depth = stand_in, depth + 1
-        if self.is_native(P2P, t.dtype):
+        if self.is_native(Collective.SEND_RECV, t.dtype):
             steps.works.append(self.group.send([_dense(t)], dst, tag))
             return
-        via, target = self._moving_recipe(P2P, t.dtype, depth)
+        via, target = self._moving_recipe(Collective.SEND_RECV, t.dtype, depth)
         if via == "bitcast":
             self.send(_units(t, target)[0], dst, tag, steps, depth + 1)
         else:
@@ -557,7 +553,7 @@ class Dispatcher:
         stand_in = self._empty_p2p(t, depth)
         if stand_in is not None:
             t, depth = stand_in, depth + 1  # the element lands in the stand-in; ``t`` has nothing to fill
-        if self.is_native(P2P, t.dtype):
+        if self.is_native(Collective.SEND_RECV, t.dtype):
             b = _dense(t)
             if src is None:
                 w = self.group.recv_anysource([b], tag)
@@ -567,7 +563,7 @@ class Dispatcher:
             steps.works.append(w)
             _copy_back(steps, t, b)
             return
-        via, target = self._moving_recipe(P2P, t.dtype, depth)
+        via, target = self._moving_recipe(Collective.SEND_RECV, t.dtype, depth)
         if via == "bitcast":
             units, back = _units(t, target, fill=False)
             self.recv(units, src, tag, steps, depth + 1)
