@@ -1,6 +1,8 @@
 """vcga convert / vcga inspect on torch.distributed.checkpoint directories written by torch's own
-dcp.save (FileSystemWriter layout): bit-exact for every dtype torch writes, and typed errors for
-damaged directories -- a missing shard, corrupt metadata, a pickle with code (never run).
+dcp.save (FileSystemWriter layout): bit-exact for every dtype VCGA holds (bool, the integers, fp16,
+bf16, fp32, fp64, complex64/128, fp8 e4m3fn/e5m2), a typed refusal for the dtypes torch also writes
+that VCGA does not hold yet, and typed errors for damaged directories -- a missing shard, corrupt
+metadata, a pickle with code (never run).
 Sharded tensors (FSDP2 chunks from several ranks) and VCGA's layout: tests/test_checkpoint_world.py."""
 
 from __future__ import annotations
@@ -100,6 +102,27 @@ def test_torch_dcp_directory_converts_bit_exact_for_every_dtype(torch_dcp, tmp_p
     rep = inspect_checkpoint(d, verify=True)
     assert rep.format == "dcp" and {r["name"] for r in rep.tensors} == set(tensors)
     assert all(r["status"] == "computed" for r in rep.tensors)
+
+
+#: What torch 2.13's dcp.save also writes and VCGA does not hold yet: vcga/dtypes.py has no entry
+#: (no wire code) for them, though safetensors 0.8 holds all but complex32.
+NOT_HELD = [getattr(torch, n) for n in ("complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                                        "float4_e2m1fn_x2") if hasattr(torch, n)]
+
+
+def test_dtypes_torch_writes_that_vcga_does_not_hold_yet_are_refused_typed_and_nothing_is_written(tmp_path):
+    for dt in NOT_HELD:
+        d = tmp_path / _name(dt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one process; complex32 is "experimental"
+            t = torch.randint(0, 256, (3, 2 * dt.itemsize), dtype=torch.uint8).view(dt)
+            dcp.save({"w": torch.ones(2), "t": t}, checkpoint_id=str(d))
+        for dst in (tmp_path / "o.safetensors", tmp_path / "o.vbin"):
+            with pytest.raises(VcgaFormatError, match=f"tensor 't' has dtype {_name(dt)}, which VCGA does not hold"):
+                convert(d, dst)
+            assert not dst.exists()
+        with pytest.raises(VcgaFormatError, match=f"dtype {_name(dt)}"):
+            inspect_checkpoint(d)
 
 
 def test_the_cli_reads_a_dcp_directory_without_importing_torch(torch_dcp, tmp_path):
