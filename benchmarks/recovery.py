@@ -10,9 +10,12 @@ Three parts (``--part io|stall|recovery``, all by default):
   an fsync, so both read the disk -- or the hypervisor's cache on a VM) and warm. VCGA's load
   verifies every checksum and padding byte of what it reads; torch's verifies nothing.
 - **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
-  the same state: the time the call blocks (staging the state to host memory) plus the time the
-  steps run while the background write is in flight lose against the same steps without it.
-  The training step is a fixed single-threaded matmul workload on one core.
+  the same state: the loop's time from the call until the background write is done (the call
+  blocks while it stages the state to host memory, then steps run alongside the write) less the
+  same number of steps with no save in flight, measured right before and right after (the mean
+  of the two). Reported as the median of the per-repetition ratios stall / sync save; the
+  staging copy alone (``blocked_over_sync``) is the floor of that ratio on a host without an
+  accelerator. The training step is a fixed single-threaded matmul workload on one core.
 - **recovery** -- ``examples/train_elastic.py`` under torchrun with one rank SIGKILLed mid-step
   (``VCGA_FAULT``), on backend vcga with two simulated vendors and, as the anchor, on torch's own
   gloo backend: time from the kill to the first peer's error (detection), from the new workers'
@@ -144,52 +147,77 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float) -> dict:
     state = make_state(mib, seed=1)
     a = torch.randn(384, 384)
 
-    def step() -> float:
-        t = time.perf_counter()
+    def step() -> None:
         b = a
         for _ in range(reps_per_step):
             b = torch.tanh(b @ a)
+
+    def steps(n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
         return time.perf_counter() - t
 
     reps_per_step = 1
-    while step() < steps_ms / 1000:  # size the step to about steps_ms
+    while steps(1) < steps_ms / 1000:  # size the step to about steps_ms
         reps_per_step *= 2
-    base = statistics.median(step() for _ in range(30))
-    sync, stalls, blocked, overlap_steps = [], [], [], []
+    sync, stalls, blocked, overlap_steps, window, control = [], [], [], [], [], []
+    n_prev = 10
     for rep in range(reps + 1):  # the first async save allocates its staging buffers: reported apart
         root = work / f"stall-{rep}"
         t = time.perf_counter()
         ckpt.save(state, root, step=0, keep_last=1)
         sync_s = time.perf_counter() - t
+        # The anchor of the stall: the same loop with no save in flight, measured right before and
+        # right after the save's window (a fixed baseline from the start of the run would count
+        # every drift of a shared machine's load, step after step, as stall).
+        before = steps(n_prev) / n_prev
         t = time.perf_counter()
         fut = ckpt.async_save(state, root, step=1, keep_last=1)
         call = time.perf_counter() - t
-        lost = 0.0
         n = 0
         while not fut.done():
-            lost += step() - base
+            step()
             n += 1
+        with_save = time.perf_counter() - t  # the call and every step that overlapped the write
         fut.result()
-        # the step during which the save finished ran partly alongside it: counted in full
+        after = steps(max(n, 1)) / max(n, 1)
+        per_step = (before + after) / 2
+        stall = with_save - n * per_step  # what the save cost the loop: blocked + slower steps
+        n_prev = max(n, 1)
         if rep == 0:
-            first = {"sync_s": sync_s, "blocked_s": call, "stall_s": call + max(0.0, lost)}
+            first = {"sync_s": sync_s, "blocked_s": call, "stall_s": stall}
         else:
             sync.append(sync_s)
             blocked.append(call)
-            stalls.append(call + max(0.0, lost))
+            stalls.append(stall)
             overlap_steps.append(n)
+            window.append(with_save)
+            control.append(n * per_step)
         shutil.rmtree(root)
     med_sync, med_stall = statistics.median(sync), statistics.median(stalls)
-    return {"mib": _nbytes(state) / MiB, "reps": reps, "step_s": base, "sync_save_s": med_sync,
-            "async_blocked_s": statistics.median(blocked), "async_stall_s": med_stall,
-            "stall_over_sync": med_stall / med_sync, "steps_during_write": statistics.median(overlap_steps),
-            "first_async": first, "samples": {"sync": sync, "stall": stalls, "blocked": blocked}}
+    ratios = [s / y for s, y in zip(stalls, sync)]
+    return {"mib": _nbytes(state) / MiB, "reps": reps, "step_s": statistics.median(c / max(n, 1) for c, n in
+                                                                                   zip(control, overlap_steps)),
+            "sync_save_s": med_sync, "async_blocked_s": statistics.median(blocked), "async_stall_s": med_stall,
+            "stall_over_sync": statistics.median(ratios),
+            "blocked_over_sync": statistics.median(b / y for b, y in zip(blocked, sync)),
+            "steps_during_write": statistics.median(overlap_steps),
+            "first_async": first, "samples": {"sync": sync, "stall": stalls, "blocked": blocked,
+                                              "window": window, "control": control, "steps": overlap_steps}}
 
 
 def _launch(work: Path, name: str, backend: str, vendors: str, fault: str) -> dict:
     events, faults = work / f"{name}.events", work / f"{name}.faults"
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store per attempt (rank 0 hosts it), for both.
+    # With the agent's shared store (torchrun's default) the keys of the dead attempt are still
+    # there, and torch's own gloo group of the restarted attempt reads the killed rank's old
+    # address unless the new rank rewrote it first: "Gloo connectFullMesh failed ... Connection
+    # refused", a failed restart whenever the race goes that way (VCGA keys its store per
+    # attempt: docs/checkpoint.md). The anchor must restart reliably, and both run alike.
     env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": "30",
-           "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault, "VCGA_FAULT_LOG": str(faults)}
+           "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault, "VCGA_FAULT_LOG": str(faults),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "--max-restarts", "1", "--monitor-interval", "0.1", str(ROOT / "examples" / "train_elastic.py"),
            "--root", str(work / f"{name}-ckpt"), "--steps", "10", "--save-every", "3", "--backend", backend,
