@@ -135,11 +135,15 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
         shutil.rmtree(vroot)
         shutil.rmtree(tdir)
     med = {k: statistics.median(v) for k, v in rows.items()}
+    # Each repetition runs both back to back: the median of the per-repetition ratios is what a
+    # shared machine's load drift disturbs least.
+    paired = {k: statistics.median(v / t for v, t in zip(rows[f"vcga_{k}"], rows[f"torch_{k}"]))
+              for k in ("save", "load_cold", "load_warm")}
     return {"mib": nbytes / MiB, "reps": reps, "MB_per_s": med,
             "ratio": {"save": med["vcga_save"] / med["torch_save"],
                       "load_cold": med["vcga_load_cold"] / med["torch_load_cold"],
                       "load_warm": med["vcga_load_warm"] / med["torch_load_warm"]},
-            "samples": rows}
+            "ratio_paired": paired, "samples": rows}
 
 
 def part_stall(work: Path, mib: float, reps: int, steps_ms: float) -> dict:
