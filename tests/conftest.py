@@ -14,6 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
+    """VCGA's user cache (plugin verdicts, vcga.usercache) in a folder of this session, never the
+    user's: XDG_CACHE_HOME, not VCGA_CACHE_DIR, so it reaches every subprocess (tests strip VCGA_*)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
 def clean_vcga_env(monkeypatch: pytest.MonkeyPatch):
     for k in list(os.environ):

@@ -4,7 +4,9 @@ Built-in plugins are module names loaded by the same code as third-party ones (p
 third-party plugins come from the entry-point group ``vcga``. Loading is lazy -- nothing is
 imported until a caller asks for backends, formats or checks -- and isolated: a plugin that fails
 to import, whose hook raises, or whose backend's probe raises is recorded with its error and
-traceback, shown by ``vcga info``, and never breaks an unrelated call.
+traceback, shown by ``vcga info``, and never breaks an unrelated call. Third-party plugins (entry
+points and ``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.vetting`), so one
+whose import ends or crashes the interpreter is recorded instead of taking VCGA down with it.
 
 Environment:
 
@@ -12,7 +14,9 @@ Environment:
   ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does for pytest;
 - ``VCGA_PLUGINS=mod.a,mod.b``: load these modules as plugins too (works with autoload disabled);
 - ``VCGA_BLOCK_PLUGINS=name,...``: never load these plugins (by entry-point or module name);
-- ``VCGA_BACKEND=name``: the explicit backend choice (see :mod:`vcga.config`).
+- ``VCGA_BACKEND=name``: the explicit backend choice (see :mod:`vcga.config`);
+- ``VCGA_PLUGIN_VET_TIMEOUT``, ``VCGA_PLUGIN_RECHECK``, ``VCGA_PLUGIN_VETTING``, ``VCGA_CACHE_DIR``:
+  vetting of third-party plugins (see :mod:`vcga.vetting`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,10 +34,10 @@ from typing import Any
 
 import pluggy
 
-from vcga import contract
+from vcga import contract, vetting
 from vcga.config import Config, load_config
 from vcga.contract import Backend, ConformanceCheck, FormatSpec, ProbeResult
-from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaError, VcgaPluginError
+from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -75,10 +80,12 @@ class PluginRecord:
     error: str | None = None  #: one line
     traceback: str | None = None
     hook_errors: dict[str, str] = field(default_factory=dict)  #: hook name -> error line
+    #: what importing it in a child did (:class:`vcga.vetting.Verdict` as JSON); None when not vetted
+    vetting: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "module": self.module, "status": self.status,
-                "error": self.error, "hook_errors": dict(self.hook_errors)}
+                "error": self.error, "hook_errors": dict(self.hook_errors), "vetting": self.vetting}
 
 
 @dataclass
@@ -141,18 +148,78 @@ class VcgaPluginManager:
         with self._lock:
             if self._loaded:
                 return
+            timeout_s = self._vet_timeout()  # a bad value raises before anything is marked loaded
             self._loaded = True
             blocked = self._blocked()
-            for mod in self._builtins:
+            for mod in self._builtins:  # ours: imported directly, never vetted
                 self._load_one(mod, mod, "builtin", lambda m=mod: importlib.import_module(m), blocked)
+            third: list[tuple[str, str, str, Callable[[], Any], Any]] = []
             extra = [s.strip() for s in self._env.get("VCGA_PLUGINS", "").split(",") if s.strip()]
             for mod in extra:
-                self._load_one(mod, mod, "VCGA_PLUGINS", lambda m=mod: importlib.import_module(m), blocked)
+                third.append((mod, mod, "VCGA_PLUGINS", lambda m=mod: importlib.import_module(m), None))
             if not self.autoload_disabled:
                 for ep in self._entry_points():
                     dist = getattr(ep, "dist", None)
                     src = f"entry point ({dist.name} {dist.version})" if dist is not None else "entry point"
-                    self._load_one(ep.name, ep.value, src, ep.load, blocked)
+                    third.append((ep.name, ep.value, src, ep.load, ep))
+            verdicts = self._vet(third, blocked, timeout_s)
+            for name, module, src, loader, _ in third:
+                verdict = verdicts.get(name)
+                if verdict is not None and not verdict.safe:
+                    self._refuse(name, module, src, verdict)
+                else:
+                    self._load_one(name, module, src, loader, blocked)
+                    if verdict is not None:
+                        self._records[name].vetting = verdict.to_json()
+
+    def _vet_timeout(self) -> float:
+        raw = self._env.get("VCGA_PLUGIN_VET_TIMEOUT", "").strip()
+        if not raw:
+            return vetting.DEFAULT_TIMEOUT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or value == float("inf"):
+            raise VcgaConfigError("plugin vetting timeout", raw, "a number of seconds > 0", "env VCGA_PLUGIN_VET_TIMEOUT")
+        return value
+
+    def _vet(self, third: list[tuple[str, str, str, Callable[[], Any], Any]], blocked: set[str],
+             timeout_s: float) -> dict[str, Any]:
+        """Vet, in child processes, the third-party plugins this process is about to import."""
+        if (self._env.get("VCGA_PLUGIN_VETTING", "").strip().lower() in {"0", "false", "no", "off"}
+                or os.environ.get(vetting.CHILD_ENV) == "1"):
+            return {}
+        names, cands = [], []
+        for name, module, _, _, ep in third:
+            if name in self._records or name in names or name in blocked or module in blocked:
+                continue
+            modname = module.partition(":")[0].strip() if ep is not None else module
+            if modname in sys.modules:  # already imported in this process: nothing left to guard
+                continue
+            dist = getattr(ep, "dist", None) if ep is not None else None
+            if dist is not None:
+                key = vetting.entry_point_key(ep.name, ep.value, dist.name, dist.version)
+            else:
+                key = vetting.module_key(modname)
+            names.append(name)
+            cands.append(vetting.Candidate("module" if ep is None else "entry point", module, key))
+        if not cands:
+            return {}
+        recheck = self._env.get("VCGA_PLUGIN_RECHECK", "").strip().lower() in _TRUE
+        return dict(zip(names, vetting.vet(cands, timeout_s=timeout_s, recheck=recheck, env=self._env)))
+
+    def _refuse(self, name: str, module: str, source: str, verdict: Any) -> None:
+        """Record a plugin kept out because its import ends or stalls the process."""
+        if name in self._records:
+            return
+        rec = PluginRecord(name=name, source=source, module=module, status="failed")
+        again = "; cached verdict, VCGA_PLUGIN_RECHECK=1 checks again" if verdict.cached else ""
+        rec.error = f"{verdict.detail}; so it was not imported (vetted in a child process{again})"
+        rec.traceback = verdict.traceback
+        rec.vetting = verdict.to_json()
+        self._records[name] = rec
+        log.warning("plugin %s (%s) not loaded: %s", name, source, rec.error)
 
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         try:
@@ -180,7 +247,8 @@ class VcgaPluginManager:
             plugin = loader()
             self.pm.register(plugin, name=name)
             rec.status = "loaded"
-        except Exception as e:  # ImportError, SyntaxError, pluggy validation, anything the plugin raises
+        except (Exception, SystemExit) as e:  # ImportError, SyntaxError, pluggy validation, anything the
+            # plugin raises; and sys.exit() at import, never a request to end the caller's program
             rec.status = "failed"
             rec.error = _err_line(e)
             rec.traceback = traceback.format_exc()

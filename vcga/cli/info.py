@@ -285,12 +285,19 @@ def render_plan(data: dict[str, Any]) -> str:
 @click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
 @click.option("--algorithm", type=click.Choice(["auto", "leader", "bandwidth", "replicated"]),
               help="With --plan: bridge_algorithm (default: the configured one).")
+@click.option("--recheck-plugins", is_flag=True,
+              help="Vet every third-party plugin again in a child process instead of trusting cached verdicts "
+                   "(after a driver or SDK update; same as VCGA_PLUGIN_RECHECK=1).")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
-         nodes: int | None, algorithm: str | None) -> None:
+         nodes: int | None, algorithm: str | None, recheck_plugins: bool) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
     """
+    if recheck_plugins:
+        import os
+
+        os.environ["VCGA_PLUGIN_RECHECK"] = "1"  # read when the plugin manager is created, below
     if plan:
         try:
             pdata = collect_plan(vendors, backends, nodes, algorithm)

@@ -96,6 +96,7 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
                           group=group)
     console.print(f"vcga verify: profile [bold]{_esc(prof.name)}[/bold] ({_esc(prof.source)}); worlds: "
                   + _esc(", ".join(w.id for w in worlds)))
+    _print_plugin_failures(console)
     log_dir = tempfile.mkdtemp(prefix="vcga-verify-")
     progress = _Progress(console, quiet)
     try:
@@ -123,6 +124,17 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
         console.print("[red]no case ran[/red]")
         return 1
     return 1 if failed else 0
+
+
+def _print_plugin_failures(console: Any) -> None:
+    """Name every plugin that did not load (a crashing import included) before the worlds run: the
+    ranks go on without it, and a backend it would have provided is then reported missing."""
+    from vcga.plugin_manager import get_plugin_manager
+
+    for p in get_plugin_manager().plugins():
+        if p.status == "failed":
+            console.print(f"[yellow]plugin not loaded[/yellow]: {_esc(p.name)} ({_esc(p.source)}): {_esc(p.error)}",
+                          soft_wrap=True)
 
 
 class _Progress:

@@ -1,0 +1,93 @@
+"""What vetting third-party plugins in a child costs a process that loads them (vcga/vetting.py).
+
+Each sample is a fresh interpreter (an imported plugin stays in ``sys.modules``, and vetting skips
+it) that times ``VcgaPluginManager.load()`` with the built-ins off and the example plugin
+(examples/vcga-example-plugin) named in ``VCGA_PLUGINS``, three ways, interleaved so that a noisy
+machine hits them alike:
+
+- ``in-process``: ``VCGA_PLUGIN_VETTING=0``, the plain import (the anchor: what loading cost before);
+- ``cached``: the verdict is in the cache (every start after the first);
+- ``vetted``: an empty cache, so a child imports it first (the first start of a plugin version).
+
+Also timed in the same run, for scale: creating a one-rank ``vcga`` group
+(``init_process_group("vcga")`` with gloo, then one all_reduce), in a fresh interpreter.
+
+    python benchmarks/plugin_vetting.py --reps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "vcga-example-plugin"
+
+LOAD = """
+import time
+from vcga.plugin_manager import VcgaPluginManager
+pm = VcgaPluginManager(builtins=())
+t = time.perf_counter()
+pm.load()
+dt = time.perf_counter() - t
+assert [p.status for p in pm.plugins()] == ["loaded"], [p.to_json() for p in pm.plugins()]
+print(dt)
+"""
+
+GROUP = """
+import tempfile, time
+t = time.perf_counter()
+import torch, torch.distributed as dist
+t1 = time.perf_counter()
+dist.init_process_group("vcga", init_method="file://" + tempfile.mkdtemp() + "/s", rank=0, world_size=1)
+x = torch.ones(4)
+dist.all_reduce(x)
+print(time.perf_counter() - t1)
+dist.destroy_process_group()
+"""
+
+
+def _sample(code: str, env: dict[str, str]) -> float:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-3000:])
+    return float(r.stdout.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", default=None, help="write the medians here")
+    args = ap.parse_args()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    base.update(PYTHONPATH=os.pathsep.join([str(EXAMPLE), str(ROOT)]), VCGA_PLUGINS="vcga_example_plugin.plugin")
+    times: dict[str, list[float]] = {"in-process": [], "cached": [], "vetted": [], "group": []}
+    with tempfile.TemporaryDirectory(prefix="vcga-bench-vet-") as tmp:
+        warm = os.path.join(tmp, "warm")
+        _sample(LOAD, {**base, "VCGA_CACHE_DIR": warm})  # fills the cache for "cached"; warms .pyc files
+        for i in range(args.reps):
+            times["in-process"].append(_sample(LOAD, {**base, "VCGA_PLUGIN_VETTING": "0"}))
+            times["cached"].append(_sample(LOAD, {**base, "VCGA_CACHE_DIR": warm}))
+            times["vetted"].append(_sample(LOAD, {**base, "VCGA_CACHE_DIR": os.path.join(tmp, f"cold{i}")}))
+            times["group"].append(_sample(GROUP, {**base, "VCGA_CACHE_DIR": warm, "VCGA_BACKEND": "gloo"}))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    anchor = med["in-process"]
+    print(f"{'load() of one plugin':<44} {'median ms':>10} {'x in-process':>13}")
+    for k in ("in-process", "cached", "vetted"):
+        print(f"{k:<44} {med[k] * 1e3:>10.1f} {med[k] / anchor:>13.2f}")
+    print(f"{'one-rank vcga group + all_reduce (scale)':<44} {med['group'] * 1e3:>10.1f}")
+    print(f"cached vetting adds {(med['cached'] - anchor) * 1e3:.1f} ms "
+          f"({(med['cached'] - anchor) / med['group'] * 100:.1f}% of creating a one-rank group); "
+          f"a first vetting adds {(med['vetted'] - anchor) * 1e3:.0f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians_s": med, "reps": args.reps}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
