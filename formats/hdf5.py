@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes
-from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formatkit import ReaderContext, WriterContext, entry_array
@@ -465,8 +464,10 @@ class Hdf5Writer(WriterContext):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, compression: str | None = None,
-                 compression_opts: int | None = None, shuffle: bool = False) -> None:
+                 compression_opts: int | None = None, shuffle: bool = False,
+                 publish_into: str | os.PathLike[str] | None = None) -> None:
         h5py = _h5py()
+        self._init_outputs(publish_into)
         if compression not in (None, "gzip", "lzf"):
             raise VcgaConversionError(f"hdf5 compression must be gzip or lzf, not {compression!r}", target=NAME)
         self.path = Path(path)
@@ -475,19 +476,22 @@ class Hdf5Writer(WriterContext):
             self._filters = {"compression": compression, "shuffle": bool(shuffle)}
             if compression_opts is not None:
                 self._filters["compression_opts"] = int(compression_opts)
-        self._af = AtomicFile(self.path, "w+b")
+        self._af = self._open_output(self.path, "w+b")
         try:
+            # HDF5 is given the file object, not a path: the output is an anonymous file (vcga.atomic),
+            # and HDF5 resolves a path's real name, which /proc/self/fd/N does not have. (h5py's
+            # file-object driver writes big datasets as fast as the path driver; docs/benchmarks.md.)
             # track_order: groups list their members in creation order, so a round trip keeps the order.
-            self._h5 = h5py.File(self._af.tmp_path, "w", track_order=True, locking=False)
+            self._h5 = h5py.File(self._af.file, "w", track_order=True)
         except BaseException:
-            self._af.abort()
+            self.abort()
             raise
         self._metadata: dict[str, str] = {}
-        self._done = False
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
         """File metadata: root attributes, plus the groups (and their attributes) listed under
         :data:`GROUPS_KEY`, created now so they keep the source's order."""
+        self._check_open()
         self._metadata = dict(metadata)
         self._write_groups()
 
@@ -509,6 +513,7 @@ class Hdf5Writer(WriterContext):
     def write(self, entry: TensorEntry) -> None:
         import numpy as np
 
+        self._check_open()
         name = entry.name
         parts = name.split("/")
         if not name or "\x00" in name or any(p in ("", ".") for p in parts):
@@ -560,28 +565,16 @@ class Hdf5Writer(WriterContext):
         for key, text in meta.items():
             _set_attr(self._h5, key, text, "/")
 
-    def commit(self) -> None:
-        if self._done:
-            return
-        try:
-            self._h5.close()
-            self._af.commit()
-            self._done = True
-        except BaseException:
-            self.abort()
-            raise
+    def _finish(self) -> None:
+        self._h5.close()  # HDF5 writes its last metadata into the file object
 
-    def abort(self) -> None:
-        try:
-            self._h5.close()
-        except Exception:
-            pass
-        self._af.abort()
-        self._done = True
-
-    @property
-    def finished(self) -> bool:
-        return self._done
+    def _discard(self) -> None:
+        h5 = getattr(self, "_h5", None)
+        if h5 is not None:
+            try:
+                h5.close()
+            except Exception:
+                pass
 
 
 def _set_attr(obj: Any, key: str, text: Any, where: str) -> None:

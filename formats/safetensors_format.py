@@ -231,7 +231,8 @@ class SafetensorsWriter(WriterContext):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,
-                 _file: AtomicFile | None = None) -> None:
+                 publish_into: str | os.PathLike[str] | None = None, _file: AtomicFile | None = None) -> None:
+        self._init_outputs(publish_into)
         self.path = Path(path)
         self._metadata: dict[str, str] = {}
         self._names: set[str] = set()
@@ -250,10 +251,12 @@ class SafetensorsWriter(WriterContext):
                 seen.add(e.name)
         self._header_written = False
         self._base = 0
-        # A sharded writer passes files from one AtomicGroup so that all shards appear together.
-        self._file = _file if _file is not None else AtomicFile(self.path, "w+b")
+        # A sharded writer passes its own outputs (one group) so that all shards appear together;
+        # it then calls finish() on this writer and publishes them itself.
+        self._file = _file if _file is not None else self._open_output(self.path, "w+b")
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        self._check_open()
         if self._header_written:
             raise ValueError("set_metadata must be called before the first write")
         bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
@@ -286,6 +289,7 @@ class SafetensorsWriter(WriterContext):
 
     def write(self, entry: TensorEntry) -> None:
         """Write one tensor (bytes go to disk now; nothing is kept but its name and offsets)."""
+        self._check_open()
         _check_dtype(entry)
         if entry.name in self._names:
             raise VcgaConversionError(f"tensor {entry.name!r} written twice", tensor=entry.name, target=NAME)
@@ -350,26 +354,16 @@ class SafetensorsWriter(WriterContext):
         finally:
             self._close_spool()
 
-    def commit(self) -> None:
-        try:
-            self.finish()
-            self._file.commit()
-        except BaseException:
-            self.abort()
-            raise
+    def _finish(self) -> None:
+        self.finish()
 
     def _close_spool(self) -> None:
         if self._spool is not None:
             self._spool.close()
             self._spool = None
 
-    def abort(self) -> None:
+    def _discard(self) -> None:
         self._close_spool()
-        self._file.abort()
-
-    @property
-    def finished(self) -> bool:
-        return self._file.committed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -472,10 +466,11 @@ class ShardedSafetensorsWriter(WriterContext):
     file metadata; all shards and the index appear together on :meth:`commit` (index last).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry], shard_size: int) -> None:
-        from vcga.atomic import AtomicGroup
-
+    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry], shard_size: int,
+                 publish_into: str | os.PathLike[str] | None = None) -> None:
+        self._init_outputs(publish_into)
         base = Path(path)
+        self.path = base
         if base.name.endswith(INDEX_SUFFIX):
             base = base.with_name(base.name[: -len(INDEX_SUFFIX)])
         stem = base.name[: -len(".safetensors")] if base.name.endswith(".safetensors") else base.name
@@ -488,7 +483,6 @@ class ShardedSafetensorsWriter(WriterContext):
             groups[-1].append(e)
             used += e.nbytes
         n = len(groups)
-        self._group = AtomicGroup()
         self._writers: list[SafetensorsWriter] = []
         self._route: dict[str, SafetensorsWriter] = {}
         self._weight_map: dict[str, str] = {}
@@ -496,52 +490,45 @@ class ShardedSafetensorsWriter(WriterContext):
         try:
             for i, entries in enumerate(groups, 1):
                 shard = base.with_name(f"{stem}-{i:05d}-of-{n:05d}.safetensors")
-                w = SafetensorsWriter(shard, plan=entries, _file=self._group.open(shard, "w+b"))
+                w = SafetensorsWriter(shard, plan=entries, _file=self._open_output(shard, "w+b"))
                 self._writers.append(w)
                 for e in entries:
                     self._route[e.name] = w
                     self._weight_map[e.name] = shard.name
-            self._index = self._group.open(_index_path_for(base), "wb")
+            self._index = self._open_output(_index_path_for(base), "wb")
         except BaseException:
-            self._group.abort()
+            self.abort()
             raise
         self.notes = [f"wrote {n} shards of at most {shard_size} bytes (tensors larger than that: one per shard) "
                       f"and {self._index.path.name}"]
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        self._check_open()
         for w in self._writers:
             w.set_metadata(metadata)
 
     def write(self, entry: TensorEntry) -> None:
+        self._check_open()
         w = self._route.get(entry.name)
         if w is None:
             raise VcgaConversionError(f"tensor {entry.name!r} is not in the writer's plan", tensor=entry.name,
                                       target=NAME)
         w.write(entry)
 
-    def commit(self) -> None:
-        try:
-            for w in self._writers:
-                w.finish()
-            doc = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(self._weight_map.items()))}
-            self._index.write(json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
-            self._group.commit()
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
+    def _finish(self) -> None:
         for w in self._writers:
-            w._close_spool()
-        self._group.abort()
+            w.finish()
+        doc = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(self._weight_map.items()))}
+        self._index.write(json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
 
-    @property
-    def finished(self) -> bool:
-        return self._group.done
+    def _discard(self) -> None:
+        for w in getattr(self, "_writers", ()):
+            w._close_spool()
 
 
 def open_writer(path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,
-                shard_size: int | None = None) -> SafetensorsWriter | ShardedSafetensorsWriter:
+                shard_size: int | None = None, publish_into: str | os.PathLike[str] | None = None
+                ) -> SafetensorsWriter | ShardedSafetensorsWriter:
     """One file; or, with ``shard_size`` and a checkpoint larger than it, Hugging Face's shards + index."""
     p = Path(path)
     if p.name.endswith(INDEX_SUFFIX):
@@ -551,8 +538,8 @@ def open_writer(path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | N
             raise VcgaConversionError("sharded safetensors output needs the list of tensors up front (plan=)",
                                       target=NAME)
         if sum(e.nbytes for e in plan) > shard_size:
-            return ShardedSafetensorsWriter(p, plan=plan, shard_size=shard_size)
-    return SafetensorsWriter(p, plan=plan)
+            return ShardedSafetensorsWriter(p, plan=plan, shard_size=shard_size, publish_into=publish_into)
+    return SafetensorsWriter(p, plan=plan, publish_into=publish_into)
 
 
 SPEC = FormatSpec(

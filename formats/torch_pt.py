@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes
-from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formatkit import ReaderContext, WriterContext
@@ -296,18 +295,20 @@ class TorchWriter(WriterContext):
         archive's records come in ``torch.save``'s order (pickle first); without, the pickle is last.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, plan: Sequence[TensorEntry] | None = None,
+                 publish_into: str | os.PathLike[str] | None = None) -> None:
         import torch
 
+        self._init_outputs(publish_into)
         self.path = Path(path)
         self.notes: list[str] = []
         self._metadata: dict[str, str] = {}
-        self._af = AtomicFile(self.path, "w+b")
+        self._af = self._open_output(self.path, "w+b")
         try:
             align = getattr(torch.serialization, "_get_storage_alignment", lambda: 64)()
             self._zip = torch._C.PyTorchFileWriter(self._af.file, torch.serialization.get_crc32_options(), align)
         except BaseException:
-            self._af.abort()
+            self.abort()
             raise
         self._align = align
         self._names: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (dtype, shape, storage key)
@@ -317,9 +318,9 @@ class TorchWriter(WriterContext):
         self._planned_keys: dict[str, str] = {}
         self._pickle_written = False
         self._dropped_tensor_meta = 0
-        self._done = False
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        self._check_open()
         self._metadata = dict(metadata)
 
     def _assign_key(self, name: str, dtype: str, shape: tuple[int, ...], meta: Mapping[str, str],
@@ -377,6 +378,7 @@ class TorchWriter(WriterContext):
 
     def write(self, entry: TensorEntry) -> None:
         """Write one tensor's bytes to its record now; keep only its name, dtype, shape and key."""
+        self._check_open()
         _check_entry_dtype(entry)
         if entry.name in self._names:
             raise VcgaConversionError(f"tensor {entry.name!r} written twice", tensor=entry.name, target=NAME)
@@ -417,38 +419,29 @@ class TorchWriter(WriterContext):
         self._names[entry.name] = (entry.dtype, shape, key)
         self._order.append(entry.name)
 
-    def commit(self) -> None:
-        if self._done:
-            return
-        try:
-            if self._plan is not None:
-                if not self._pickle_written:
-                    self._start_planned()
-                missing = [e.name for e in self._plan if e.name not in self._names]
-                if missing:
-                    raise VcgaConversionError(f"{len(missing)} planned tensors were never written, e.g. "
-                                              f"{missing[0]!r}", tensor=missing[0], target=NAME)
-            else:
-                layout = [(n, *self._names[n]) for n in self._order]
-                self._write_pickle(layout)
-            self._zip.write_end_of_file()
-            self._zip = None
-            dropped = [k for k in self._metadata if k != STATE_DICT_METADATA_KEY]
-            if dropped:
-                self.notes.append(f"torch .pt has no place for file metadata; dropped keys: {', '.join(dropped)}")
-            if self._dropped_tensor_meta:
-                self.notes.append(f"torch .pt has no place for per-tensor metadata; dropped it for "
-                                  f"{self._dropped_tensor_meta} tensors")
-            self._af.commit()
-            self._done = True
-        except BaseException:
-            self.abort()
-            raise
+    def _finish(self) -> None:
+        if self._plan is not None:
+            if not self._pickle_written:
+                self._start_planned()
+            missing = [e.name for e in self._plan if e.name not in self._names]
+            if missing:
+                raise VcgaConversionError(f"{len(missing)} planned tensors were never written, e.g. "
+                                          f"{missing[0]!r}", tensor=missing[0], target=NAME)
+        else:
+            layout = [(n, *self._names[n]) for n in self._order]
+            self._write_pickle(layout)
+        self._zip.write_end_of_file()
+        self._zip = None
+        dropped = [k for k in self._metadata if k != STATE_DICT_METADATA_KEY]
+        if dropped:
+            self.notes.append(f"torch .pt has no place for file metadata; dropped keys: {', '.join(dropped)}")
+        if self._dropped_tensor_meta:
+            self.notes.append(f"torch .pt has no place for per-tensor metadata; dropped it for "
+                              f"{self._dropped_tensor_meta} tensors")
 
-    def abort(self) -> None:
-        self._done = True
+    def _discard(self) -> None:
         # Finish the zip writer while its file is still open: its destructor would otherwise write
-        # the end of the archive into a closed file, which aborts the process. Then drop the temporary.
+        # the end of the archive into a closed file, which aborts the process. Then drop the output.
         zip_writer = getattr(self, "_zip", None)
         if zip_writer is not None:
             try:
@@ -457,11 +450,6 @@ class TorchWriter(WriterContext):
                 pass
             self._zip = None
             del zip_writer
-        self._af.abort()
-
-    @property
-    def finished(self) -> bool:
-        return self._done
 
 
 def _legacy_dtypes() -> frozenset[str]:

@@ -12,8 +12,9 @@ A format plugin imports this module instead of re-implementing these:
   per-tensor metadata (HDF5 attributes, tie information) through a conversion;
 - :func:`read_exact` / :func:`pread_exact` -- read a byte range (from a file object / a descriptor) or
   raise :class:`~vcga.errors.VcgaFormatError`;
-- :class:`ReaderContext` / :class:`WriterContext` -- the ``with`` protocol of readers (close) and
-  writers (commit on success, abort on an exception, nothing once finished).
+- :class:`ReaderContext` -- the ``with`` protocol of readers (close);
+- :class:`WriterContext` -- the one commit/abort/finished protocol of writers, over atomic outputs
+  that a killed writer does not leave behind (:mod:`vcga.atomic`).
 
 It imports numpy lazily and never imports torch.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from vcga import dtypes
@@ -32,6 +34,7 @@ from vcga.tensors import check_entry
 if TYPE_CHECKING:
     import numpy as np
 
+    from vcga.atomic import AtomicFile, AtomicGroup
     from vcga.contract import TensorEntry
 
 __all__ = [
@@ -165,20 +168,97 @@ class ReaderContext:
 
 
 class WriterContext:
-    """``with writer:`` commits when the block ends normally and aborts when it raises; a writer
-    already committed or aborted inside the block is left as it is. The class defines ``commit``,
-    ``abort`` and the ``finished`` property (both are idempotent in every writer, so the property
-    only spares the second call)."""
+    """The one commit/abort/finished protocol of every checkpoint writer.
+
+    A writer opens each output file with :meth:`_open_output` (all of them in one
+    :class:`~vcga.atomic.AtomicGroup`: anonymous files on Linux, so a killed writer leaves nothing),
+    completes their content in :meth:`_finish` (headers, index, trailer) and releases what it holds
+    in :meth:`_discard` (an open library handle). This class does the rest, alike for every format:
+
+    - :meth:`commit`: ``_finish``, then fsync every output and give them their names together (the
+      index last, in opening order). Any error aborts and is raised. A second ``commit`` is a no-op;
+      ``commit`` after :meth:`abort` raises :class:`~vcga.errors.VcgaConversionError`.
+    - :meth:`abort`: drop every output; the destination is left as it was. A no-op once finished.
+    - ``write``/``set_metadata`` after either: :meth:`_check_open` raises ``VcgaConversionError``.
+    - ``with writer:`` commits when the block ends normally, aborts when it raises, and leaves a
+      writer already committed or aborted inside the block as it is.
+
+    :param publish_into: name the outputs in this folder (same filesystem; created at commit when
+        missing) instead of beside the destination, keeping their names: ``vcga convert --verify``
+        reads an output there before moving it into place.
+    """
+
+    _outputs: AtomicGroup | None = None
+    _state: str = "open"  # "open", "committed", "aborted"
+    _publish_into: str | os.PathLike[str] | None = None
+    #: shown in errors: the destination
+    path: Any = None
+
+    def _init_outputs(self, publish_into: str | os.PathLike[str] | None = None) -> None:
+        from vcga.atomic import AtomicGroup
+
+        self._outputs = AtomicGroup()
+        self._state = "open"
+        self._publish_into = publish_into
+
+    def _open_output(self, path: str | os.PathLike[str], mode: str = "wb", *, named: bool = False) -> AtomicFile:
+        """A new output of this writer (``named``: a library needs a path, see AtomicFile)."""
+        if self._outputs is None:
+            self._init_outputs()
+        assert self._outputs is not None
+        return self._outputs.open(path, mode, named=named)
+
+    def _finish(self) -> None:
+        """Complete the outputs' content; nothing is published yet. (Override.)"""
+
+    def _discard(self) -> None:
+        """Release what the writer holds, on abort (never raises). (Override.)"""
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise VcgaConversionError(f"{self.path}: the writer was already {self._state}; open a new one",
+                                      target=getattr(self, "format_name", None))
 
     @property
-    def finished(self) -> bool:  # pragma: no cover - every writer defines its own
-        raise NotImplementedError
+    def finished(self) -> bool:
+        return self._state != "open"
 
-    def commit(self) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @property
+    def output_paths(self) -> list[Path]:
+        """The outputs opened so far, by destination path."""
+        return [af.path for af in self._outputs.files] if self._outputs is not None else []
 
-    def abort(self) -> None:  # pragma: no cover
-        raise NotImplementedError
+    def bytes_written(self) -> int:
+        """Bytes in the outputs not yet published (for a full disk's error message)."""
+        try:
+            return self._outputs.size() if self._outputs is not None else 0
+        except (OSError, ValueError):
+            return 0
+
+    def commit(self, into: str | os.PathLike[str] | None = None) -> None:
+        if self._state == "committed":
+            return
+        if self._state == "aborted":
+            self._check_open()
+        into = into if into is not None else self._publish_into
+        try:
+            self._finish()
+            if self._outputs is not None:
+                self._outputs.commit(into=into)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        try:
+            self._discard()
+        finally:
+            if self._outputs is not None:
+                self._outputs.abort()
 
     def __enter__(self: _Self) -> _Self:
         return self

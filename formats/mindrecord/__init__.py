@@ -65,7 +65,7 @@ def open_reader(path: Any) -> FormatReader:
 
 
 def open_writer(path: Any, *, shard_size: int | None = None, header_size: int = 1 << 24,
-                page_size: int = 1 << 25) -> FormatWriter:
+                page_size: int = 1 << 25, publish_into: Any = None) -> FormatWriter:
     """Open a MindRecord dataset for writing.
 
     :param shard_size: bytes of tensor data per shard (``name0 .. nameN-1``); None: one file.
@@ -75,7 +75,8 @@ def open_writer(path: Any, *, shard_size: int | None = None, header_size: int = 
     """
     from .writer import MindRecordWriter
 
-    return MindRecordWriter(path, shard_size=shard_size, header_size=header_size, page_size=page_size)
+    return MindRecordWriter(path, shard_size=shard_size, header_size=header_size, page_size=page_size,
+                            publish_into=publish_into)
 
 
 SPEC = FormatSpec(

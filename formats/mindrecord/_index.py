@@ -30,7 +30,7 @@ from vcga.errors import VcgaFormatError
 
 from ._format import BLOB_PAGE, RAW_PAGE, Header
 
-__all__ = ["RowLocation", "write_index", "read_index", "SQL_TYPES"]
+__all__ = ["RowLocation", "write_index", "index_bytes", "CAN_SERIALIZE", "read_index", "SQL_TYPES"]
 
 #: SQLite column type of an index field (shard_index_generator.cc GenerateFieldName/TakeFieldType).
 SQL_TYPES = {"string": "TEXT", "int32": "INTEGER", "int64": "INTEGER", "float32": "NUMERIC", "float64": "NUMERIC"}
@@ -53,6 +53,11 @@ class RowLocation:
     blob_end: int
 
 
+#: sqlite3 can hand over a database as bytes (Python 3.11+): the index is then built in memory and
+#: written into the shard's anonymous output (vcga.atomic), which has no path SQLite could open.
+CAN_SERIALIZE = hasattr(sqlite3.Connection, "serialize")
+
+
 def write_index(db_path: str | os.PathLike[str], shard_name: str, index_fields: Sequence[tuple[str, str]],
                 rows: Iterable[Sequence[Any]]) -> None:
     """Create the index at ``db_path`` (an empty temporary the caller commits atomically).
@@ -60,31 +65,46 @@ def write_index(db_path: str | os.PathLike[str], shard_name: str, index_fields: 
     :param index_fields: ``(field name, field type)`` of each index field, in header order.
     :param rows: the eight location integers of each row followed by its index-field values.
     """
+    con = sqlite3.connect(os.fspath(db_path), isolation_level=None)
+    try:
+        _fill(con, shard_name, index_fields, rows)
+    finally:
+        con.close()
+
+
+def index_bytes(shard_name: str, index_fields: Sequence[tuple[str, str]], rows: Iterable[Sequence[Any]]) -> bytes:
+    """The same index as :func:`write_index`, as the bytes of its database file (needs :data:`CAN_SERIALIZE`)."""
+    con = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        _fill(con, shard_name, index_fields, rows)
+        return bytes(con.serialize())
+    finally:
+        con.close()
+
+
+def _fill(con: sqlite3.Connection, shard_name: str, index_fields: Sequence[tuple[str, str]],
+          rows: Iterable[Sequence[Any]]) -> None:
     cols = ", ".join(
         f"{c:<20} INT  NOT NULL" for c in _LOCATION_COLUMNS)
     extra = "".join(f",INC_{i} INT, {name}_0 {SQL_TYPES[ftype]}" for i, (name, ftype) in enumerate(index_fields))
     pkey = ",".join(["ROW_ID"] + [f"INC_{i}" for i in range(len(index_fields))])
-    con = sqlite3.connect(os.fspath(db_path), isolation_level=None)
-    try:
-        # The file is a temporary that the caller fsyncs and renames: no journal is needed.
-        con.execute("PRAGMA journal_mode=OFF")
-        con.execute("PRAGMA synchronous=OFF")
-        con.execute("BEGIN")
-        con.execute(f"CREATE TABLE INDEXES(  {cols}{extra}, PRIMARY KEY({pkey}))")
-        con.execute("CREATE TABLE SHARD_NAME(NAME TEXT NOT NULL)")
-        con.execute("INSERT INTO SHARD_NAME (NAME) VALUES (?)", (shard_name,))
-        names = list(_LOCATION_COLUMNS)
-        for i, (name, _) in enumerate(index_fields):
-            names += [f"INC_{i}", f"{name}_0"]
-        marks = ",".join("?" * len(names))
-        n_loc = len(_LOCATION_COLUMNS)
-        con.executemany(
-            f"INSERT INTO INDEXES ({','.join(names)}) VALUES ({marks})",
-            (tuple(r[:n_loc]) + tuple(v for value in r[n_loc:] for v in (0, value)) for r in rows),
-        )
-        con.execute("COMMIT")
-    finally:
-        con.close()
+    # The file is a temporary that the caller fsyncs and renames (or built in memory): no journal is needed.
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.execute("BEGIN")
+    con.execute(f"CREATE TABLE INDEXES(  {cols}{extra}, PRIMARY KEY({pkey}))")
+    con.execute("CREATE TABLE SHARD_NAME(NAME TEXT NOT NULL)")
+    con.execute("INSERT INTO SHARD_NAME (NAME) VALUES (?)", (shard_name,))
+    names = list(_LOCATION_COLUMNS)
+    for i, (name, _) in enumerate(index_fields):
+        names += [f"INC_{i}", f"{name}_0"]
+    marks = ",".join("?" * len(names))
+    n_loc = len(_LOCATION_COLUMNS)
+    con.executemany(
+        f"INSERT INTO INDEXES ({','.join(names)}) VALUES ({marks})",
+        (tuple(r[:n_loc]) + tuple(v for value in r[n_loc:] for v in (0, value)) for r in rows),
+    )
+    con.execute("COMMIT")
 
 
 def _connect_readonly(db_path: Path) -> sqlite3.Connection:

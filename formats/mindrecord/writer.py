@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 
 from vcga import dtypes as _dtypes
-from vcga.atomic import AtomicFile, AtomicGroup
+from vcga.atomic import AtomicFile
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
 from vcga.formatkit import WriterContext, is_unicode
 
 from . import _format as F
-from ._index import write_index
+from ._index import CAN_SERIALIZE, index_bytes, write_index
 from .reader import DESC_MARKER
 
 __all__ = ["MindRecordWriter", "TENSOR_SCHEMA"]
@@ -118,7 +118,9 @@ class MindRecordWriter(WriterContext):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, shard_size: int | None = None,
-                 header_size: int = F.DEFAULT_HEADER_SIZE, page_size: int = F.DEFAULT_PAGE_SIZE) -> None:
+                 header_size: int = F.DEFAULT_HEADER_SIZE, page_size: int = F.DEFAULT_PAGE_SIZE,
+                 publish_into: str | os.PathLike[str] | None = None) -> None:
+        self._init_outputs(publish_into)
         self.path = Path(path)
         self.header_size = _check_size("header_size", header_size, F.MIN_HEADER_SIZE, F.MAX_HEADER_SIZE)
         self.page_size = _check_size("page_size", page_size, F.MIN_PAGE_SIZE, F.MAX_PAGE_SIZE)
@@ -130,22 +132,20 @@ class MindRecordWriter(WriterContext):
             raise VcgaConversionError(f"{self.path}: directory {self.path.parent} does not exist")
         self.schema = F.Schema.build(TENSOR_SCHEMA, "")
         self.metadata: dict[str, str] = {}
-        self.group = AtomicGroup()
         self.shards: list[_ShardState] = []
         self.names: set[str] = set()
         self.compression_size = 0
-        self.done = False
 
     # -- FormatWriter ------------------------------------------------------------------------------
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        self._check_open()
         if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
             raise VcgaConversionError("mindrecord metadata must map strings to strings (valid Unicode)")
         self.metadata = dict(metadata)
 
     def write(self, entry: TensorEntry) -> None:
-        if self.done:
-            raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
+        self._check_open()
         name, dtype, shape = entry.name, entry.dtype, tuple(entry.shape)
         if not isinstance(name, str) or not name or not is_unicode(name):
             raise VcgaConversionError(f"tensor name {name!r} is not a non-empty Unicode string", tensor=str(name))
@@ -184,53 +184,39 @@ class MindRecordWriter(WriterContext):
             if offset >= data.nbytes:
                 break
 
-    def commit(self) -> None:
-        if self.done:
-            raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
-        try:
-            if not self.shards:
-                self._open_shard()
-            for shard in self.shards:
-                self._finish_shard(shard)
-            names = F.shard_file_names(self.path.name, len(self.shards))
-            desc = json.dumps({DESC_MARKER: 1, "metadata": self.metadata}, ensure_ascii=False,
-                              separators=(",", ":"), sort_keys=True)
-            schema = F.Schema(self.schema.fields, self.schema.blob_fields, desc)
-            for i, (shard, name) in enumerate(zip(self.shards, names)):
-                header = F.serialize_header(
-                    header_size=self.header_size, page_size=self.page_size,
-                    compression_size=max(self.compression_size, 0), index_fields=[n for n, _ in _INDEX_FIELDS],
-                    pages=shard.pages, schema=schema, shard_addresses=names, shard_id=i)
-                if 8 + len(header) > self.header_size:
-                    raise VcgaConversionError(
-                        f"{self.path}: the MindRecord header of shard {i} needs {8 + len(header)} bytes, more than "
-                        f"header_size={self.header_size}; write with a larger header_size or a smaller shard_size")
-                fd = shard.data.file.fileno()
-                os.pwrite(fd, _U64LE.pack(len(header)) + header, 0)
-                if not shard.pages:  # FileWriter leaves an empty dataset's file at the header's length
-                    os.ftruncate(fd, 8 + len(header))
-                # The final names are known only now: point both temporaries at them.
-                shard.data.path = self.path.with_name(name)
-                shard.db.path = self.path.with_name(name + ".db")
+    def _finish(self) -> None:
+        if not self.shards:
+            self._open_shard()
+        for shard in self.shards:
+            self._finish_shard(shard)
+        names = F.shard_file_names(self.path.name, len(self.shards))
+        desc = json.dumps({DESC_MARKER: 1, "metadata": self.metadata}, ensure_ascii=False,
+                          separators=(",", ":"), sort_keys=True)
+        schema = F.Schema(self.schema.fields, self.schema.blob_fields, desc)
+        for i, (shard, name) in enumerate(zip(self.shards, names)):
+            header = F.serialize_header(
+                header_size=self.header_size, page_size=self.page_size,
+                compression_size=max(self.compression_size, 0), index_fields=[n for n, _ in _INDEX_FIELDS],
+                pages=shard.pages, schema=schema, shard_addresses=names, shard_id=i)
+            if 8 + len(header) > self.header_size:
+                raise VcgaConversionError(
+                    f"{self.path}: the MindRecord header of shard {i} needs {8 + len(header)} bytes, more than "
+                    f"header_size={self.header_size}; write with a larger header_size or a smaller shard_size")
+            fd = shard.data.file.fileno()
+            os.pwrite(fd, _U64LE.pack(len(header)) + header, 0)
+            if not shard.pages:  # FileWriter leaves an empty dataset's file at the header's length
+                os.ftruncate(fd, 8 + len(header))
+            # The final names are known only now: point both outputs at them.
+            shard.data.path = self.path.with_name(name)
+            shard.db.path = self.path.with_name(name + ".db")
+            if shard.db.tmp_path is None:
+                shard.db.write(index_bytes(name, _INDEX_FIELDS, shard.index_rows))
+            else:
                 write_index(shard.db.tmp_path, name, _INDEX_FIELDS, shard.index_rows)
-            self.group.commit()
-        except BaseException:
-            self.abort()
-            raise
-        self.done = True
-
-    def abort(self) -> None:
-        self.group.abort()
-        self.done = True
-
-    @property
-    def finished(self) -> bool:
-        return self.done
 
     def __del__(self) -> None:
         try:
-            if not self.done:
-                self.abort()
+            self.abort()
         except Exception:
             pass
 
@@ -243,8 +229,9 @@ class MindRecordWriter(WriterContext):
         # Provisional names; commit() renames once the shard count (and so the digits) is known.
         base = self.path.name if not self.shards else f"{self.path.name}{len(self.shards)}"
         # The index first: the AtomicGroup renames in opening order, so a shard appears after its index.
-        db = self.group.open(self.path.with_name(base + ".db"))
-        data = self.group.open(self.path.with_name(base))
+        # SQLite needs a path unless it can serialize an in-memory database (Python 3.11+).
+        db = self._open_output(self.path.with_name(base + ".db"), named=not CAN_SERIALIZE)
+        data = self._open_output(self.path.with_name(base))
         shard = _ShardState(data=data, db=db)
         self.shards.append(shard)
         return shard
