@@ -11,10 +11,12 @@ N readers and N writers, never N^2 converters:
    dtype, unless an explicit cast (``--cast bfloat16=float32``) was asked for;
 3. stream tensor by tensor from reader to writer (peak memory: about two tensors), checksumming
    each tensor on the way (xxh3) and checking checksums the source stored;
-4. write into a hidden staging directory beside the destination, optionally re-read the output
-   and compare every checksum (``--verify``), then move the files into place. On any error the
-   staging directory is removed: the destination is left absent (or as it was), and the source is
-   only ever opened for reading.
+4. write anonymous files (:mod:`vcga.atomic`) and name them in a hidden staging directory beside
+   the destination at the end, optionally re-read the output and compare every checksum
+   (``--verify``), then move the files into place. On any error the staging directory is
+   removed: the destination is left absent (or as it was), and the source is only ever opened for
+   reading. A conversion killed while writing leaves nothing behind; one killed between naming and
+   moving leaves the staging directory, which the next VCGA writer in that directory removes.
 
 The library logs and raises; only :mod:`vcga.cli` prints. Importing this module imports neither
 torch nor any format: formats load through the plugin manager, and only the torch format imports
@@ -23,12 +25,12 @@ torch, when a ``.pt`` file is opened.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes
+from vcga.atomic import remove_stale, temp_name
 from vcga.contract import FormatSpec, TensorEntry
-from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaError, VcgaFormatError
+from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaDiskFullError, VcgaError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
 
 __all__ = [
@@ -403,6 +406,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_for
     :param progress: called after each tensor; see :data:`Progress`.
     :raises VcgaConversionError: the target cannot hold a dtype, a cast overflows, a name is invalid there...
     :raises VcgaFormatError: the source is malformed. On any error the destination is left absent.
+    :raises VcgaDiskFullError: the destination's filesystem filled up (naming the space needed and free).
     """
     t0 = time.perf_counter()
     specs = available_formats() if specs is None else specs
@@ -425,53 +429,85 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_for
         raise VcgaConversionError(f"destination {str(dst_path)!r} exists; pass --overwrite to replace it")
 
     report = ConversionReport(str(src), str(dst_path), src_spec.name, dst_spec.name)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst_path.name}.vcga-", dir=parent))
+    needed = 0  # the output's size, at least (its tensor bytes), once known
     try:
-        with src_spec.open_reader(src_path) as reader:
-            index = list(reader.index())
-            _check_unique(index, src_path)
-            targets = check_dtypes(index, dst_spec, cast_map)
-            plan = [replace(e, dtype=t, data=None, checksum=None) for e, t in zip(index, targets)]
-            total = sum(e.nbytes for e in index)
-            staged = staging / dst_path.name
-            kwargs = _writer_kwargs(dst_spec, plan=plan, shard_size=size, options=writer_options or {})
-            sums: dict[str, str] = {}
-            done = 0
-            writer = dst_spec.open_writer(staged, **kwargs)
-            with writer:
-                writer.set_metadata(dict(reader.metadata))
-                n = 0
-                for entry in reader.entries():
-                    if n >= len(index):
-                        raise VcgaFormatError(src_path, f"reader yielded more tensors than its index lists "
-                                              f"({entry.name!r} is extra)")
-                    _check_matches_index(entry, index[n], src_path)
-                    out = _source_checked(entry, src_path)
-                    if targets[n] != entry.dtype:
-                        out = _cast(out, targets[n])
-                        key = f"{entry.dtype}->{targets[n]}"
-                        report.casts[key] = report.casts.get(key, 0) + 1
-                    digest = checksum(check_entry(out, target=dst_spec.name))
-                    sums[out.name] = digest
-                    writer.write(replace(out, checksum=digest))
-                    done += entry.nbytes
-                    report.largest_tensor_bytes = max(report.largest_tensor_bytes, entry.nbytes)
-                    n += 1
-                    del out, entry
-                    if progress is not None:
-                        progress("convert", done, total, index[n - 1].name)
-                if n != len(index):
-                    raise VcgaFormatError(src_path, f"reader yielded {n} tensors but its index lists {len(index)}")
-            report.notes += _notes_of(reader) + _notes_of(writer)
-        report.tensors, report.bytes = len(index), total
-        if verify:
-            _verify_output(dst_spec, staged, plan, sums, progress)
-            report.verified = True
-        report.outputs = _move_into_place(staging, parent, overwrite, [src_path, Path(src)])
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        # The outputs are named in a staging folder first (checked, verified), then moved into place.
+        # A writer that takes publish_into (every built-in, through formatkit.WriterContext) writes
+        # anonymous files and creates the folder only at commit: a conversion killed while writing
+        # leaves nothing. Any other writer writes into the folder from the start. Either way its name
+        # is stamped with this process (vcga.atomic.temp_name): the next writer in this directory
+        # removes it if this process died before removing it itself.
+        staging = temp_name(dst_path)
+        try:
+            with src_spec.open_reader(src_path) as reader:
+                index = list(reader.index())
+                _check_unique(index, src_path)
+                targets = check_dtypes(index, dst_spec, cast_map)
+                plan = [replace(e, dtype=t, data=None, checksum=None) for e, t in zip(index, targets)]
+                total = sum(e.nbytes for e in index)
+                needed = sum(e.nbytes for e in plan)
+                staged = staging / dst_path.name
+                kwargs = _writer_kwargs(dst_spec, plan=plan, shard_size=size, options=writer_options or {})
+                sums: dict[str, str] = {}
+                done = 0
+                remove_stale(parent)
+                if "publish_into" in _accepted(dst_spec.open_writer)[0]:
+                    writer = dst_spec.open_writer(dst_path, publish_into=staging, **kwargs)
+                else:
+                    staging.mkdir()
+                    writer = dst_spec.open_writer(staged, **kwargs)
+                with writer:
+                    writer.set_metadata(dict(reader.metadata))
+                    n = 0
+                    for entry in reader.entries():
+                        if n >= len(index):
+                            raise VcgaFormatError(src_path, f"reader yielded more tensors than its index lists "
+                                                  f"({entry.name!r} is extra)")
+                        _check_matches_index(entry, index[n], src_path)
+                        out = _source_checked(entry, src_path)
+                        if targets[n] != entry.dtype:
+                            out = _cast(out, targets[n])
+                            key = f"{entry.dtype}->{targets[n]}"
+                            report.casts[key] = report.casts.get(key, 0) + 1
+                        digest = checksum(check_entry(out, target=dst_spec.name))
+                        sums[out.name] = digest
+                        writer.write(replace(out, checksum=digest))
+                        done += entry.nbytes
+                        report.largest_tensor_bytes = max(report.largest_tensor_bytes, entry.nbytes)
+                        n += 1
+                        del out, entry
+                        if progress is not None:
+                            progress("convert", done, total, index[n - 1].name)
+                    if n != len(index):
+                        raise VcgaFormatError(src_path, f"reader yielded {n} tensors but its index lists {len(index)}")
+                report.notes += _notes_of(reader) + _notes_of(writer)
+            report.tensors, report.bytes = len(index), total
+            if verify:
+                _verify_output(dst_spec, staged, plan, sums, progress)
+                report.verified = True
+            report.outputs = _move_into_place(staging, parent, overwrite, [src_path, Path(src)])
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(e, VcgaError):
+            raise _disk_full(dst_path, needed, e.errno == errno.EDQUOT) from e
+        raise
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _disk_full(dst: Path, needed: int, quota: bool) -> VcgaDiskFullError:
+    """The typed error for a full disk, measured after the partial output was removed."""
+    parent = dst.parent if str(dst.parent) else Path(".")
+    try:
+        st = os.statvfs(parent)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    mount = os.path.abspath(parent)
+    while not os.path.ismount(mount) and os.path.dirname(mount) != mount:
+        mount = os.path.dirname(mount)
+    return VcgaDiskFullError(dst, needed, free, mount, quota=quota)
 
 
 def _check_unique(index: Sequence[TensorEntry], path: Path) -> None:

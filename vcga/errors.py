@@ -27,6 +27,7 @@ __all__ = [
     "VcgaChecksumError",
     "VcgaConversionError",
     "VcgaCheckpointError",
+    "VcgaDiskFullError",
 ]
 
 
@@ -227,3 +228,44 @@ class VcgaConversionError(VcgaError, ValueError):
                  target: str | None = None) -> None:
         self.tensor, self.dtype, self.target = tensor, dtype, target
         super().__init__(message)
+
+
+class VcgaDiskFullError(VcgaError, OSError):
+    """The destination's filesystem ran out of space while writing; the partial output was removed.
+
+    Also an ``OSError`` with ``errno.ENOSPC`` (or ``EDQUOT`` for a quota), so code that handles a
+    full disk keeps working.
+
+    :param destination: what was being written; :param needed: bytes the output needs in all, at
+        least (its tensor data); :param free: bytes free for this user on that filesystem, after the
+        partial output was removed; :param mount: the filesystem's mount point. Raised only once
+        the partial output is gone. :attr:`missing` is ``needed - free`` (0 when the data alone fits).
+    """
+
+    def __init__(self, destination: Any, needed: int, free: int, mount: str = "", *, quota: bool = False) -> None:
+        import errno
+
+        self.destination, self.needed, self.free, self.mount = str(destination), int(needed), int(free), mount
+        self.missing = max(self.needed - self.free, 0)
+        where = f" on {mount}" if mount else ""
+        what = "disk quota exceeded" if quota else "no space left on device"
+        if self.missing:
+            short = (f"it needs at least {_human(self.needed)}, {_human(self.free)} are free{where}; "
+                     f"free at least {_human(self.missing)} more")
+        else:
+            short = (f"it needs more than the {_human(self.free)} free{where} ({_human(self.needed)} of tensor data "
+                     "plus the format's own bytes, or something else used the space meanwhile); free more space")
+        msg = f"{what} writing {self.destination}: {short} or write elsewhere. Nothing was left behind."
+        super().__init__(errno.EDQUOT if quota else errno.ENOSPC, msg, self.destination)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} bytes)"
+        value /= 1024
+    return f"{n} B"
