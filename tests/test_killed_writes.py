@@ -158,3 +158,23 @@ def test_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_pat
     # the dead writer's file and staging folder are gone; a live writer's and another host's are kept
     assert left == sorted(["src.safetensors", "out.vbin", mine.name, other_host.name]), left
     assert remove_stale(tmp_path) == []  # this process is alive: its own temporary stays
+
+
+@pytest.mark.parametrize("target,args", [("out.h5", []), ("sharded.mindrecord", ["--shard-size", "300KiB"])])
+def test_without_anonymous_files_the_next_write_removes_a_killed_writers_temporaries(tmp_path, sources, monkeypatch,
+                                                                                      target, args):
+    """Where O_TMPFILE is refused, a killed writer leaves its pid-stamped temporaries; the next
+    conversion into that folder removes them, and only the source and a valid destination remain."""
+    import vcga.atomic
+
+    monkeypatch.setattr(vcga.atomic, "_open_anonymous", lambda directory: None)  # inherited by the fork
+    src_dir, expected = sources
+    (tmp_path / "src.safetensors").write_bytes((src_dir / "src.safetensors").read_bytes())
+    assert _convert_forked(tmp_path / "src.safetensors", tmp_path / target, args, 400_000) == -signal.SIGXFSZ
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "src.safetensors")
+    assert left and all(".vcga-tmp-" in n and f"-{os.getpid()}-" not in n for n in left), left
+    assert _convert_forked(tmp_path / "src.safetensors", tmp_path / target, args, None) == 0
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in left if ".vcga-tmp-" in n], left
+    _, got = read_all(format_by_name(target.split(".")[1] if "mindrecord" in target else "hdf5"), tmp_path / target)
+    assert {k: v[2] for k, v in got.items()} == expected

@@ -234,3 +234,13 @@ def test_the_child_reports_an_exception_with_its_traceback(tmp_path, monkeypatch
     assert (v.outcome, v.detail, v.cached) == ("exception", "RuntimeError: vendor SDK missing", False)
     assert "Traceback" in v.traceback and 'p_raise.py", line 1' in v.traceback
     assert not (tmp_path / "plugins").exists()  # key None: not cacheable, nothing stored
+
+
+def test_vcga_verify_names_the_crashed_plugin_and_goes_on(tmp_path):
+    site = write_plugins(tmp_path / "site", "p_segv")
+    r = run_vcga("verify", "--backend", "gloo", "--world-size", "1", "--check", "collectives", "--mixed", "none",
+                 "--quiet", env={"PYTHONPATH": str(site), "VCGA_PLUGINS": "p_segv", "COLUMNS": "250",
+                                 "VCGA_CACHE_DIR": str(tmp_path / "cache")}, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "plugin not loaded: p_segv (VCGA_PLUGINS): the import crashed the process: SIGSEGV" in r.stdout
+    assert " 0 failed" in r.stdout
