@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import read_all, write_all
-from vcga.atomic import remove_stale, temp_name
 from vcga.contract import TensorEntry
 from vcga.convert import format_by_name
 
@@ -140,6 +139,8 @@ def test_stale_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_pat
     """Where a name must exist while a writer is alive (no O_TMPFILE; the instant between naming and
     renaming over an existing destination; a staging folder under --verify), the name carries the
     writer's pid: the next writer in that folder removes it once that writer is dead."""
+    from vcga.atomic import remove_stale, temp_name
+
     src_dir, _ = sources
     (tmp_path / "src.safetensors").write_bytes((src_dir / "src.safetensors").read_bytes())
     dead = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE, text=True)
