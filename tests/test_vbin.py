@@ -317,7 +317,7 @@ def test_a_damaged_source_aborts_the_write(tmp_path):
     w.write(tensors.from_numpy("ok", np.arange(3)))
     with pytest.raises(VcgaChecksumError, match="does not match the checksum its source stored"):
         w.write(TensorEntry("x", "int32", e.shape, e.data, {}, "xxh3_64:" + "f" * 16))
-    with pytest.raises(ValueError, match="already committed or aborted"):
+    with pytest.raises(VcgaConversionError, match="already aborted"):
         w.commit()
     assert os.listdir(tmp_path) == []
 
@@ -460,5 +460,5 @@ def test_a_failed_write_aborts(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         w.add("b", np.ones(1 << 18))
     assert os.listdir(tmp_path) == []
-    with pytest.raises(ValueError, match="aborted"):
+    with pytest.raises(VcgaConversionError, match="already aborted"):
         w.add("c", np.ones(3))

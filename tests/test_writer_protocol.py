@@ -13,8 +13,8 @@ from vcga.errors import VcgaConversionError
 from vcga.formatkit import WriterContext
 from vcga.plugin_manager import VcgaPluginManager
 
-FORMATS = ["vbin", "hdf5", "mindspore-ckpt", "mindrecord", "torch", "safetensors"]
-EXT = {"vbin": ".vbin", "hdf5": ".h5", "mindspore-ckpt": ".ckpt", "mindrecord": ".mindrecord", "torch": ".pt",
+FORMATS = ["vendor-bin", "hdf5", "mindspore-ckpt", "mindrecord", "torch", "safetensors"]
+EXT = {"vendor-bin": ".vbin", "hdf5": ".h5", "mindspore-ckpt": ".ckpt", "mindrecord": ".mindrecord", "torch": ".pt",
        "safetensors": ".safetensors"}
 
 

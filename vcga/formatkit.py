@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from vcga import dtypes
-from vcga.errors import VcgaFormatError
+from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.tensors import check_entry
 
 if TYPE_CHECKING:
@@ -201,12 +201,14 @@ class WriterContext:
         self._state = "open"
         self._publish_into = publish_into
 
-    def _open_output(self, path: str | os.PathLike[str], mode: str = "wb", *, named: bool = False) -> AtomicFile:
-        """A new output of this writer (``named``: a library needs a path, see AtomicFile)."""
+    def _open_output(self, path: str | os.PathLike[str], mode: str = "wb", *, named: bool = False,
+                     overwrite: bool = True) -> AtomicFile:
+        """A new output of this writer (``named``: a library needs a path; ``overwrite``: False refuses
+        to replace an existing file at commit; see :class:`~vcga.atomic.AtomicFile`)."""
         if self._outputs is None:
             self._init_outputs()
         assert self._outputs is not None
-        return self._outputs.open(path, mode, named=named)
+        return self._outputs.open(path, mode, named=named, overwrite=overwrite)
 
     def _finish(self) -> None:
         """Complete the outputs' content; nothing is published yet. (Override.)"""

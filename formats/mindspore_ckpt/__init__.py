@@ -98,13 +98,15 @@ def open_reader(path: Any, *, verify_crc: bool = True) -> MindSporeCkptReader:
     return MindSporeCkptReader(path, verify_crc=verify_crc)
 
 
-def open_writer(path: Any, *, crc: bool = False, slice_size: int = DEFAULT_SLICE_SIZE) -> MindSporeCkptWriter:
+def open_writer(path: Any, *, crc: bool = False, slice_size: int = DEFAULT_SLICE_SIZE,
+                publish_into: Any = None) -> MindSporeCkptWriter:
     """Open a ``.ckpt`` for writing.
 
     :param crc: append MindSpore's CRC trailer (``save_checkpoint(crc_check=True)``).
     :param slice_size: split larger tensors into Values of this many bytes (MindSpore: 512 MiB).
+    :param publish_into: name the output in this folder at commit (``vcga convert``'s staging).
     """
-    return MindSporeCkptWriter(path, crc=crc, slice_size=slice_size)
+    return MindSporeCkptWriter(path, crc=crc, slice_size=slice_size, publish_into=publish_into)
 
 
 SPEC = FormatSpec(

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes as _dtypes
-from vcga.atomic import AtomicFile
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
 from vcga.formatkit import WriterContext, is_unicode, pack_tensor_metadata
@@ -34,10 +33,12 @@ class MindSporeCkptWriter(WriterContext):
     :param crc: append MindSpore's ``crc_num`` trailer (``save_checkpoint(crc_check=True)``).
     :param slice_size: split tensors into Values of at most this many bytes (MindSpore: 512 MiB;
         protobuf cannot parse a message of 2 GiB).
+    :param publish_into: name the output in this folder at commit (see :class:`~vcga.formatkit.WriterContext`).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, crc: bool = False,
-                 slice_size: int = DEFAULT_SLICE_SIZE) -> None:
+                 slice_size: int = DEFAULT_SLICE_SIZE, publish_into: str | os.PathLike[str] | None = None) -> None:
+        self._init_outputs(publish_into)
         if not isinstance(slice_size, int) or isinstance(slice_size, bool) or not 0 < slice_size <= (1 << 30):
             raise VcgaConfigError("slice_size", slice_size, "1 byte to 1 GiB")
         self.path = Path(path)
@@ -50,10 +51,10 @@ class MindSporeCkptWriter(WriterContext):
         self.tensor_metadata: dict[str, dict[str, str]] = {}
         self.crc = 0
         self.unsynced = 0
-        self.out = AtomicFile(self.path)
-        self.done = False
+        self.out = self._open_output(self.path)
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        self._check_open()
         if not all(isinstance(k, str) and k and isinstance(v, str) and is_unicode(k) and is_unicode(v)
                    for k, v in metadata.items()):
             raise VcgaConversionError("mindspore-ckpt metadata must map non-empty strings to strings "
@@ -85,8 +86,7 @@ class MindSporeCkptWriter(WriterContext):
             self.unsynced = 0
 
     def write(self, entry: TensorEntry) -> None:
-        if self.done:
-            raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
+        self._check_open()
         name, dtype, shape = entry.name, entry.dtype, tuple(entry.shape)
         if dtype not in CKPT_DTYPES:
             raise VcgaConversionError(
@@ -122,40 +122,24 @@ class MindSporeCkptWriter(WriterContext):
             if pos >= data.nbytes:
                 break
 
-    def commit(self) -> None:
-        if self.done:
-            raise VcgaConversionError(f"{self.path}: writer already committed or aborted")
-        try:
-            strings = pack_tensor_metadata(self.metadata, self.tensor_metadata)
-            clash = self.names & set(strings)
-            if clash:
-                raise VcgaConversionError(f"{self.path}: metadata keys {sorted(clash)} are also tensor names; "
-                                          "MindSpore keeps both in one dictionary")
-            checkpoint_cls, _ = message_classes()
-            for key, text in strings.items():
-                # save_checkpoint(append_dict={key: text}): dims [0], type "str", numpy UCS-4 bytes.
-                msg = checkpoint_cls()
-                value = msg.value.add()
-                value.tag = key
-                value.tensor.dims.append(0)
-                value.tensor.tensor_type = "str"
-                # numpy stores "" as one NUL character (dtype <U1), and MindSpore cannot load zero bytes.
-                value.tensor.tensor_content = text.encode("utf-32-le") or b"\x00" * 4
-                self._emit(msg.SerializeToString())
-            if self.crc_enabled:
-                trailer = CRC_MARK + self.crc.to_bytes(10, "big")
-                self.crc_enabled = False  # the trailer is not part of the checksum
-                self._emit(trailer)
-            self.out.commit()
-        except BaseException:
-            self.abort()
-            raise
-        self.done = True
-
-    def abort(self) -> None:
-        self.out.abort()
-        self.done = True
-
-    @property
-    def finished(self) -> bool:
-        return self.done
+    def _finish(self) -> None:
+        strings = pack_tensor_metadata(self.metadata, self.tensor_metadata)
+        clash = self.names & set(strings)
+        if clash:
+            raise VcgaConversionError(f"{self.path}: metadata keys {sorted(clash)} are also tensor names; "
+                                      "MindSpore keeps both in one dictionary")
+        checkpoint_cls, _ = message_classes()
+        for key, text in strings.items():
+            # save_checkpoint(append_dict={key: text}): dims [0], type "str", numpy UCS-4 bytes.
+            msg = checkpoint_cls()
+            value = msg.value.add()
+            value.tag = key
+            value.tensor.dims.append(0)
+            value.tensor.tensor_type = "str"
+            # numpy stores "" as one NUL character (dtype <U1), and MindSpore cannot load zero bytes.
+            value.tensor.tensor_content = text.encode("utf-32-le") or b"\x00" * 4
+            self._emit(msg.SerializeToString())
+        if self.crc_enabled:
+            trailer = CRC_MARK + self.crc.to_bytes(10, "big")
+            self.crc_enabled = False  # the trailer is not part of the checksum
+            self._emit(trailer)

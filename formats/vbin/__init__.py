@@ -99,9 +99,11 @@ def open_reader(path: str | os.PathLike[str], *, verify: bool = True, **_options
 
 def open_writer(path: str | os.PathLike[str], *, shard_size: int | None = None,
                 alignment: int = DEFAULT_ALIGNMENT, metadata: Mapping[str, str] | None = None,
-                overwrite: bool = True, **_options: Any) -> VbinWriter:
+                overwrite: bool = True, publish_into: str | os.PathLike[str] | None = None,
+                **_options: Any) -> VbinWriter:
     """``FormatSpec.open_writer``: a :class:`VbinWriter` (unknown options are ignored)."""
-    return VbinWriter(path, shard_size=shard_size, alignment=alignment, metadata=metadata, overwrite=overwrite)
+    return VbinWriter(path, shard_size=shard_size, alignment=alignment, metadata=metadata, overwrite=overwrite,
+                      publish_into=publish_into)
 
 
 def save_file(tensors_: Mapping[str, Any], filename: str | os.PathLike[str],

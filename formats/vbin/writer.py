@@ -15,7 +15,6 @@ from typing import IO, Any
 import xxhash
 
 from vcga import tensors
-from vcga.atomic import AtomicGroup
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError
 from vcga.formatkit import WriterContext
@@ -202,11 +201,13 @@ class VbinWriter(WriterContext):
     :param alignment: power of two, 64 B to 1 GiB (default 4096): tensors of at least this size
         start at a multiple of it.
     :param overwrite: when False, refuse to replace existing files.
+    :param publish_into: name the outputs in this folder at commit (see :class:`~vcga.formatkit.WriterContext`).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
                  shard_size: int | None = None, alignment: int = DEFAULT_ALIGNMENT,
-                 overwrite: bool = True) -> None:
+                 overwrite: bool = True, publish_into: str | os.PathLike[str] | None = None) -> None:
+        self._init_outputs(publish_into)
         self.path = Path(path)
         self.alignment = _check_alignment(alignment)
         if shard_size is not None and (type(shard_size) is not int or shard_size <= 0):
@@ -217,20 +218,19 @@ class VbinWriter(WriterContext):
             raise FileExistsError(f"{self.path} exists; refusing to overwrite")
         self._metadata = _check_metadata(metadata, self.path)
         self._names: set[str] = set()
-        self._group = AtomicGroup()
-        self._done = False
         self._shard_records: list[_Record] = []
         self._shards: list[dict[str, Any]] = []
         self._current: _FileWriter | None = None
         self._current_payload = 0
         if shard_size is None:
-            self._current = _FileWriter(self._group.open(self.path, overwrite=overwrite).file,
+            self._current = _FileWriter(self._open_output(self.path, overwrite=overwrite).file,
                                         self.alignment, self.path)
 
     # -- FormatWriter ----------------------------------------------------------------------------
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
         """Replace the file-level metadata (string to string); allowed until :meth:`commit`."""
+        self._check_open()
         self._metadata = _check_metadata(metadata, self.path)
 
     def write(self, entry: TensorEntry) -> None:
@@ -239,8 +239,7 @@ class VbinWriter(WriterContext):
         A bad entry (duplicate name, wrong length, ...) is refused before anything is written and
         the writer stays usable. If writing fails, or the entry carries a checksum its bytes do not
         match (:class:`~vcga.errors.VcgaChecksumError`: the source is damaged), the writer aborts."""
-        if self._done:
-            raise ValueError(f"{self.path}: writer already committed or aborted")
+        self._check_open()
         if not isinstance(entry.name, str):
             raise VcgaConversionError(f"{self.path}: tensor names must be strings, got {entry.name!r}",
                                       target=FORMAT_NAME)
@@ -282,33 +281,16 @@ class VbinWriter(WriterContext):
         """Append a torch tensor or numpy array (zero-copy for contiguous host memory)."""
         self.write(tensors.from_any(name, tensor, metadata))
 
-    def commit(self) -> None:
-        """Write the index(es) and trailers, fsync, and rename everything into place."""
-        if self._done:
-            raise ValueError(f"{self.path}: writer already committed or aborted")
-        try:
-            if self.shard_size is None:
-                assert self._current is not None
-                self._current.finish(self._metadata)
-            else:
-                self._close_shard()
-                index = _FileWriter(self._group.open(self.path, overwrite=self.overwrite).file,
-                                    self.alignment, self.path)
-                index.finish(self._metadata, {"shards": self._shards}, self._shard_records, with_shard=True)
-            self._group.commit()
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-
-    def abort(self) -> None:
-        """Remove every temporary; nothing at the destination changes."""
-        self._group.abort()
-        self._done = True
-
-    @property
-    def finished(self) -> bool:
-        return self._done
+    def _finish(self) -> None:
+        """Write the index(es) and trailers (commit then fsyncs and names everything)."""
+        if self.shard_size is None:
+            assert self._current is not None
+            self._current.finish(self._metadata)
+        else:
+            self._close_shard()
+            index = _FileWriter(self._open_output(self.path, overwrite=self.overwrite).file,
+                                self.alignment, self.path)
+            index.finish(self._metadata, {"shards": self._shards}, self._shard_records, with_shard=True)
 
     # -- sharding --------------------------------------------------------------------------------
 
@@ -320,7 +302,7 @@ class VbinWriter(WriterContext):
             self._close_shard()
         if self._current is None:
             name = shard_name(self.path, len(self._shards))
-            self._current = _FileWriter(self._group.open(self.path.with_name(name), overwrite=self.overwrite).file,
+            self._current = _FileWriter(self._open_output(self.path.with_name(name), overwrite=self.overwrite).file,
                                         self.alignment, self.path.with_name(name))
             self._current_payload = 0
         return self._current
