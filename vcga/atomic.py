@@ -215,12 +215,6 @@ class AtomicFile:
     def tell(self) -> int:
         return self.file.tell()
 
-    def size(self) -> int:
-        """Bytes in the file so far (what is buffered included)."""
-        f = self.file
-        f.flush()
-        return os.fstat(f.fileno()).st_size
-
     def writeback(self) -> None:
         """Start writing what was written so far to disk, in the background.
 
@@ -371,10 +365,6 @@ class AtomicGroup:
         self._cleaned.add(directory)
         self.files.append(af)
         return af
-
-    def size(self) -> int:
-        """Bytes in the files not yet committed."""
-        return sum(af.size() for af in self.files if af._file is not None)
 
     def commit(self, into: str | os.PathLike[str] | None = None) -> None:
         """fsync every file first, then name each (in ``into`` when given)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from vcga import dtypes
@@ -218,24 +217,11 @@ class WriterContext:
 
     def _check_open(self) -> None:
         if self._state != "open":
-            raise VcgaConversionError(f"{self.path}: the writer was already {self._state}; open a new one",
-                                      target=getattr(self, "format_name", None))
+            raise VcgaConversionError(f"{self.path}: the writer was already {self._state}; open a new one")
 
     @property
     def finished(self) -> bool:
         return self._state != "open"
-
-    @property
-    def output_paths(self) -> list[Path]:
-        """The outputs opened so far, by destination path."""
-        return [af.path for af in self._outputs.files] if self._outputs is not None else []
-
-    def bytes_written(self) -> int:
-        """Bytes in the outputs not yet published (for a full disk's error message)."""
-        try:
-            return self._outputs.size() if self._outputs is not None else 0
-        except (OSError, ValueError):
-            return 0
 
     def commit(self, into: str | os.PathLike[str] | None = None) -> None:
         if self._state == "committed":
