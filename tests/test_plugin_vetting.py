@@ -81,9 +81,10 @@ def test_vcga_info_survives_plugins_that_end_or_crash_the_process(tmp_path):
         # the built-ins are imported directly and still work
         assert plugins["vcga.plugins.gloo"]["status"] == "loaded" and plugins["vcga.plugins.gloo"]["vetting"] is None
         assert json.loads(r.stdout)["selected_backend"] == "gloo"
-    # the text view names them too
-    r = run_vcga("info", env={**env, "COLUMNS": "250"})
+    # the text view names them too; --recheck-plugins vets again instead of reading the cache
+    r = run_vcga("info", "--recheck-plugins", env={**env, "COLUMNS": "250"})
     assert r.returncode == 0 and "SIGSEGV" in r.stdout and "sys.exit(3)" in r.stdout
+    assert "cached verdict" not in r.stdout
 
 
 JOB = """
