@@ -24,6 +24,11 @@ Every writer in VCGA (checkpoint formats, reports, caches) goes through this mod
   index) last. A kill between the first and the last name leaves the files named so far (complete
   files; never a half-written one).
 
+- :func:`publish_set`: moves a set of complete files from a stamped staging folder into place
+  (``vcga convert``'s multi-file outputs). The renames are journaled in the staging folder, so if
+  the writer is killed between two of them, the next writer in that directory removes the part
+  already renamed: an incomplete set does not stay behind.
+
 ``commit(into=folder)`` names the output(s) in another folder on the same filesystem instead
 (``vcga convert --verify`` reads the output there before moving it into place).
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import re
@@ -44,7 +50,7 @@ from types import TracebackType
 from typing import IO, Any
 
 __all__ = ["AtomicFile", "AtomicGroup", "atomic_write_bytes", "fsync_dir", "remove_stale", "temp_name",
-           "anonymous_files_supported"]
+           "anonymous_files_supported", "publish_set"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +126,7 @@ def remove_stale(directory: str | os.PathLike[str]) -> list[str]:
             continue
         try:
             if e.is_dir(follow_symlinks=False):
+                _roll_back(Path(e.path), Path(directory))
                 shutil.rmtree(e.path)
             else:
                 os.unlink(e.path)
@@ -131,6 +138,64 @@ def remove_stale(directory: str | os.PathLike[str]) -> list[str]:
     if removed:
         log.info("removed %d temporaries of dead writers in %s: %s", len(removed), directory, ", ".join(removed))
     return removed
+
+
+_JOURNAL = ".vcga-publishing.json"
+
+
+def publish_set(staging: Path, parent: Path, files: list[Path]) -> list[str]:
+    """Rename the complete, fsynced ``files`` (all in the stamped folder ``staging``) into ``parent``,
+    in the given order, and fsync ``parent``; returns the final paths.
+
+    Several names cannot appear in one step. So that a kill between two renames leaves no partial
+    set behind for good, a journal naming each file (and its inode) is made durable in ``staging``
+    first: when the next writer in ``parent`` finds ``staging`` with its writer dead
+    (:func:`remove_stale`), and the set is incomplete, it removes the files of the set that were
+    already renamed -- those still having the inode recorded, never a file put there since.
+    """
+    if len(files) > 1:
+        entries = []
+        for f in files:
+            st = f.stat()
+            entries.append({"name": f.name, "dev": st.st_dev, "ino": st.st_ino})
+        journal = staging / _JOURNAL
+        fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, json.dumps(entries).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(staging)
+    out = []
+    for f in files:
+        final = parent / f.name
+        os.replace(f, final)
+        out.append(str(final))
+    fsync_dir(parent)
+    return out
+
+
+def _roll_back(staging: Path, parent: Path) -> None:
+    """Undo a dead writer's incomplete :func:`publish_set` (see there)."""
+    try:
+        entries = json.loads((staging / _JOURNAL).read_text())
+    except (OSError, ValueError):
+        return  # no journal: nothing of it was renamed into parent
+    try:
+        pending = [e for e in entries if (staging / e["name"]).exists()]
+        if not pending:
+            return  # every file reached its name: the output is complete, keep it
+        for e in entries:
+            final = parent / e["name"]
+            try:
+                st = final.stat()
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) == (e["dev"], e["ino"]):
+                final.unlink()
+                log.info("removed %s: part of an output whose writer died before naming all of it", final)
+    except (OSError, KeyError, TypeError) as err:
+        log.warning("cannot roll back the partial output %s left in %s: %s", staging.name, parent, err)
 
 
 def anonymous_files_supported(directory: str | os.PathLike[str]) -> bool:

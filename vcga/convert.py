@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes
-from vcga.atomic import remove_stale, temp_name
+from vcga.atomic import publish_set, remove_stale, temp_name
 from vcga.contract import FormatSpec, TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaDiskFullError, VcgaError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
@@ -573,8 +573,6 @@ def _verify_output(spec: FormatSpec, path: Path, plan: Sequence[TensorEntry], su
 def _move_into_place(staging: Path, parent: Path, overwrite: bool, sources: Sequence[Path]) -> list[str]:
     """Rename every staged file into the destination directory (after checking none clobbers
     what it must not), then fsync the directory."""
-    from vcga.atomic import fsync_dir
-
     files = sorted(p for p in staging.iterdir() if p.is_file())
     if not files:
         raise VcgaConversionError("the writer produced no file")
@@ -586,13 +584,7 @@ def _move_into_place(staging: Path, parent: Path, overwrite: bool, sources: Sequ
             raise VcgaConversionError(f"output {str(final)!r} exists; pass --overwrite to replace it")
     # Index files go last, so a reader never finds an index whose shards are not there yet.
     files.sort(key=lambda f: ("index" in f.name.lower(), f.name))
-    out = []
-    for f in files:
-        final = parent / f.name
-        os.replace(f, final)
-        out.append(str(final))
-    fsync_dir(parent)
-    return out
+    return publish_set(staging, parent, files)
 
 
 # ---------------------------------------------------------------------------------------------------
