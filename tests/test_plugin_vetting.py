@@ -100,18 +100,18 @@ dist.destroy_process_group()
 """
 
 
-def test_a_gloo_job_runs_with_crashing_plugins_present(tmp_path):
-    """init_process_group("vcga") loads every plugin; crashing ones (vetted by the job itself: an empty
+@pytest.mark.parametrize("plugin,outcome", [("p_exit", "exit"), ("p_segv", "signal")])
+def test_a_gloo_job_runs_with_a_crashing_plugin_present(tmp_path, plugin, outcome):
+    """init_process_group("vcga") loads every plugin; a crashing one (vetted by the job itself: an empty
     cache) must not take down a job whose backend another plugin provides."""
-    site = write_plugins(tmp_path / "site", "p_exit", "p_segv")
+    site = write_plugins(tmp_path / "site", plugin)
     (tmp_path / "job.py").write_text(JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
-    env.update(PYTHONPATH=str(site), VCGA_PLUGINS="p_segv,p_exit", VCGA_CACHE_DIR=str(tmp_path / "cache"))
+    env.update(PYTHONPATH=str(site), VCGA_PLUGINS=plugin, VCGA_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(tmp_path / "job.py")], capture_output=True, text=True, env=env,
                        timeout=180, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split("\n")[0] == (
-        "vcga gloo [0.0, 1.0, 2.0, 3.0] [('p_exit', ('failed', 'exit')), ('p_segv', ('failed', 'signal'))]")
+    assert r.stdout.split("\n")[0] == f"vcga gloo [0.0, 1.0, 2.0, 3.0] [('{plugin}', ('failed', '{outcome}'))]"
 
 
 def test_hangs_are_bounded_and_judged_again_with_a_longer_timeout(tmp_path, monkeypatch):
