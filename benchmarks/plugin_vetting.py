@@ -13,10 +13,13 @@ And, in this process, the cached path by itself: ``vetting.vet()`` answering fro
 (key from the module's file, one JSON read and check), median of 200 calls -- the whole of what a
 cached verdict adds to a start, too small for the fresh-interpreter samples to resolve.
 
+And ``vcga info --json`` as a user runs it (a fresh interpreter, wall time from outside), the same
+three ways.
+
 Also timed in the same run, for scale: creating a one-rank ``vcga`` group
 (``init_process_group("vcga")`` with gloo, then one all_reduce), in a fresh interpreter.
 
-    python benchmarks/plugin_vetting.py --reps 15
+    python benchmarks/plugin_vetting.py --reps 9
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ dist.destroy_process_group()
 """
 
 
+def _info(env: dict[str, str]) -> float:
+    """Wall time of ``vcga info --json`` (a fresh interpreter, as a user runs it)."""
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "vcga", "info", "--json"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    dt = time.perf_counter() - t
+    plugins = {p["name"]: p for p in json.loads(r.stdout)["plugins"]} if r.returncode == 0 else {}
+    if plugins.get("vcga_example_plugin.plugin", {}).get("status") != "loaded":
+        raise SystemExit(f"vcga info: {r.returncode} {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    return dt
+
+
 def _sample(code: str, env: dict[str, str]) -> float:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0:
@@ -72,7 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
     base.update(PYTHONPATH=os.pathsep.join([str(EXAMPLE), str(ROOT)]), VCGA_PLUGINS="vcga_example_plugin.plugin")
-    times: dict[str, list[float]] = {"in-process": [], "cached": [], "vetted": [], "group": []}
+    times: dict[str, list[float]] = {"in-process": [], "cached": [], "vetted": [], "group": [],
+                                     "info in-process": [], "info cached": [], "info vetted": []}
     with tempfile.TemporaryDirectory(prefix="vcga-bench-vet-") as tmp:
         warm = os.path.join(tmp, "warm")
         _sample(LOAD, {**base, "VCGA_CACHE_DIR": warm})  # fills the cache for "cached"; warms .pyc files
@@ -81,6 +97,9 @@ def main() -> None:
             times["cached"].append(_sample(LOAD, {**base, "VCGA_CACHE_DIR": warm}))
             times["vetted"].append(_sample(LOAD, {**base, "VCGA_CACHE_DIR": os.path.join(tmp, f"cold{i}")}))
             times["group"].append(_sample(GROUP, {**base, "VCGA_CACHE_DIR": warm, "VCGA_BACKEND": "gloo"}))
+            times["info in-process"].append(_info({**base, "VCGA_PLUGIN_VETTING": "0"}))
+            times["info cached"].append(_info({**base, "VCGA_CACHE_DIR": warm}))
+            times["info vetted"].append(_info({**base, "VCGA_CACHE_DIR": os.path.join(tmp, f"info-cold{i}")}))
         sys.path.insert(0, str(EXAMPLE))
         from vcga import vetting
 
@@ -102,6 +121,10 @@ def main() -> None:
     print(f"{'cached verdict alone (vet() from the cache)':<44} {med['lookup'] * 1e3:>10.3f} "
           f"{med['lookup'] / anchor:>13.4f}")
     print(f"{'one-rank vcga group + all_reduce (scale)':<44} {med['group'] * 1e3:>10.1f}")
+    info = med["info in-process"]
+    print(f"{'vcga info --json, wall (fresh interpreter)':<44} {'median ms':>10} {'x in-process':>13}")
+    for k in ("info in-process", "info cached", "info vetted"):
+        print(f"{k:<44} {med[k] * 1e3:>10.1f} {med[k] / info:>13.2f}")
     print(f"a cached verdict adds {med['lookup'] * 1e3:.2f} ms per plugin "
           f"({med['lookup'] / med['group'] * 100:.3f}% of creating a one-rank group); "
           f"a first vetting adds {(med['vetted'] - anchor) * 1e3:.0f} ms")
