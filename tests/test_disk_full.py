@@ -72,3 +72,17 @@ def test_the_cli_says_it_in_one_line(small_disk, sources):
     assert "\n" not in line and line.startswith(f"vcga: error: no space left on device writing {small_disk}/out.vbin: "
                                                 f"it needs at least 256.0 KiB (262144 bytes), ")
     assert f"are free on {small_disk}; free at least" in line
+
+
+def test_the_disk_full_error_survives_pickling():
+    """DCP hands a rank's exception to the others pickled: the message, errno and fields must survive."""
+    import pickle
+
+    from vcga.errors import VcgaDiskFullError
+
+    for quota in (False, True):
+        err = VcgaDiskFullError("/data/out.vbin", 100 << 20, 10 << 20, "/data", quota=quota)
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is VcgaDiskFullError and str(back) == str(err)
+        assert (back.errno, back.filename, back.missing) == (errno.EDQUOT if quota else errno.ENOSPC,
+                                                            "/data/out.vbin", 90 << 20)

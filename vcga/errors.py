@@ -246,6 +246,7 @@ class VcgaDiskFullError(VcgaError, OSError):
         import errno
 
         self.destination, self.needed, self.free, self.mount = str(destination), int(needed), int(free), mount
+        self.quota = quota
         self.missing = max(self.needed - self.free, 0)
         where = f" on {mount}" if mount else ""
         what = "disk quota exceeded" if quota else "no space left on device"
@@ -260,6 +261,15 @@ class VcgaDiskFullError(VcgaError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt through __init__: OSError keeps errno and strerror outside __dict__
+        return (_rebuild_disk_full, (type(self), self.destination, self.needed, self.free, self.mount, self.quota))
+
+
+def _rebuild_disk_full(cls: type[VcgaDiskFullError], destination: str, needed: int, free: int, mount: str,
+                       quota: bool) -> VcgaDiskFullError:
+    return cls(destination, needed, free, mount, quota=quota)
 
 
 def _human(n: int) -> str:
