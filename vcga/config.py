@@ -61,6 +61,9 @@ class Config:
     bridge_algorithm: str = "auto"
     #: Mixed-vendor: shard peers on one node reduce through shared memory rather than gloo over TCP.
     bridge_shm: bool = True
+    #: Mixed-vendor: collectives run on the group's communication thread and return at once (DDP
+    #: overlaps them with backward); False runs each in the calling thread.
+    bridge_async: bool = True
     #: The network interfaces between nodes (exact names), or None for each library's own choice.
     #: YAML: ``network: {interface: ...}``.
     network_interface: tuple[str, ...] | None = None
@@ -89,6 +92,7 @@ ENV: Mapping[str, str] = {
     "sim_vendors": "VCGA_SIM_VENDORS",
     "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
     "bridge_shm": "VCGA_BRIDGE_SHM",
+    "bridge_async": "VCGA_BRIDGE_ASYNC",
     "network_interface": "VCGA_NETWORK_INTERFACE",
     "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
     "network_service_level": "VCGA_NETWORK_SERVICE_LEVEL",
@@ -109,6 +113,7 @@ _ALLOWED = {
     + "/".join(SIM_VENDOR_NAMES) + ", e.g. 'nccl:2,hccl:2', or null",
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "bridge_async": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
     "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
     "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "
@@ -173,7 +178,7 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if len(set(out)) != len(out):
             raise VcgaConfigError(key, v, "a list of distinct device indices", src)
         return tuple(out)
-    if key in ("deterministic", "debug", "bridge_shm"):
+    if key in ("deterministic", "debug", "bridge_shm", "bridge_async"):
         return _bool(key, v, src)
     if key == "sim_vendors":
         if v is None or (isinstance(v, str) and not v.strip()):
