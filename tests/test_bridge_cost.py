@@ -1,0 +1,78 @@
+"""vcga.bridge.cost: the α–β fit, the predictions per algorithm and the choice (pure; the measuring
+runs in the spawned worlds of tests/test_bridge.py and the two-node world of tests/test_multinode.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from vcga.bridge.cost import SIZES, AlphaBeta, LinkFigures, choose, fit, predict, segments
+from vcga.bridge.plan import PIPELINE_MAX_SEGMENTS, PIPELINE_SEGMENT_BYTES
+
+MB = 1e6
+
+
+def test_fit_goes_through_both_points_and_survives_noise():
+    ab = fit(SIZES, (1e-3, 1e-3 + (SIZES[1] - SIZES[0]) / (100 * MB)))
+    assert ab.beta_Bps == pytest.approx(100 * MB) and ab.alpha_s == pytest.approx(1e-3 - SIZES[0] / (100 * MB))
+    assert fit(SIZES, (2e-3, 1e-3)) == AlphaBeta(2e-3, math.inf)  # noise made the line fall: all α
+    assert fit(SIZES, (1e-6, 1.0)).alpha_s == 0.0  # a negative intercept is no latency, not negative time
+
+
+def figures(bridge_all: AlphaBeta, bridge_one: AlphaBeta, in_group: AlphaBeta, exchange: str = "gloo",
+            k: int = 2) -> LinkFigures:
+    g = {kind: in_group for kind in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}
+    return LinkFigures(groups=[g, dict(g)], bridge={"leaders": bridge_one, "all_sets": bridge_all},
+                       classes={"a": "in-vendor, one node", "b": "in-vendor, one node", "bridge": "cross-node"},
+                       exchange=exchange, group_size=k, equal_groups=True, segment_bytes=PIPELINE_SEGMENT_BYTES,
+                       max_segments=PIPELINE_MAX_SEGMENTS)
+
+
+def test_a_slow_link_with_a_fixed_cost_makes_small_messages_go_through_the_leaders():
+    """1 Gbit/s between nodes (125 MB/s, shared by the two shard-peer sets: 62.5 MB/s each), 500 µs
+    per exchange, fast in-group steps: one leader exchange wins while α dominates; from a few hundred
+    KiB the two sets in parallel (half the bytes each) and the pipeline win."""
+    fig = figures(bridge_all=AlphaBeta(500e-6, 62.5 * MB), bridge_one=AlphaBeta(500e-6, 125 * MB),
+                  in_group=AlphaBeta(100e-6, 2000 * MB))
+    assert choose(fig, 4 << 10)[0] == "leader"
+    assert choose(fig, 64 << 20)[0] == "bandwidth"
+    p = predict(fig, 64 << 20)
+    # bandwidth: 8 segments of 8 MiB; each set sends its 4 MiB half over its share of the link,
+    # the in-group steps hidden behind it -> close to the link's bound N / 125 MB/s
+    assert p["bandwidth"] == pytest.approx((64 << 20) / (125 * MB), rel=0.1)
+    assert p["replicated"] > 1.9 * p["bandwidth"]  # every set sends all N bytes over the shared link
+
+
+def test_one_fast_stream_beats_parallel_sets_when_the_sets_share_a_link_worse():
+    """If the sets in parallel get much less than half each (contention), the model keeps the leader."""
+    fig = figures(bridge_all=AlphaBeta(500e-6, 20 * MB), bridge_one=AlphaBeta(500e-6, 125 * MB),
+                  in_group=AlphaBeta(10e-6, 10_000 * MB))
+    assert choose(fig, 4 << 20)[0] == "leader"
+
+
+def test_shared_memory_exchange_is_not_pipelined():
+    fig_gloo = figures(AlphaBeta(50e-6, 500 * MB), AlphaBeta(50e-6, 1000 * MB), AlphaBeta(100e-6, 500 * MB))
+    fig_shm = figures(AlphaBeta(50e-6, 500 * MB), AlphaBeta(50e-6, 1000 * MB), AlphaBeta(100e-6, 500 * MB),
+                      exchange="shared memory")
+    n = 64 << 20
+    m = segments(n, PIPELINE_SEGMENT_BYTES, PIPELINE_MAX_SEGMENTS)
+    assert m == 8
+    r, b = 100e-6 + (n / m) / (500 * MB), 50e-6 + (n / m / 2) / (500 * MB)
+    assert predict(fig_shm, n)["bandwidth"] == pytest.approx(m * (r + b))
+    assert predict(fig_gloo, n)["bandwidth"] < predict(fig_shm, n)["bandwidth"]
+
+
+def test_unequal_groups_have_only_the_leader():
+    fig = figures(AlphaBeta(1e-4, 1e8), AlphaBeta(1e-4, 1e8), AlphaBeta(1e-4, 1e9))
+    fig.equal_groups = False
+    assert set(predict(fig, 1 << 20)) == {"leader"}
+
+
+def test_figures_round_trip_through_json_and_name_their_topology():
+    fig = figures(AlphaBeta(5e-4, 6e7), AlphaBeta(4e-4, math.inf), AlphaBeta(1e-4, 2e9))
+    back = LinkFigures.from_json(json.loads(json.dumps(fig.to_json())))
+    assert back == fig and choose(back, 1 << 20) == choose(fig, 1 << 20)
+    topo = {"groups": [["sim-nccl", 2, "node0"], ["sim-hccl", 2, "node1"]], "bridge": "cross-node"}
+    assert LinkFigures.key(topo) == LinkFigures.key(json.loads(json.dumps(topo))) != LinkFigures.key({})
