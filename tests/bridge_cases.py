@@ -16,6 +16,7 @@ library's rules, including CNCL reducing fp64 as fp32).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from typing import Any
@@ -238,5 +239,90 @@ def no_device_world(rank: int, size: int, init_method: str, backends: list[str],
     dist.all_reduce(t)
     out = {"created_s": created, "calibration": group.calibration, "auto_large": group.auto_large,
            "sum_ok": bool((t == sum(range(1, size + 1))).all())}
+    dist.destroy_process_group()
+    return out
+
+
+def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
+    """The asynchronous bridge (``nccl:2,hccl:2``, fake-backed sim vendors), on one spawned world:
+
+    1. a call returns before its collective can complete: rank 3 joins only after rank 0 said its
+       call came back (through the store); with collectives in the caller's thread rank 0 would wait
+       in its call for rank 3, which waits for rank 0 -- a timeout instead of a result;
+    2. many collectives in flight at once (every algorithm's sizes, a reduce_scatter, a broadcast,
+       an all_gather, a barrier), waited for afterwards: the same bits as the same calls one at a
+       time on a group with ``bridge_async: false``, and the same bits on every rank; the queue's
+       thread ran them (``queue.queued``), the synchronous group has no queue;
+    3. an error surfaces typed on ``wait()``: rank 3 leaves a group's all_reduce out; the others'
+       ``wait()`` raises VcgaTimeoutError, and the group's next call VcgaCollectiveError.
+    """
+    from datetime import timedelta
+
+    from vcga.config import load_config
+    from vcga.errors import VcgaCollectiveError, VcgaTimeoutError
+    from vcga.process_group import VcgaOptions
+
+    dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=size)
+    store = dist.distributed_c10d._get_default_store()
+    check = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+
+    # 1.
+    t = torch.full((1024,), float(rank + 1))
+    if rank == 3:
+        store.wait(["returned"], timedelta(seconds=60))
+        w = dist.all_reduce(t, async_op=True)
+    else:
+        w = dist.all_reduce(t, async_op=True)
+        out["completed_at_return"] = w.is_completed()
+        if rank == 0:
+            store.set("returned", "1")
+    w.wait()
+    out["first_sum_ok"] = bool((t == 10.0).all())
+
+    # 2.
+    sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_async=False)))
+    digests = {}
+    for label, group in (("async", dist.group.WORLD), ("sync", sync)):
+        ts = [inputs(rank, n, torch.float32, salt) for salt, n in enumerate((1000, 70_000, 300_000, 1 << 20, 5_000_000))]
+        rs_in, rs_out = inputs(rank, 4 * 50_000, torch.float32, 9), torch.empty(50_000)
+        bc, ag_out = inputs(rank, 777, torch.float64, 10), torch.empty(4 * 333, dtype=torch.int64)
+        works = [dist.all_reduce(x, group=group, async_op=True) for x in ts]
+        works.append(dist.reduce_scatter_single(rs_out, rs_in, group=group, async_op=True))
+        works.append(dist.broadcast(bc, src=2, group=group, async_op=True))
+        works.append(dist.all_gather_single(ag_out, torch.arange(333) * (rank + 1), group=group, async_op=True))
+        works.append(dist.barrier(group=group, async_op=True))
+        for x in works:
+            x.wait()
+        shared, own = hashlib.sha256(), hashlib.sha256()  # the same on every rank / this rank's chunk
+        for x in [*ts, bc, ag_out]:
+            shared.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+        own.update(rs_out.view(torch.uint8).numpy().tobytes())
+        digests[label] = (shared.hexdigest(), own.hexdigest())
+    out["async_equals_sync"] = digests["async"] == digests["sync"]
+    every = [None] * size
+    dist.all_gather_object(every, digests["async"][0], group=check)
+    out["identical_on_every_rank"] = len(set(every)) == 1
+    out["queued"] = dist.group.WORLD.transport.group.queue.queued
+    out["sync_has_no_queue"] = sync.transport.group.queue is None
+    out["counts"] = dict(dist.group.WORLD.transport.group.counts)
+
+    # 3.
+    short = dist.new_group(backend="vcga", timeout=timedelta(seconds=3))
+    if rank != 3:
+        w = dist.all_reduce(torch.ones(1000), group=short, async_op=True)
+        try:
+            w.wait()
+            out["missing_peer"] = "no error"
+        except VcgaTimeoutError:
+            out["missing_peer"] = "VcgaTimeoutError"
+        except Exception as e:  # noqa: BLE001
+            out["missing_peer"] = f"{type(e).__name__}: {e}"
+        try:
+            dist.all_reduce(torch.ones(10), group=short)
+            out["after"] = "no error"
+        except VcgaCollectiveError as e:
+            out["after"] = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
+    dist.barrier(group=check)
     dist.destroy_process_group()
     return out

@@ -184,8 +184,16 @@ def test_two_vendors_run_both_algorithms(two_vendors: list[dict]) -> None:
     assert r["counts"]["bandwidth-collective"]["bandwidth"] > 0
     # the creation-time measurement ran and chose from what it measured, the same on every rank
     cal = r["calibration"]
-    assert cal["auto_large"] in ("bandwidth", "replicated") and set(cal["group_methods"]) == {"sim-nccl", "sim-hccl"}
-    assert cal["auto_large"] == min(cal["predicted_seconds"], key=lambda a: (cal["predicted_seconds"][a], a))
+    assert set(cal["group_methods"]) == {"sim-nccl", "sim-hccl"} and cal["exchange"] == "shared memory"
+    assert cal["classes"] == {"sim-nccl": "in-vendor, one node", "sim-hccl": "in-vendor, one node",
+                              "bridge": "cross-vendor same node"}
+    order = ["leader", "bandwidth", "replicated"]
+    for c in cal["choice"].values():  # the cheapest prediction, from figures of every kind of step
+        assert set(c["predicted_s"]) == set(order)
+        assert c["algorithm"] == min(order, key=lambda a: (c["predicted_s"][a], order.index(a)))
+    fig = cal["figures"]
+    assert [set(g) for g in fig["groups"]] == [{"reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p"}] * 2
+    assert set(fig["bridge"]) == {"leaders", "all_sets"} and all(a >= 0 and b > 0 for a, b in fig["bridge"].values())
     assert all(x["calibration"] == cal for x in two_vendors)
     assert r["plan"]["leaders"] == [0, 2] and r["plan"]["shard_peers"] == [[0, 2], [1, 3]]
     assert r["counts"]["bandwidth-p2p-gloo"]["bandwidth"] > 0 and r["counts"]["leader-gloo"]["leader"] > 0
@@ -260,3 +268,48 @@ def test_cli_plan_is_what_the_ranks_describe(world: str, spec: str, request: pyt
     assert r.returncode == 0, r.stderr
     cli = json.loads(r.stdout)["plan"]
     assert cli["routes"] and cli == ranks[0]["plan"]
+
+
+def test_bridge_collectives_are_asynchronous_ordered_and_bitwise_like_the_synchronous_path() -> None:
+    """Fake-backed sim vendors, ``nccl:2,hccl:2`` (tests/bridge_cases.py ``async_world``): a call
+    returns before its collective can complete; many collectives in flight end with the same bits
+    as one at a time without the queue, on every rank; an error surfaces typed on wait() and fails
+    the group's next call."""
+    from bridge_cases import async_world
+
+    results = run_world(async_world, 4, env={"VCGA_SIM_VENDORS": "nccl:2,hccl:2"}, timeout=300)
+    for r in results[:3]:
+        assert r["completed_at_return"] is False, r
+    for r in results:
+        assert r["first_sum_ok"] and r["async_equals_sync"] and r["identical_on_every_rank"], r
+        assert r["queued"] >= 9 and r["sync_has_no_queue"], r
+    assert sum(results[0]["counts"].values()) >= 6  # five all_reduces and the reduce_scatter went through the bridge
+    for r in results[:3]:
+        assert r["missing_peer"] == "VcgaTimeoutError" and r["after"] == "VcgaCollectiveError", r
+
+
+def test_a_rank_leaving_with_a_bridge_collective_in_flight_exits_cleanly() -> None:
+    """tests/leave_in_flight.py on a mixed world (``nccl:1,hccl:1``): rank 0 returns from its script
+    while its all_reduce waits on the bridge's communication thread; the exit drain waits for it
+    (rank 1 joins meanwhile), the process exits with 0 and rank 1 gets the sum."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pg_world import free_port
+
+    script = Path(__file__).with_name("leave_in_flight.py")
+    port = str(free_port())
+    env = {**os.environ, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_SIM_VENDORS": "nccl:1,hccl:1"}
+    leaving = subprocess.Popen([sys.executable, str(script), "0", port], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        joining = subprocess.run([sys.executable, str(script), "1", port], env=env, capture_output=True,
+                                 text=True, timeout=120)
+        out, _ = leaving.communicate(timeout=120)
+    finally:
+        leaving.kill()
+    assert joining.returncode == 0, joining.stdout + joining.stderr
+    assert leaving.returncode == 0 and "terminate called" not in out and "still in flight" not in out, (
+        leaving.returncode, out)

@@ -107,6 +107,40 @@ def test_info_plan_json_for_two_and_three_simulated_vendors():
     assert (cncl["backend"], cncl["route"], cncl["library_via"]) == ("sim-cncl", "library", "gather_then_reduce")
 
 
+def test_info_plan_shows_link_classes_and_what_measured_figures_choose(tmp_path):
+    """Two nodes: the steps between vendor groups are cross-node. With --figures (α–β per step, as a
+    group measures them: here a 1 Gbit/s link shared by two shard-peer sets), the algorithm they
+    predict fastest at each size: the leaders while the fixed cost dominates, the shard peers in
+    parallel (bandwidth, pipelined) for large messages."""
+    from vcga.bridge.cost import AlphaBeta, LinkFigures
+
+    fast = AlphaBeta(100e-6, 2e9)
+    fig = LinkFigures(groups=[{k: fast for k in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}] * 2,
+                      bridge={"leaders": AlphaBeta(500e-6, 125e6), "all_sets": AlphaBeta(500e-6, 62.5e6)},
+                      classes={"bridge": "cross-node"}, exchange="gloo", group_size=2, equal_groups=True,
+                      segment_bytes=8 << 20, max_segments=8)
+    f = tmp_path / "links.json"
+    f.write_text(json.dumps({"figures": fig.to_json(), "choice": {}}))  # a group's describe()["calibration"]
+    args = ["info", "--plan", "--vendors", "nccl:2,hccl:2", "--nodes", "2", "--figures", str(f)]
+    r = run_vcga(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["link_classes"] == {"sim-nccl": "in-vendor, one node", "sim-hccl": "in-vendor, one node",
+                                 "bridge": "cross-node"}
+    choice = d["figures"]["choice"]
+    assert choice["4 KiB"]["algorithm"] == "leader" and choice["64 MiB"]["algorithm"] == "bandwidth"
+    assert set(choice["1 MiB"]["predicted_s"]) == {"leader", "bandwidth", "replicated"}
+    r = run_vcga(*args)
+    assert r.returncode == 0 and "between vendor groups: cross-node" in r.stdout, r.stderr
+    assert "all_sets α 500 µs β 62 MB/s" in r.stdout and "64 MiB  bandwidth" in r.stdout, r.stdout
+    f.write_text("{}")
+    r = run_vcga(*args)
+    assert r.returncode == 2 and "not a file of bridge link figures" in r.stderr and "Traceback" not in r.stderr
+    f.write_text(json.dumps(fig.to_json()))
+    r = run_vcga("info", "--plan", "--vendors", "nccl:1,hccl:2,cncl:1", "--figures", str(f))
+    assert r.returncode == 2 and "unequal" in r.stderr, r.stderr
+
+
 def test_info_plan_text_is_the_sample_in_the_docs():
     """docs/bridge.md shows this command's output literally; the doc must follow the code."""
     from conftest import ROOT

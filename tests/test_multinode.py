@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_vcga
 from vcga.testing.multinode import Cluster, NodesUnavailable, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +77,11 @@ def test_two_node_mixed_vendor_world(tmp_path):
     """One torchrun world on two nodes (sim-nccl pool on node 0, sim-hccl pool on node 1), two
     networks, each link shaped to 1 Gbit/s:
 
-    1. DDP (examples/train_mixed.py): every rank ends with the same bits, within the derived bound
-       of flat gloo on the same ranks; the plan sees two nodes whose shard peers meet over the link.
+    1. DDP (examples/train_mixed.py; the bridge asynchronous, as by default): every rank ends with
+       the same bits, within the derived bound of flat gloo on the same ranks; the plan sees two
+       nodes whose shard peers meet over the link; every rank measured the same α–β figures with
+       the link between vendor groups classed cross-node, and `vcga info --plan --figures` on the
+       same layout chooses what the ranks chose.
     2. The config names the second network (``VCGA_NETWORK_INTERFACE=eth1``): an 8 MiB all_reduce
        sends at least its size from each node over eth1 (each node's shard peers send their shards,
        whatever the algorithm) and almost nothing over eth0, which the host names resolve to
@@ -104,6 +108,16 @@ def test_two_node_mixed_vendor_world(tmp_path):
             groups = r["describe"]["plan"]["groups"]
             assert [g["nodes"] for g in groups] == [["node0"], ["node1"]]
             assert r["describe"]["shard_exchange"] == "gloo"  # shard peers sit on different nodes
+        # the link figures every rank measured at creation, per class, and what they choose: the same
+        # on every rank, and what `vcga info --plan --figures` shows for this layout
+        cal = ranks[0]["describe"]["calibration"]
+        assert all(r["describe"]["calibration"] == cal for r in ranks)
+        assert cal["classes"] == {"sim-nccl": "in-vendor, one node", "sim-hccl": "in-vendor, one node",
+                                  "bridge": "cross-node"} and cal["exchange"] == "gloo"
+        (tmp_path / "links.json").write_text(json.dumps(cal))
+        r = run_vcga("info", "--plan", "--json", "--vendors", "nccl:2,hccl:2", "--nodes", "2", "--figures",
+                     str(tmp_path / "links.json"))
+        assert r.returncode == 0 and json.loads(r.stdout)["figures"]["choice"] == cal["choice"], r.stderr
         reports = [r["train"] for r in ranks]
         assert all(rep["identical_on_every_rank"] for rep in reports)
         assert len({rep["mixed_digest"] for rep in reports}) == 1

@@ -172,4 +172,5 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
         os.environ.setdefault(key, value)  # never override what the user set
 
     return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
-                                   apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm)
+                                   apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm,
+                                   async_ops=config.bridge_async)

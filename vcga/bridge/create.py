@@ -17,12 +17,13 @@ from typing import Any
 import torch.distributed as dist
 
 from vcga.bridge.group import BridgeGroup
-from vcga.bridge.plan import Plan, combined_table, make_plan, table_digest, table_from_json
+from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, table_digest, table_from_json
 from vcga.contract import Backend, CapabilityTable
 from vcga.dispatch import Dispatcher
 from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
 from vcga.hostbridge import SharedMemoryBridge, every_rank
 from vcga.transport import NativeTransport, Transport
+from vcga.workqueue import WorkQueue
 
 __all__ = ["BridgeTransport", "create_bridge_transport"]
 
@@ -51,6 +52,8 @@ class BridgeTransport(Transport):
         return d
 
     def close(self) -> None:
+        if self.group.queue is not None:
+            self.group.queue.close()  # fails what is still queued; the thread ends
         for pg in self._closables:
             shutdown = getattr(pg, "shutdown", None) or getattr(pg, "close", None)
             if callable(shutdown):
@@ -73,7 +76,7 @@ def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int,
 def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, peers: Sequence[dict[str, Any]],
                             timeout: timedelta, algorithm: str = "auto",
                             apply_env: Callable[[Backend], None] | None = None,
-                            shared_memory: bool = True) -> BridgeTransport:
+                            shared_memory: bool = True, async_ops: bool = True) -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -83,6 +86,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     :param apply_env: sets the vendor's environment before its native group is created.
     :param shared_memory: config ``bridge_shm``: shard peers on one node may reduce through shared
         memory (:class:`~vcga.hostbridge.SharedMemoryBridge`) instead of gloo.
+    :param async_ops: config ``bridge_async``: collectives run on the group's communication thread
+        (:class:`~vcga.workqueue.WorkQueue`) and return at once; False: in the calling thread.
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
@@ -133,6 +138,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
+    group.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
         try:
@@ -142,9 +148,11 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                         "is skipped on every rank", gr[rank], backend.name, e)
             device = None
         # The measurement is collective: run it only if every rank can (else ranks that can would
-        # wait in it for ranks that skipped it, until the timeout). auto then keeps AUTO_LARGE.
+        # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
         if every_rank(world, device is not None):
-            group.calibrate(device)
+            group.measure_links(device)
+    if async_ops:
+        group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
     closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
     return BridgeTransport(plan, rank, backend, table, group, closables)
 

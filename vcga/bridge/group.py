@@ -7,29 +7,34 @@ and their error bounds are in ``docs/bridge.md``, the overview in :mod:`vcga.bri
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
+from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choose, fit
 from vcga.bridge.plan import (
     ALGORITHMS,
     AUTO_LARGE,
-    CALIBRATION_BYTES,
     PIPELINE_MAX_SEGMENTS,
     PIPELINE_SEGMENT_BYTES,
+    PLAN_SIZES,
     Plan,
+    _size_name,
     group_route,
 )
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.dispatch import Dispatcher, Steps
 from vcga.hostbridge import SharedMemoryBridge, combine_rows, combiner
 from vcga.pypg import PyWork, reduce_op_of
+from vcga.workqueue import WorkQueue
 
 __all__ = ["BridgeGroup"]
 
@@ -72,6 +77,43 @@ _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, 
                  for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
 
 
+def _on_queue(result: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated c10d method on the group's :class:`~vcga.workqueue.WorkQueue`, in issue order:
+    it returns at once with a work completed on the communication thread, unless its options say
+    ``asyncOp=False`` (then it runs in the caller's thread when nothing is queued, else waits its
+    turn). Without a queue (config ``bridge_async: false``) it runs in the caller's thread.
+    ``result(*args)`` names the output tensors (the value of the work's future)."""
+    def deco(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: BridgeGroup, *args: Any) -> Any:
+            if self.queue is None:
+                return method(self, *args)
+            opts = next((a for a in args if hasattr(a, "asyncOp")), None)
+            return self.queue.run(partial(method, self, *args), result(*args), opts is None or bool(opts.asyncOp))
+        return run
+    return deco
+
+
+def _first(*args: Any) -> Sequence[torch.Tensor]:
+    return args[0]
+
+
+def _first_of_first(*args: Any) -> Sequence[torch.Tensor]:
+    return args[0][0] if args[0] else []
+
+
+def _first_as_list(*args: Any) -> Sequence[torch.Tensor]:
+    return [args[0]]
+
+
+def _flattened(*args: Any) -> Sequence[torch.Tensor]:
+    return [t for outs in args[0] for t in outs]
+
+
+def _nothing(*args: Any) -> Sequence[torch.Tensor]:
+    return []
+
+
 # ===================================================================================================
 # The group the dispatcher drives
 # ===================================================================================================
@@ -80,9 +122,11 @@ _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, 
 class BridgeGroup:
     """The hierarchical collectives, with the c10d methods of :data:`vcga.transport.TRANSPORT_METHODS`.
 
-    Each collective runs to completion in the calling thread and returns a completed
-    :class:`~vcga.pypg.PyWork` (point-to-point returns gloo's own asynchronous work). Tensors arrive
-    contiguous, in dtypes and ops the combined table calls native.
+    Each collective goes on the group's :class:`~vcga.workqueue.WorkQueue` (:attr:`queue`) and
+    returns at once with a work its communication thread completes, in issue order (``asyncOp``
+    false: it completes before returning); with no queue (``bridge_async: false``) each runs to
+    completion in the calling thread. Point-to-point returns gloo's own asynchronous work. Tensors
+    arrive contiguous, in dtypes and ops the combined table calls native.
 
     :param plan: the plan (same on every rank).
     :param rank: this rank in the ``vcga`` group.
@@ -110,17 +154,25 @@ class BridgeGroup:
         self.hierarchical_reduce_scatters = 0
         #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
         #: "collective" (the library's reduce_scatter / all_gather) or "p2p" (rings over its
-        #: send/recv). Chosen per vendor group by measured cost (:meth:`calibrate`); every rank of
+        #: send/recv). Chosen per vendor group by measured cost (:meth:`measure_links`); every rank of
         #: a vendor group must hold the same value (other groups may differ).
         self.group_method = "collective"
         #: pipeline segments at most (1: no pipelining); the same on every rank of the group
         self.max_segments = PIPELINE_MAX_SEGMENTS
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
-        #: what "auto" runs from BANDWIDTH_MIN_BYTES on (measured by :meth:`calibrate`)
+        #: what "auto" runs from BANDWIDTH_MIN_BYTES on when nothing was measured (the plan's rule)
         self.auto_large = AUTO_LARGE
-        #: the measurements behind both choices (None: not measured)
+        #: the α–β figures "auto" chooses from (:meth:`measure_links`; None: not measured)
+        self.figures: LinkFigures | None = None
+        self._choices: dict[int, str] = {}
+        #: the link class of each kind of step this rank's plan uses (set at creation)
+        self.link_classes: dict[str, str] = {}
+        #: the figures, their classes and the choice per size, for describe() (None: not measured)
         self.calibration: dict[str, Any] | None = None
         self._debug = log.isEnabledFor(logging.DEBUG)
+        #: the ordered queue and communication thread of asynchronous collectives (None: every
+        #: collective runs in the calling thread); set at creation
+        self.queue: WorkQueue | None = None
 
     @property
     def shard_exchange(self) -> str | None:
@@ -166,7 +218,7 @@ class BridgeGroup:
 
     def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
         """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
-        alg = self.plan.all_reduce_algorithm(t.numel() * t.element_size(), self.auto_large)
+        alg = self._auto(t.numel() * t.element_size())
         if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
             alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
         return alg
@@ -323,75 +375,116 @@ class BridgeGroup:
         self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
         self._bridge_reduce(t, op)
 
-    def calibrate(self, device: torch.device, nbytes: int = CALIBRATION_BYTES, reps: int = 3) -> dict[str, Any]:
-        """Measure, once at creation, what the bandwidth algorithm's choices cost here; choose.
+    def measure_links(self, device: torch.device, reps: int = 3) -> LinkFigures:
+        """Measure, once at creation, the α–β figures of every step the algorithms take here
+        (:mod:`vcga.bridge.cost`): collective over the group; every rank gets the same figures.
 
-        Every rank times (fp32 SUM of ``nbytes``, best of ``reps``, interleaved, after a barrier) its vendor
-        group's reduce-scatter + all-gather through the library's collectives and through rings of
-        its send/recv, the library's all-reduce, and the shard peers' bridge all-reduce. The
-        slowest rank's time of each group counts (max over the whole group, exchanged over the
-        host bridge), so every rank derives the same choices:
+        Every rank times each step at the two sizes of :data:`~vcga.bridge.cost.SIZES` (fp32 SUM,
+        best of ``reps``, the kinds interleaved, each after a barrier over the whole group):
 
-        - each vendor group's :attr:`group_method`: the cheaper of "collective" and "p2p";
-        - :attr:`auto_large` (what auto runs from :data:`BANDWIDTH_MIN_BYTES` up to
-          :data:`PIPELINED_MIN_BYTES`): the cheaper prediction of "bandwidth", max over groups of
-          (reduce-scatter + all-gather) + bridge(N)/k, and "replicated", max over groups of
-          all-reduce + bridge(N) (the bridge moves N/k per rank instead of N).
+        - in its vendor group: reduce to the leader + broadcast ("reduce_bcast"), all-reduce,
+          and reduce-scatter + all-gather through the library's collectives ("rsag_collective")
+          and through rings of its send/recv ("rsag_p2p");
+        - on the host: the leaders' set alone ("leaders"; other ranks wait), and every set of
+          shard peers at once ("all_sets": they share whatever link they cross, as the bandwidth
+          and replicated algorithms do).
 
-        Needs equal vendor groups of size >= 2 (the only shape these algorithms run on).
+        The slowest rank of each vendor group counts (a MAX all-reduce of one table over the whole
+        group), so the fits and every choice made from them agree on every rank. Needs equal vendor
+        groups of size >= 2 (the only shape on which there is a choice).
         """
-        n = max(nbytes // 4, 1)
-        x = torch.ones(n, dtype=torch.float32, device=device)
         inner = self.inner
         assert inner is not None and self.plan.equal_groups
-        runs: dict[str, Callable[[], None]] = {
-            "collective": lambda: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
-            "p2p": lambda: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
-            "all_reduce": lambda: self._in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
-            "bridge": lambda: self._bridge_reduce(x, ReduceOp.SUM),
+        groups = self.plan.groups
+        kinds = GROUP_KINDS + BRIDGE_KINDS
+        xs = {n: torch.ones(max(n // 4, 1), dtype=torch.float32, device=device) for n in SIZES}
+        steps: dict[str, Callable[[torch.Tensor], None]] = {
+            "reduce_bcast": lambda x: self._in_group(lambda s: (inner.reduce(x, 0, ReduceOp.SUM, None, None, s),
+                                                                 inner.broadcast(x, 0, None, s))),
+            "all_reduce": lambda x: self._in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
+            "rsag_collective": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
+            "rsag_p2p": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
+            "leaders": lambda x: self._bridge_reduce(x, ReduceOp.SUM) if self.local_rank == 0 else None,
+            "all_sets": lambda x: self._bridge_reduce(x, ReduceOp.SUM),
         }
-        best = {k: float("inf") for k in runs}
+        best = torch.full((len(kinds), len(SIZES)), float("inf"), dtype=torch.float64)
         for _ in range(reps):
-            for what, run in runs.items():
-                self.world.barrier().wait()
-                t0 = time.perf_counter()
-                run()
-                best[what] = min(best[what], time.perf_counter() - t0)
-        # Row g of the table: vendor group g's times; max over all ranks (each rank fills its row).
-        kinds = list(runs)
-        table = torch.zeros(len(self.plan.groups), len(kinds), dtype=torch.float64)
-        table[self.vgroup.index] = torch.tensor([best[k] for k in kinds], dtype=torch.float64)
+            for j, n in enumerate(SIZES):
+                for i, kind in enumerate(kinds):
+                    self.world.barrier().wait()
+                    t0 = time.perf_counter()
+                    steps[kind](xs[n])
+                    best[i, j] = min(float(best[i, j]), time.perf_counter() - t0)
+        # Rows 0..G-1: each vendor group's in-group steps (each rank fills its group's row); row G:
+        # the host steps, and whether this rank's set reduces through shared memory (0 if not: a MAX
+        # of "not shm" over the group says whether any set goes through gloo).
+        g_n, k_n = len(groups), len(GROUP_KINDS)
+        table = torch.zeros(g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
+        table[self.vgroup.index, :k_n] = best[:k_n]
+        table[g_n, k_n:len(kinds)] = best[k_n:]
+        table[g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
         o = dist.AllreduceOptions()
         o.reduceOp = dist.ReduceOp.MAX
         self.world.allreduce([table], o).wait()
-        rows = [dict(zip(kinds, row)) for row in table.tolist()]
-        methods = ["p2p" if r["p2p"] < r["collective"] else "collective" for r in rows]
-        k = self.vgroup.size
-        rsag = max(min(r["p2p"], r["collective"]) for r in rows)
-        bridge_n = max(r["bridge"] for r in rows)
-        predicted = {"bandwidth": rsag + bridge_n / k, "replicated": max(r["all_reduce"] for r in rows) + bridge_n}
-        self.group_method = methods[self.vgroup.index]
-        self.auto_large = min(predicted, key=lambda a: (predicted[a], a))
-        self.calibration = {"bytes": n * 4, "seconds": {g.backend: r for g, r in zip(self.plan.groups, rows)},
-                            "group_methods": {g.backend: m for g, m in zip(self.plan.groups, methods)},
-                            "predicted_seconds": predicted, "auto_large": self.auto_large}
-        log.debug("vcga bridge calibration (rank %d): %s", self.rank, json.dumps(self.calibration))
-        return self.calibration
+        t = table.tolist()
+        fig = LinkFigures(
+            groups=[{kind: fit(SIZES, t[g][i]) for i, kind in enumerate(GROUP_KINDS)} for g in range(g_n)],
+            bridge={kind: fit(SIZES, t[g_n][k_n + i]) for i, kind in enumerate(BRIDGE_KINDS)},
+            classes=dict(self.link_classes),
+            exchange="gloo" if t[g_n][len(kinds)][0] > 0 else "shared memory",
+            group_size=self.vgroup.size, equal_groups=True, segment_bytes=PIPELINE_SEGMENT_BYTES,
+            max_segments=self.max_segments,
+            seconds={"groups": {g.backend: {kind: t[i][j] for j, kind in enumerate(GROUP_KINDS)}
+                                for i, g in enumerate(groups)},
+                     "bridge": {kind: t[g_n][k_n + j] for j, kind in enumerate(BRIDGE_KINDS)}})
+        self.apply_figures(fig)
+        return fig
+
+    def apply_figures(self, fig: LinkFigures) -> None:
+        """Use ``fig`` (measured here, or the same figures from elsewhere -- rank 0's, a cache's:
+        every rank must apply the same): each vendor group's in-group method, and "auto"'s choice
+        at each size (the cheapest prediction of :func:`~vcga.bridge.cost.choose`)."""
+        self.figures = fig
+        self.group_method = fig.group_method(self.vgroup.index)
+        self._choices.clear()
+        table = {}
+        for n in PLAN_SIZES:
+            alg, predicted = choose(fig, n)
+            table[_size_name(n)] = {"algorithm": alg, "predicted_s": predicted}
+        self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
+                            "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
+                            "choice": table}
+        log.debug("vcga bridge link figures (rank %d): %s", self.rank, json.dumps(self.calibration))
+
+    def _auto(self, nbytes: int) -> str:
+        """What "auto" runs for ``nbytes`` on equal groups: the figures' cheapest prediction, or
+        without figures the plan's size rule."""
+        if self.figures is None or self.plan.algorithm != "auto":
+            return self.plan.all_reduce_algorithm(nbytes, self.auto_large)
+        alg = self._choices.get(nbytes)
+        if alg is None:
+            if len(self._choices) > 4096:  # many distinct sizes (varying buckets): keep it bounded
+                self._choices.clear()
+            alg = self._choices[nbytes] = choose(self.figures, nbytes)[0]
+        return alg
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
+    @_on_queue(_first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
         (t,) = tensors
         op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
         self.all_reduce(t, op)
         return PyWork(result=tensors)
 
+    @_on_queue(_first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
         op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
         for t in tensors:
             self.all_reduce(t, op)
         return PyWork(result=tensors)
 
+    @_on_queue(_first)
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> PyWork:
         """All-reduce a copy; only the root keeps the result (other ranks' tensors are unchanged)."""
         (t,) = tensors
@@ -402,12 +495,14 @@ class BridgeGroup:
             t.copy_(w)
         return PyWork(result=tensors)
 
+    @_on_queue(_first)
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
         (out,), (ins,) = outputs, inputs
         op, _ = reduce_op_of(opts.reduceOp)
         self._reduce_scatter(out, [x.reshape(-1) for x in ins], op)
         return PyWork(result=outputs)
 
+    @_on_queue(_first_as_list)
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PyWork:  # noqa: A002
         op, _ = reduce_op_of(opts.reduceOp)
         self._reduce_scatter(output, list(input.reshape(self.size, -1).unbind(0)), op)
@@ -424,7 +519,7 @@ class BridgeGroup:
         nbytes = sum(c.numel() for c in chunks) * out.element_size()
         if (not self.hierarchical_reduce_scatter or not self.plan.equal_groups
                 or any(r != "library" for r in self.routes(out.dtype, op))
-                or self.plan.all_reduce_algorithm(nbytes, self.auto_large) == "leader" or out.numel() == 0):
+                or self._auto(nbytes) == "leader" or out.numel() == 0):
             buf = torch.cat(chunks)
             self.all_reduce(buf, op)
             out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))
@@ -454,6 +549,7 @@ class BridgeGroup:
 
     # -- data movement ---------------------------------------------------------------------------
 
+    @_on_queue(_first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> PyWork:
         """In the root's vendor group, then among the leaders on the host, then in every other group."""
         (t,) = tensors
@@ -479,6 +575,7 @@ class BridgeGroup:
             self.world._allgather_base(rows, src).wait()
         return rows.view(self.size, -1)
 
+    @_on_queue(_first_of_first)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
         (outs,), (inp,) = outputs, inputs
         if len({o.numel() for o in outs}) > 1:
@@ -509,18 +606,21 @@ class BridgeGroup:
                 o.copy_(rows[r * width: r * width + nbytes[r]].view(o.dtype).view(o.shape))
         return PyWork(result=outs)
 
+    @_on_queue(_first_as_list)
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PyWork:  # noqa: A002
         rows = self._gather_bytes(input)
         if input.numel():
             output.copy_(rows.view(-1).view(input.dtype).view(output.shape))
         return PyWork(result=[output])
 
+    @_on_queue(_flattened)
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> PyWork:
         for i, inp in enumerate(inputs):
             self.allgather([[outs[i] for outs in output_lists]], [inp], opts)
         return PyWork(result=[t for outs in output_lists for t in outs])
 
+    @_on_queue(_first_of_first)
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> PyWork:
         (inp,) = inputs
         root = opts.rootRank
@@ -539,6 +639,7 @@ class BridgeGroup:
             self.world.gather([], [src], o).wait()
         return PyWork(result=[])
 
+    @_on_queue(_first)
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
         (out,) = outputs
         root = opts.rootRank
@@ -552,6 +653,7 @@ class BridgeGroup:
         _put(out, h)
         return PyWork(result=outputs)
 
+    @_on_queue(_first_as_list)
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],  # noqa: A002
                       in_splits: list[int], opts: Any = None) -> PyWork:
         """``all_to_all_single`` as bytes; splits count rows of dim 0, scaled to bytes per row."""
@@ -570,6 +672,7 @@ class BridgeGroup:
         _put(output, ho)
         return PyWork(result=[output])
 
+    @_on_queue(_first)
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
         dt = inputs[0].dtype
         send = torch.cat([_host(x).reshape(-1) for x in inputs])
@@ -603,8 +706,11 @@ class BridgeGroup:
             return work
         return PyWork([work], [lambda: _put(t, h)], tensors, source_rank=work._source_rank)
 
+    @_on_queue(_nothing)
     def barrier(self, opts: Any = None) -> Any:
-        return self.world.barrier(opts) if opts is not None else self.world.barrier()
+        # On the queue it must also wait for every collective issued before it (gloo's barrier does)
+        (self.world.barrier(opts) if opts is not None else self.world.barrier()).wait()
+        return PyWork()
 
 
 # ===================================================================================================

@@ -33,32 +33,19 @@ __all__ = [
 
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
 ALGORITHMS = ("leader", "bandwidth", "replicated")
-#: From this message size on, "auto" picks the measured large-message algorithm (bandwidth or
-#: replicated) when every vendor group has the same size >= 2; below it, leader. It is the measured
-#: crossover: below it leader is as good as any, from it on the other algorithms win (benchmarks/hybrid.py;
-#: the figures are in docs/benchmarks.md, "Mixed-vendor all_reduce").
+#: "auto" on equal vendor groups chooses at each message size the algorithm the group's measured
+#: α–β figures predict fastest (:mod:`vcga.bridge.cost`, :meth:`BridgeGroup.measure_links`). The
+#: rule below is what it runs when the group has measured nothing (a rank that cannot name its
+#: device): leader below BANDWIDTH_MIN_BYTES, AUTO_LARGE up to PIPELINED_MIN_BYTES, bandwidth above
+#: (the crossovers measured on one node before the model existed; docs/benchmarks.md).
 BANDWIDTH_MIN_BYTES = 1 << 20
-
-#: What "auto" picks at and above BANDWIDTH_MIN_BYTES on equal vendor groups when nothing was
-#: measured (a group created with bridge_algorithm "leader" or "replicated" never uses it; every
-#: other equal-group bridge replaces it by its measurement, :meth:`BridgeGroup.calibrate`).
 AUTO_LARGE = "replicated"
-#: How the plan (a pure function of the published facts) names auto's large-message choice, which
-#: each running group measures at creation (:meth:`BridgeGroup.calibrate`).
-AUTO_LARGE_MEASURED = "bandwidth|replicated (measured)"
 #: The bandwidth algorithm pipelines a message in segments of at least this size (at most
 #: PIPELINE_MAX_SEGMENTS of them): one segment crosses the bridge while the next is reduce-scattered
 #: and the previous all-gathered inside the vendor group.
 PIPELINE_SEGMENT_BYTES = 8 << 20
 PIPELINE_MAX_SEGMENTS = 8
-#: From this size on (two pipeline segments or more), "auto" runs "bandwidth" on equal vendor groups
-#: whatever the 2 MiB measurement preferred: the measurement, one segment, cannot see the
-#: pipelining, and in every run the pipelined bandwidth algorithm (p2p in-group steps) beat
-#: replicated at 16 and 64 MiB, also in runs where the 2 MiB measurement preferred replicated
-#: (docs/benchmarks.md, "Mixed-vendor all_reduce").
 PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
-#: Message size of the creation-time measurement (large enough to be bandwidth-bound).
-CALIBRATION_BYTES = 2 << 20
 
 #: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
 #: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
@@ -152,9 +139,9 @@ class Plan:
         return tuple(g.ranks[local_rank] for g in self.groups if local_rank < g.size)
 
     def all_reduce_algorithm(self, nbytes: int, large: str = AUTO_LARGE) -> str:
-        """The algorithm for an all_reduce of ``nbytes`` bytes; ``large`` is what "auto" uses from
-        :data:`BANDWIDTH_MIN_BYTES` on (a running group passes its measured choice, see
-        :meth:`BridgeGroup.calibrate`)."""
+        """The algorithm for an all_reduce of ``nbytes`` bytes without measured figures (a group
+        with figures lets them choose, :meth:`BridgeGroup._auto`); ``large`` is what "auto" then
+        uses from :data:`BANDWIDTH_MIN_BYTES` up to :data:`PIPELINED_MIN_BYTES`."""
         if not self.equal_groups:
             return "leader"  # shards must line up across vendor groups
         if self.algorithm == "auto":
@@ -173,7 +160,9 @@ class Plan:
         def g_rank(r: int) -> int:
             return self.global_ranks[r] if self.global_ranks else r
 
-        lead = {s: self.all_reduce_algorithm(s, large=AUTO_LARGE_MEASURED) for s in sizes}
+        lead = {s: self.all_reduce_algorithm(s) for s in sizes}
+        if self.algorithm == "auto" and self.equal_groups:  # each group measures its links and chooses
+            lead = {s: f"measured ({a} unmeasured)" for s, a in lead.items()}
         out = {
             "size": self.size,
             "algorithm": self.algorithm,
@@ -239,6 +228,21 @@ def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm
     plan = make_plan(peers, algorithm)
     by_name = {b.name: b for b in backends}
     return plan, [by_name[g.backend].capabilities() for g in plan.groups]
+
+
+def link_classes(plan: Plan, peers: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The link class of each kind of step the plan takes (``vcga info --plan`` and the measured
+    figures name them): each vendor group's own steps are *in-vendor* (on one node, or across
+    nodes: the library's own network then), the steps between vendor groups *cross-vendor same
+    node* when every set of shard peers sits on one node, *cross-node* when every set spans
+    nodes, *mixed* otherwise."""
+    out = {}
+    for g in plan.groups:
+        out[g.backend] = "in-vendor, " + ("one node" if len(g.nodes) == 1 else f"across {len(g.nodes)} nodes")
+    k = max(g.size for g in plan.groups) if plan.equal_groups else 1
+    spans = {len({peers[r].get("node", "") for r in plan.shard_peers(i)}) > 1 for i in range(k)}
+    out["bridge"] = ("mixed" if len(spans) > 1 else "cross-node" if spans.pop() else "cross-vendor same node")
+    return out
 
 
 def _size_name(n: int) -> str:

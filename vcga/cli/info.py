@@ -157,7 +157,7 @@ def _parse_counts(spec: str, option: str) -> list[tuple[str, int]]:
 
 
 def collect_plan(vendors: str | None = None, backends: str | None = None, nodes: int | None = None,
-                 algorithm: str | None = None) -> dict[str, Any]:
+                 algorithm: str | None = None, figures: str | None = None) -> dict[str, Any]:
     """The bridge plan for a layout, as JSON-ready dict (what every rank of that layout computes).
 
     The layout is ``backends`` (registered backend names with counts, e.g. ``nccl:8,hccl:8``), or
@@ -165,11 +165,13 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
     ``sim_vendors``/``backend``. Rank r gets its backend exactly as :func:`vcga.process_group`
     selects it (the plugins' ``vcga_rank_backend`` answer for simulated sets); ``nodes`` splits the
     ranks into that many equal, consecutive nodes ``node0``, ``node1``, ... (torchrun's layout);
-    without it every rank is on this host, as in a single-node run.
+    without it every rank is on this host, as in a single-node run. ``figures``: a JSON file of
+    measured α–β figures (a group's ``transport.describe()["calibration"]``, or its ``figures``;
+    benchmarks/multinode.py ``--figures`` writes one): the choice per message size they predict.
     """
     from dataclasses import replace
 
-    from vcga.bridge import node_name, plan_for_layout
+    from vcga.bridge import link_classes, node_name, plan_for_layout
     from vcga.config import load_config, parse_sim_vendors
     from vcga.errors import VcgaConfigError
     from vcga.plugin_manager import get_plugin_manager
@@ -214,7 +216,38 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
         # how each set of shard peers reduces on the host (docs/bridge.md, "The host exchange")
         out["shard_exchange"] = ["shared memory" if config.bridge_shm and len({node_of[r] for r in peers}) == 1
                                  else "gloo" for peers in out["plan"]["shard_peers"]]
+        out["link_classes"] = link_classes(plan, [{"node": n} for n in node_of])
+        if figures is not None:
+            out["figures"] = _figure_choices(plan, figures)
+    elif figures is not None:
+        raise click.UsageError("--figures needs a mixed-vendor layout (one backend has no bridge to choose for)")
     return out
+
+
+def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
+    """The α–β figures in ``path`` and the all_reduce algorithm they predict fastest per size."""
+    from pathlib import Path
+
+    from vcga.bridge.cost import LinkFigures, choose
+    from vcga.bridge.plan import PLAN_SIZES, _size_name
+
+    try:
+        data = json.loads(Path(path).read_text())
+        data = data.get("calibration", data) if isinstance(data, dict) else data
+        fig = LinkFigures.from_json(data.get("figures", data))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise click.BadParameter(f"{path}: not a file of bridge link figures ({type(e).__name__}: {e}); "
+                                 "write one with benchmarks/multinode.py --figures, or save a group's "
+                                 "transport.describe()['calibration']", param_hint="--figures") from None
+    if len(fig.groups) != len(plan.groups) or not plan.equal_groups:
+        raise click.BadParameter(f"{path}: figures of {len(fig.groups)} vendor groups, but this layout has "
+                                 f"{len(plan.groups)}{'' if plan.equal_groups else ' of unequal sizes (leader only)'}",
+                                 param_hint="--figures")
+    choice = {}
+    for n in PLAN_SIZES:
+        alg, predicted = choose(fig, n)
+        choice[_size_name(n)] = {"algorithm": alg, "predicted_s": predicted}
+    return {"file": path, "figures": fig.to_json(), "choice": choice}
 
 
 def _ranks(rs: list[int]) -> str:
@@ -263,13 +296,42 @@ def render_plan(data: dict[str, Any]) -> str:
     lines.append("reduce_scatter run an all_reduce of that size: the root keeps it / each rank its chunk)")
     for size, alg in p["collectives"]["all_reduce"].items():
         lines.append(f"  {size:>7}  {alg}")
-    if any("(measured)" in a for a in p["collectives"]["all_reduce"].values()):
-        lines.append("  (measured: each group times both at creation, and its reduce-scatter/all-gather through")
-        lines.append("   the library's collectives and through rings of its send/recv; describe()['calibration'])")
+    if any("measured" in a for a in p["collectives"]["all_reduce"].values()):
+        lines.append("  (measured: each group times its steps per link class at creation and runs the algorithm")
+        lines.append("   their α–β figures predict fastest; describe()['calibration']; --figures FILE shows it)")
     lines.append("other collectives")
     for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
         lines.append(f"  {name}: {p['collectives'][name]}")
+    lines.extend(_render_links(data))
     return "\n".join(lines)
+
+
+def _render_links(data: dict[str, Any]) -> list[str]:
+    """The link classes of the layout and, with --figures, their α–β figures and the choice."""
+    classes = data.get("link_classes", {})
+    lines = ["", "link classes: " + "; ".join(f"{k}: {v}" for k, v in classes.items() if k != "bridge")
+             + f"; between vendor groups: {classes.get('bridge', '?')}"]
+    f = data.get("figures")
+    if not f:
+        return lines
+    fig = f["figures"]
+
+    def ab(pair: list[float]) -> str:
+        alpha, beta = pair
+        return f"α {alpha * 1e6:.0f} µs β " + ("inf" if beta == float("inf") else f"{beta / 1e6:.0f} MB/s")
+
+    lines.append(f"α–β figures ({f['file']}; time = α + bytes/β per step; shard peers exchange through "
+                 f"{fig['exchange']})")
+    for g, steps in zip(data["plan"]["groups"], fig["groups"]):
+        lines.append(f"  {g['backend']} ({classes.get(g['backend'], 'in-vendor')}): "
+                     + "; ".join(f"{k} {ab(v)}" for k, v in steps.items()))
+    lines.append(f"  between vendor groups ({classes.get('bridge', '?')}): "
+                 + "; ".join(f"{k} {ab(v)}" for k, v in fig["bridge"].items()))
+    lines.append("all_reduce algorithm these figures choose (predicted ms of each)")
+    for size, c in f["choice"].items():
+        pred = ", ".join(f"{a} {t * 1e3:.2f}" for a, t in c["predicted_s"].items())
+        lines.append(f"  {size:>7}  {c['algorithm']:<10}  ({pred})")
+    return lines
 
 
 @click.command()
@@ -283,13 +345,15 @@ def render_plan(data: dict[str, Any]) -> str:
 @click.option("--vendors", metavar="SPEC", help="With --plan: simulated vendors, VCGA_SIM_VENDORS syntax (nccl:2,hccl:2).")
 @click.option("--backends", metavar="SPEC", help="With --plan: registered backends per rank (nccl:8,hccl:8).")
 @click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
+@click.option("--figures", metavar="FILE", help="With --plan: measured α–β link figures (JSON): show them and "
+              "the algorithm they choose per size.")
 @click.option("--algorithm", type=click.Choice(["auto", "leader", "bandwidth", "replicated"]),
               help="With --plan: bridge_algorithm (default: the configured one).")
 @click.option("--recheck-plugins", is_flag=True,
               help="Vet every third-party plugin again in a child process instead of trusting cached verdicts "
                    "(after a driver or SDK update; same as VCGA_PLUGIN_RECHECK=1).")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
-         nodes: int | None, algorithm: str | None, recheck_plugins: bool) -> None:
+         nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -300,13 +364,13 @@ def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors:
         os.environ["VCGA_PLUGIN_RECHECK"] = "1"  # read when the plugin manager is created, below
     if plan:
         try:
-            pdata = collect_plan(vendors, backends, nodes, algorithm)
+            pdata = collect_plan(vendors, backends, nodes, algorithm, figures)
         except VcgaError as e:
             raise click.ClickException(str(e)) from None
         click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
         return
-    if vendors or backends or nodes is not None or algorithm:
-        raise click.UsageError("--vendors, --backends, --nodes and --algorithm go with --plan")
+    if vendors or backends or nodes is not None or algorithm or figures:
+        raise click.UsageError("--vendors, --backends, --nodes, --algorithm and --figures go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:
