@@ -286,30 +286,3 @@ def test_bridge_collectives_are_asynchronous_ordered_and_bitwise_like_the_synchr
     assert sum(results[0]["counts"].values()) >= 6  # five all_reduces and the reduce_scatter went through the bridge
     for r in results[:3]:
         assert r["missing_peer"] == "VcgaTimeoutError" and r["after"] == "VcgaCollectiveError", r
-
-
-def test_a_rank_leaving_with_a_bridge_collective_in_flight_exits_cleanly() -> None:
-    """tests/leave_in_flight.py on a mixed world (``nccl:1,hccl:1``): rank 0 returns from its script
-    while its all_reduce waits on the bridge's communication thread; the exit drain waits for it
-    (rank 1 joins meanwhile), the process exits with 0 and rank 1 gets the sum."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from pg_world import free_port
-
-    script = Path(__file__).with_name("leave_in_flight.py")
-    port = str(free_port())
-    env = {**os.environ, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_SIM_VENDORS": "nccl:1,hccl:1"}
-    leaving = subprocess.Popen([sys.executable, str(script), "0", port], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        joining = subprocess.run([sys.executable, str(script), "1", port], env=env, capture_output=True,
-                                 text=True, timeout=120)
-        out, _ = leaving.communicate(timeout=120)
-    finally:
-        leaving.kill()
-    assert joining.returncode == 0, joining.stdout + joining.stderr
-    assert leaving.returncode == 0 and "terminate called" not in out and "still in flight" not in out, (
-        leaving.returncode, out)
