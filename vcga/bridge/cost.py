@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "segments", "FIGURES_VERSION", "SIZES",
+__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "FIGURES_VERSION", "SIZES",
            "GROUP_KINDS", "BRIDGE_KINDS"]
 
 #: Bumped when the figures' meaning changes (a cache keyed on it drops older entries).
@@ -148,6 +148,16 @@ def predict(fig: LinkFigures, nbytes: int) -> dict[str, float]:
         out["bandwidth"] = m * (r + b)
     else:
         out["bandwidth"] = r / 2 + m * r / 2 + (m - 1) * max(b, r / 2) + b
+    return out
+
+
+def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str) -> dict[str, dict[str, Any]]:
+    """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s"}}`` (what
+    ``describe()["calibration"]["choice"]`` and ``vcga info --plan --figures`` show)."""
+    out = {}
+    for n in sizes:
+        alg, predicted = choose(fig, n)
+        out[label(n)] = {"algorithm": alg, "predicted_s": predicted}
     return out
 
 

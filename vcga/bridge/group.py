@@ -12,14 +12,13 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
-from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choose, fit
+from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit
 from vcga.bridge.plan import (
     ALGORITHMS,
     AUTO_LARGE,
@@ -27,7 +26,7 @@ from vcga.bridge.plan import (
     PIPELINE_SEGMENT_BYTES,
     PLAN_SIZES,
     Plan,
-    _size_name,
+    size_name,
     group_route,
 )
 from vcga.contract import CapabilityTable, ReduceOp
@@ -89,7 +88,7 @@ def _on_queue(result: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Callab
             if self.queue is None:
                 return method(self, *args)
             opts = next((a for a in args if hasattr(a, "asyncOp")), None)
-            return self.queue.run(partial(method, self, *args), result(*args), opts is None or bool(opts.asyncOp))
+            return self.queue.run(functools.partial(method, self, *args), result(*args), opts is None or bool(opts.asyncOp))
         return run
     return deco
 
@@ -447,10 +446,7 @@ class BridgeGroup:
         self.figures = fig
         self.group_method = fig.group_method(self.vgroup.index)
         self._choices.clear()
-        table = {}
-        for n in PLAN_SIZES:
-            alg, predicted = choose(fig, n)
-            table[_size_name(n)] = {"algorithm": alg, "predicted_s": predicted}
+        table = choices(fig, PLAN_SIZES, size_name)
         self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
                             "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
                             "choice": table}

@@ -174,9 +174,9 @@ class Plan:
             "shard_peers": [[g_rank(r) for r in self.shard_peers(i)]
                             for i in range(max(g.size for g in self.groups)) if self.equal_groups or i == 0],
             "collectives": {
-                "all_reduce": {_size_name(s): a for s, a in lead.items()},
-                "reduce": {_size_name(s): a + " (all_reduce, result kept at the root)" for s, a in lead.items()},
-                "reduce_scatter": {_size_name(s): a + " (all_reduce, each rank keeps its chunk)" for s, a in lead.items()},
+                "all_reduce": {size_name(s): a for s, a in lead.items()},
+                "reduce": {size_name(s): a + " (all_reduce, result kept at the root)" for s, a in lead.items()},
+                "reduce_scatter": {size_name(s): a + " (all_reduce, each rank keeps its chunk)" for s, a in lead.items()},
                 "broadcast": "in root's vendor group, leaders over the bridge, then in every other vendor group",
                 "all_gather": "host bridge (gloo, whole group, bytes)",
                 "gather": "host bridge (gloo, whole group, bytes)",
@@ -245,7 +245,7 @@ def link_classes(plan: Plan, peers: Sequence[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
-def _size_name(n: int) -> str:
+def size_name(n: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"

@@ -228,8 +228,8 @@ def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
     """The α–β figures in ``path`` and the all_reduce algorithm they predict fastest per size."""
     from pathlib import Path
 
-    from vcga.bridge.cost import LinkFigures, choose
-    from vcga.bridge.plan import PLAN_SIZES, _size_name
+    from vcga.bridge.cost import LinkFigures, choices
+    from vcga.bridge.plan import PLAN_SIZES, size_name
 
     try:
         data = json.loads(Path(path).read_text())
@@ -243,11 +243,7 @@ def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
         raise click.BadParameter(f"{path}: figures of {len(fig.groups)} vendor groups, but this layout has "
                                  f"{len(plan.groups)}{'' if plan.equal_groups else ' of unequal sizes (leader only)'}",
                                  param_hint="--figures")
-    choice = {}
-    for n in PLAN_SIZES:
-        alg, predicted = choose(fig, n)
-        choice[_size_name(n)] = {"algorithm": alg, "predicted_s": predicted}
-    return {"file": path, "figures": fig.to_json(), "choice": choice}
+    return {"file": path, "figures": fig.to_json(), "choice": choices(fig, PLAN_SIZES, size_name)}
 
 
 def _ranks(rs: list[int]) -> str:
