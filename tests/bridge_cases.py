@@ -252,12 +252,14 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     2. many collectives in flight at once (every algorithm's sizes, a reduce_scatter, a broadcast,
        an all_gather, a barrier), waited for afterwards: the same bits as the same calls one at a
        time on a group with ``bridge_async: false``, and the same bits on every rank; the queue's
-       thread ran them (``queue.queued``), the synchronous group has no queue;
+       thread ran them (``queue.queued``), the synchronous group has no queue; and the same bits
+       again through the bandwidth algorithm pipelined in several segments over gloo;
     3. an error surfaces typed on ``wait()``: rank 3 leaves a group's all_reduce out; the others'
        ``wait()`` raises VcgaTimeoutError, and the group's next call VcgaCollectiveError.
     """
     from datetime import timedelta
 
+    from vcga.bridge.cost import GROUP_KINDS, AlphaBeta, LinkFigures
     from vcga.config import load_config
     from vcga.errors import VcgaCollectiveError, VcgaTimeoutError
     from vcga.process_group import VcgaOptions
@@ -282,8 +284,19 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
 
     # 2.
     sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(load_config(), bridge_async=False)))
+    # the bandwidth algorithm through gloo, pipelined: figures of a slow link make every message
+    # from 512 KiB on go in several segments (k = 2 per vendor group and two groups: one addition
+    # per element in each step, so any segmentation gives the same bits)
+    piped = dist.new_group(backend="vcga", pg_options=VcgaOptions(
+        config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False)))
+    slow = LinkFigures(groups=[{k: AlphaBeta(1e-4, 2e9) for k in GROUP_KINDS}] * 2,
+                       bridge={"leaders": AlphaBeta(5e-4, 1.25e8), "all_sets": AlphaBeta(5e-4, 6.25e7)},
+                       classes={}, exchange="gloo", group_size=2, equal_groups=True,
+                       min_segment_bytes=256 << 10, max_segments=16)
+    piped.transport.group.apply_figures(slow)
+    out["segments"] = [piped.transport.group._segment_count(n * 4) for n in (300_000, 1 << 20, 5_000_000)]
     digests = {}
-    for label, group in (("async", dist.group.WORLD), ("sync", sync)):
+    for label, group in (("async", dist.group.WORLD), ("sync", sync), ("pipelined", piped)):
         ts = [inputs(rank, n, torch.float32, salt) for salt, n in enumerate((1000, 70_000, 300_000, 1 << 20, 5_000_000))]
         rs_in, rs_out = inputs(rank, 4 * 50_000, torch.float32, 9), torch.empty(50_000)
         bc, ag_out = inputs(rank, 777, torch.float64, 10), torch.empty(4 * 333, dtype=torch.int64)
@@ -300,6 +313,7 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         own.update(rs_out.view(torch.uint8).numpy().tobytes())
         digests[label] = (shared.hexdigest(), own.hexdigest())
     out["async_equals_sync"] = digests["async"] == digests["sync"]
+    out["pipelined_equals_sync"] = digests["pipelined"] == digests["sync"]
     every = [None] * size
     dist.all_gather_object(every, digests["async"][0], group=check)
     out["identical_on_every_rank"] = len(set(every)) == 1

@@ -282,6 +282,7 @@ def test_bridge_collectives_are_asynchronous_ordered_and_bitwise_like_the_synchr
         assert r["completed_at_return"] is False, r
     for r in results:
         assert r["first_sum_ok"] and r["async_equals_sync"] and r["identical_on_every_rank"], r
+        assert r["pipelined_equals_sync"] and 1 < r["segments"][1] < r["segments"][2], r
         assert r["queued"] >= 9 and r["sync_has_no_queue"], r
     assert sum(results[0]["counts"].values()) >= 6  # five all_reduces and the reduce_scatter went through the bridge
     for r in results[:3]:

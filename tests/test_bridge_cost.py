@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from vcga.bridge.cost import SIZES, AlphaBeta, LinkFigures, choose, fit, predict, segments
-from vcga.bridge.plan import PIPELINE_MAX_SEGMENTS, PIPELINE_SEGMENT_BYTES
+from vcga.bridge.cost import SIZES, AlphaBeta, LinkFigures, bandwidth_time, choose, fit, predict, segments
+from vcga.bridge.plan import MODEL_MAX_SEGMENTS, MODEL_MIN_SEGMENT_BYTES
 
 MB = 1e6
 
@@ -26,8 +26,8 @@ def figures(bridge_all: AlphaBeta, bridge_one: AlphaBeta, in_group: AlphaBeta, e
     g = {kind: in_group for kind in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}
     return LinkFigures(groups=[g, dict(g)], bridge={"leaders": bridge_one, "all_sets": bridge_all},
                        classes={"a": "in-vendor, one node", "b": "in-vendor, one node", "bridge": "cross-node"},
-                       exchange=exchange, group_size=k, equal_groups=True, segment_bytes=PIPELINE_SEGMENT_BYTES,
-                       max_segments=PIPELINE_MAX_SEGMENTS)
+                       exchange=exchange, group_size=k, equal_groups=True, min_segment_bytes=MODEL_MIN_SEGMENT_BYTES,
+                       max_segments=MODEL_MAX_SEGMENTS)
 
 
 def test_a_slow_link_with_a_fixed_cost_makes_small_messages_go_through_the_leaders():
@@ -39,10 +39,26 @@ def test_a_slow_link_with_a_fixed_cost_makes_small_messages_go_through_the_leade
     assert choose(fig, 4 << 10)[0] == "leader"
     assert choose(fig, 64 << 20)[0] == "bandwidth"
     p = predict(fig, 64 << 20)
-    # bandwidth: 8 segments of 8 MiB; each set sends its 4 MiB half over its share of the link,
-    # the in-group steps hidden behind it -> close to the link's bound N / 125 MB/s
-    assert p["bandwidth"] == pytest.approx((64 << 20) / (125 * MB), rel=0.1)
+    # bandwidth: each set sends its half over its share of the link, the in-group steps of the
+    # other segments hidden behind it -> close to the link's bound N / 125 MB/s
+    assert p["bandwidth"] == pytest.approx((64 << 20) / (125 * MB), rel=0.05)
     assert p["replicated"] > 1.9 * p["bandwidth"]  # every set sends all N bytes over the shared link
+
+
+def test_the_pipeline_depth_is_the_predicted_fastest():
+    """A DDP bucket of 4 MiB over the slow link: cut into segments so that its in-group steps hide
+    behind the exchange (one segment would add them in full); a fast link with a large fixed cost
+    per step keeps one segment."""
+    slow = figures(bridge_all=AlphaBeta(500e-6, 62.5 * MB), bridge_one=AlphaBeta(500e-6, 125 * MB),
+                   in_group=AlphaBeta(300e-6, 500 * MB))
+    n = 4 << 20
+    m = segments(slow, n)
+    assert 1 < m <= MODEL_MAX_SEGMENTS and n / m >= MODEL_MIN_SEGMENT_BYTES
+    assert bandwidth_time(slow, n, m) == min(bandwidth_time(slow, n, c) for c in (1, 2, 4, 8, 16))
+    assert bandwidth_time(slow, n, m) < 0.9 * bandwidth_time(slow, n, 1)
+    fast = figures(bridge_all=AlphaBeta(2e-3, 5000 * MB), bridge_one=AlphaBeta(2e-3, 5000 * MB),
+                   in_group=AlphaBeta(2e-3, 5000 * MB))
+    assert segments(fast, n) == 1
 
 
 def test_one_fast_stream_beats_parallel_sets_when_the_sets_share_a_link_worse():
@@ -53,14 +69,13 @@ def test_one_fast_stream_beats_parallel_sets_when_the_sets_share_a_link_worse():
 
 
 def test_shared_memory_exchange_is_not_pipelined():
-    fig_gloo = figures(AlphaBeta(50e-6, 500 * MB), AlphaBeta(50e-6, 1000 * MB), AlphaBeta(100e-6, 500 * MB))
-    fig_shm = figures(AlphaBeta(50e-6, 500 * MB), AlphaBeta(50e-6, 1000 * MB), AlphaBeta(100e-6, 500 * MB),
-                      exchange="shared memory")
+    """Through shared memory the exchange is synchronous: segments only add their α."""
+    args = (AlphaBeta(50e-6, 500 * MB), AlphaBeta(50e-6, 1000 * MB), AlphaBeta(100e-6, 500 * MB))
+    fig_gloo, fig_shm = figures(*args), figures(*args, exchange="shared memory")
     n = 64 << 20
-    m = segments(n, PIPELINE_SEGMENT_BYTES, PIPELINE_MAX_SEGMENTS)
-    assert m == 8
-    r, b = 100e-6 + (n / m) / (500 * MB), 50e-6 + (n / m / 2) / (500 * MB)
-    assert predict(fig_shm, n)["bandwidth"] == pytest.approx(m * (r + b))
+    r, b = 100e-6 + (n / 8) / (500 * MB), 50e-6 + (n / 8 / 2) / (500 * MB)
+    assert bandwidth_time(fig_shm, n, 8) == pytest.approx(8 * (r + b))
+    assert segments(fig_shm, n) == 1
     assert predict(fig_gloo, n)["bandwidth"] < predict(fig_shm, n)["bandwidth"]
 
 

@@ -118,7 +118,7 @@ def test_info_plan_shows_link_classes_and_what_measured_figures_choose(tmp_path)
     fig = LinkFigures(groups=[{k: fast for k in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}] * 2,
                       bridge={"leaders": AlphaBeta(500e-6, 125e6), "all_sets": AlphaBeta(500e-6, 62.5e6)},
                       classes={"bridge": "cross-node"}, exchange="gloo", group_size=2, equal_groups=True,
-                      segment_bytes=8 << 20, max_segments=8)
+                      min_segment_bytes=256 << 10, max_segments=16)
     f = tmp_path / "links.json"
     f.write_text(json.dumps({"figures": fig.to_json(), "choice": {}}))  # a group's describe()["calibration"]
     args = ["info", "--plan", "--vendors", "nccl:2,hccl:2", "--nodes", "2", "--figures", str(f)]

@@ -20,11 +20,13 @@ in-group step, since every group must finish it):
 
 - leader: reduce+broadcast(N) + leaders(N);
 - replicated: all_reduce(N) + all_sets(N);
-- bandwidth, in ``m`` pipeline segments of ``S = N/m`` (:func:`segments`), ``r`` = the in-group
-  reduce-scatter + all-gather of one segment (the cheaper method), ``b = all_sets(S/k)``: one
-  segment ``r + b``; pipelined through gloo (a segment crosses while the next is reduce-scattered
-  and the previous all-gathered) ``r/2 + m·r/2 + (m-1)·max(b, r/2) + b``; through shared memory
-  (synchronous) ``m·(r + b)``.
+- bandwidth, in ``m`` pipeline segments of ``S = N/m``, ``r`` = the in-group reduce-scatter +
+  all-gather of one segment (the cheaper method), ``b = all_sets(S/k)``: one segment ``r + b``;
+  pipelined through gloo (a segment crosses while the next is reduce-scattered and the previous
+  all-gathered) ``max(r + m·b, m·r + b)``: whichever of the link and the in-group steps is busier
+  sets the pace; through shared memory (synchronous) ``m·(r + b)``. ``m`` itself is chosen the same way (:func:`segments`): the count with the
+  smallest prediction, so a slow link gets its in-group steps hidden even for a DDP bucket of a
+  few MiB, and a fast one is not cut into pieces that cost more α than they hide.
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
 """
@@ -37,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "FIGURES_VERSION", "SIZES",
+__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "bandwidth_time", "FIGURES_VERSION", "SIZES",
            "GROUP_KINDS", "BRIDGE_KINDS"]
 
 #: Bumped when the figures' meaning changes (a cache keyed on it drops older entries).
@@ -71,9 +73,33 @@ def fit(sizes: Sequence[int], seconds: Sequence[float]) -> AlphaBeta:
     return AlphaBeta(max(0.0, t1 - s1 / beta), beta)
 
 
-def segments(nbytes: int, segment_bytes: int, max_segments: int) -> int:
-    """How many pipeline segments the bandwidth algorithm cuts ``nbytes`` into (its own rule)."""
-    return max(1, min(max_segments, nbytes // segment_bytes))
+def bandwidth_time(fig: LinkFigures, nbytes: int, m: int) -> float:
+    """Predicted seconds of the bandwidth algorithm on ``nbytes`` in ``m`` pipeline segments."""
+    s = nbytes / m
+    r = max(g["rsag_" + fig.group_method(i)].time(s) for i, g in enumerate(fig.groups))
+    b = fig.bridge["all_sets"].time(s / fig.group_size)
+    if fig.exchange == "shared memory":
+        return m * (r + b)
+    # Two resources, each serial: the thread's in-group steps and the link's exchanges (gloo runs a
+    # group's works in order). Segment j's exchange starts when its reduce-scatter is done and the
+    # previous exchange has left; its all-gather when its exchange arrived. Link-bound: the first
+    # reduce-scatter, m exchanges, the last all-gather; thread-bound: m segments' steps and one
+    # exchange. (m = 1: r + b either way.)
+    return max(r + m * b, m * r + b)
+
+
+def segments(fig: LinkFigures, nbytes: int) -> int:
+    """How many pipeline segments make the bandwidth algorithm fastest on ``nbytes``: the count (a
+    power of two up to ``fig.max_segments``, segments of at least ``fig.min_segment_bytes``) with the
+    smallest prediction -- more segments overlap more of the in-group steps with the exchange, and
+    each costs its steps' α once more. Ties: fewer segments."""
+    best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
+    while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:
+        t = bandwidth_time(fig, nbytes, m)
+        if t < best_t:
+            best, best_t = m, t
+        m *= 2
+    return best
 
 
 @dataclass
@@ -94,7 +120,8 @@ class LinkFigures:
     exchange: str
     group_size: int
     equal_groups: bool
-    segment_bytes: int
+    #: the bandwidth algorithm's pipeline: segments of at least this many bytes, at most this many
+    min_segment_bytes: int
     max_segments: int
     sizes: tuple[int, int] = SIZES
     #: the raw seconds behind the fits (slowest rank), for the record
@@ -136,18 +163,8 @@ def predict(fig: LinkFigures, nbytes: int) -> dict[str, float]:
     out = {"leader": worst("reduce_bcast", nbytes) + fig.bridge["leaders"].time(nbytes)}
     if not fig.equal_groups or "all_sets" not in fig.bridge:
         return out
-    k = fig.group_size
     out["replicated"] = worst("all_reduce", nbytes) + fig.bridge["all_sets"].time(nbytes)
-    m = segments(nbytes, fig.segment_bytes, fig.max_segments)
-    s = nbytes / m
-    r = max(g["rsag_" + fig.group_method(i)].time(s) for i, g in enumerate(fig.groups))
-    b = fig.bridge["all_sets"].time(s / k)
-    if m == 1:
-        out["bandwidth"] = r + b
-    elif fig.exchange == "shared memory":
-        out["bandwidth"] = m * (r + b)
-    else:
-        out["bandwidth"] = r / 2 + m * r / 2 + (m - 1) * max(b, r / 2) + b
+    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes))
     return out
 
 

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
-from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit
+from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit, segments
 from vcga.bridge.plan import (
     ALGORITHMS,
     AUTO_LARGE,
+    MODEL_MAX_SEGMENTS,
+    MODEL_MIN_SEGMENT_BYTES,
     PIPELINE_MAX_SEGMENTS,
     PIPELINE_SEGMENT_BYTES,
     PLAN_SIZES,
@@ -157,7 +159,8 @@ class BridgeGroup:
         #: a vendor group must hold the same value (other groups may differ).
         self.group_method = "collective"
         #: pipeline segments at most (1: no pipelining); the same on every rank of the group
-        self.max_segments = PIPELINE_MAX_SEGMENTS
+        self.max_segments = MODEL_MAX_SEGMENTS
+        self._segment_counts: dict[int, int] = {}
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
         #: what "auto" runs from BANDWIDTH_MIN_BYTES on when nothing was measured (the plan's rule)
         self.auto_large = AUTO_LARGE
@@ -259,10 +262,11 @@ class BridgeGroup:
         self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
 
     def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The pipeline segments of a bandwidth all_reduce: a function of the size only, so every
-        vendor group cuts the same boundaries (shard peers must bridge the same elements)."""
+        """The pipeline segments of a bandwidth all_reduce: a function of the size and of the figures
+        every rank holds, so every vendor group cuts the same boundaries (shard peers must bridge
+        the same elements)."""
         n = flat.numel()
-        count = max(1, min(self.max_segments, n * flat.element_size() // PIPELINE_SEGMENT_BYTES))
+        count = min(self.max_segments, self._segment_count(n * flat.element_size()))
         edges = [n * j // count for j in range(count + 1)]
         return [flat[edges[j]:edges[j + 1]] for j in range(count)]
 
@@ -431,8 +435,8 @@ class BridgeGroup:
             bridge={kind: fit(SIZES, t[g_n][k_n + i]) for i, kind in enumerate(BRIDGE_KINDS)},
             classes=dict(self.link_classes),
             exchange="gloo" if t[g_n][len(kinds)][0] > 0 else "shared memory",
-            group_size=self.vgroup.size, equal_groups=True, segment_bytes=PIPELINE_SEGMENT_BYTES,
-            max_segments=self.max_segments,
+            group_size=self.vgroup.size, equal_groups=True, min_segment_bytes=MODEL_MIN_SEGMENT_BYTES,
+            max_segments=MODEL_MAX_SEGMENTS,
             seconds={"groups": {g.backend: {kind: t[i][j] for j, kind in enumerate(GROUP_KINDS)}
                                 for i, g in enumerate(groups)},
                      "bridge": {kind: t[g_n][k_n + j] for j, kind in enumerate(BRIDGE_KINDS)}})
@@ -446,11 +450,24 @@ class BridgeGroup:
         self.figures = fig
         self.group_method = fig.group_method(self.vgroup.index)
         self._choices.clear()
+        self._segment_counts.clear()
         table = choices(fig, PLAN_SIZES, size_name)
         self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
                             "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
                             "choice": table}
         log.debug("vcga bridge link figures (rank %d): %s", self.rank, json.dumps(self.calibration))
+
+    def _segment_count(self, nbytes: int) -> int:
+        """Pipeline segments of a bandwidth all_reduce of ``nbytes``: what the figures predict fastest
+        (:func:`~vcga.bridge.cost.segments`), or without figures one per 8 MiB (at most 8)."""
+        if self.figures is None:
+            return max(1, min(PIPELINE_MAX_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES))
+        m = self._segment_counts.get(nbytes)
+        if m is None:
+            if len(self._segment_counts) > 4096:
+                self._segment_counts.clear()
+            m = self._segment_counts[nbytes] = segments(self.figures, nbytes)
+        return m
 
     def _auto(self, nbytes: int) -> str:
         """What "auto" runs for ``nbytes`` on equal groups: the figures' cheapest prediction, or

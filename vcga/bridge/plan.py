@@ -46,6 +46,10 @@ AUTO_LARGE = "replicated"
 PIPELINE_SEGMENT_BYTES = 8 << 20
 PIPELINE_MAX_SEGMENTS = 8
 PIPELINED_MIN_BYTES = 2 * PIPELINE_SEGMENT_BYTES
+#: With measured figures the pipeline's segment count is the one they predict fastest
+#: (:func:`vcga.bridge.cost.segments`): a power of two up to this many, segments of at least this size.
+MODEL_MAX_SEGMENTS = 16
+MODEL_MIN_SEGMENT_BYTES = 256 << 10
 
 #: Dtypes the host bridge reduces itself (torch CPU kernels for add/mul/min/max/bitwise exist and
 #: are exact IEEE/modular operations). fp16/bf16/fp8 are deliberately absent: the combined table
