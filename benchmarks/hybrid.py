@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
     import torch.distributed as dist
 
     import vcga  # noqa: F401 - registers backend "vcga"
-    from vcga.bridge import BANDWIDTH_MIN_BYTES, make_plan  # noqa: F401
+    from vcga.bridge.cost import LinkFigures, choose
     from vcga.config import load_config
     from vcga.process_group import VcgaOptions
 
@@ -129,8 +129,8 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
                 times[v].append(float(dt))
         if rank == 0:
             row: dict[str, Any] = {"bytes": nbytes, "reps": reps,
-                                   "auto": replace(auto_plan, algorithm="auto").all_reduce_algorithm(
-                                       nbytes, measured["auto_large"] if measured else "?")}
+                                   "auto": choose(LinkFigures.from_json(measured["figures"]), nbytes)[0] if measured
+                                   else replace(auto_plan, algorithm="auto").all_reduce_algorithm(nbytes)}
             for v in variants:
                 row[f"{v}_ms"] = statistics.median(times[v]) * 1e3
             for v in variants[1:]:
@@ -180,9 +180,11 @@ def main() -> None:
     print(render(rows, a.markdown, variants))
     cal = got["calibration"]
     if cal:
-        print(f"\ncreation-time measurement ({cal['bytes'] >> 20} MiB): in-group method per vendor group "
-              f"{cal['group_methods']}, auto's large-message algorithm: {cal['auto_large']} (predicted s: "
-              + ", ".join(f"{k} {v:.4f}" for k, v in cal["predicted_seconds"].items()) + ")")
+        print(f"\ncreation-time measurement: in-group method per vendor group {cal['group_methods']}; "
+              "auto's choice per size (predicted ms): "
+              + "; ".join(f"{size} {c['algorithm']} (" + ", ".join(f"{a} {t * 1e3:.2f}" for a, t in
+                                                                   c["predicted_s"].items()) + ")"
+                          for size, c in cal["choice"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
