@@ -166,7 +166,7 @@ class Plan:
 
         lead = {s: self.all_reduce_algorithm(s) for s in sizes}
         if self.algorithm == "auto" and self.equal_groups:  # each group measures its links and chooses
-            lead = {s: f"measured ({a} unmeasured)" for s, a in lead.items()}
+            lead = {s: f"measured (if not: {a})" for s, a in lead.items()}
         out = {
             "size": self.size,
             "algorithm": self.algorithm,
