@@ -1,0 +1,266 @@
+"""Two nodes joined by a shaped link: the bridge's all_reduce against the link's bound and flat gloo,
+and DDP step times with the bridge synchronous, asynchronous and flat gloo -- all in the same run.
+
+The nodes are network namespaces on this machine (vcga.testing.multinode, docs/multinode.md; needs
+root): node 0 runs two simulated NCCL ranks, node 1 two simulated HCCL ranks (``VCGA_BACKEND`` per
+node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start through real
+``torchrun --nnodes 2 --rdzv-backend c10d``. Per link rate, one job measures:
+
+1. **all_reduce**, fp32, each size: the bridge as ``auto`` chooses (the group's α–β model), each
+   algorithm forced (leader / bandwidth / replicated: the alternatives the model chose from), and
+   flat gloo over the same four ranks. Calls rotate through the variants after a barrier; a call's
+   time is the slowest rank's; medians over repetitions. The link bound: an all_reduce across two
+   nodes must move each node's S bytes to the other node (reduce-scatter and all-gather across the
+   link carry S/2 each way twice), so at best S / rate, each direction at once.
+2. **DDP steps** (median step time, from a barrier to the end of the optimizer step) of a 4.2 M
+   parameter MLP (eight 724 x 724 layers, 16.8 MB of fp32 gradients, 4 MiB buckets) and of
+   examples/train_mixed.py's transformer: compute only (the same steps without DDP, every rank at once), the bridge
+   asynchronous (the default), the bridge synchronous (``bridge_async: false``), flat gloo. The
+   bound: max(compute, gradient bytes / link rate). After the timed steps every rank checks that
+   the two bridge runs are bitwise identical (same reduction order), and that the asynchronous
+   bridge's parameters are within the derived bound of flat gloo's (examples/train_mixed.py's
+   check, with a recording run of gloo).
+
+Usage (as root)::
+
+    python benchmarks/multinode.py                          # 1 Gbit/s and 4 Gbit/s
+    python benchmarks/multinode.py --rates 1gbit --markdown --reps 7
+    python benchmarks/multinode.py --json out.json          # every figure, also each group's calibration
+    python benchmarks/multinode.py --rates 1gbit --figures links.json
+    vcga info --plan --vendors nccl:2,hccl:2 --nodes 2 --figures links.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ALGORITHMS = ("leader", "bandwidth", "replicated")
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# One rank (runs under torchrun inside a node)
+# ---------------------------------------------------------------------------------------------------
+
+
+#: The MLP: eight layers of 724 x 724 (+ bias), 4,199,200 parameters, 16.8 MB of fp32 gradients;
+#: 2.1 MB per layer, so DDP's 4 MiB buckets hold two layers each and the first bucket is ready a
+#: quarter into backward (one layer per bucket of a two-layer 1024 x 2048 MLP would not be).
+MLP_WIDTH, MLP_LAYERS = 724, 8
+
+
+def mlp_task(batch: int):
+    """The 4.2 M parameter MLP (16.8 MB of fp32 gradients) and its data."""
+    import torch
+    import torch.nn as nn
+
+    def make_model() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(MLP_LAYERS):
+            layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+
+    def make_batch(rank: int, step: int):
+        g = torch.Generator().manual_seed(10_000 * step + rank)
+        return torch.randn(batch, MLP_WIDTH, generator=g), torch.randn(batch, MLP_WIDTH, generator=g)
+
+    return make_model, make_batch, nn.functional.mse_loss
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers backend "vcga"
+    from vcga.config import load_config
+    from vcga.process_group import VcgaOptions
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_mixed as tm
+
+    dist.init_process_group(backend="vcga", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = load_config()
+    flat = dist.new_group(backend="gloo")
+    groups: dict[str, Any] = {"auto": dist.group.WORLD, "flat": flat}
+    for alg in ALGORITHMS:
+        groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm=alg)))
+    sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_async=False)))
+    out: dict[str, Any] = {"world": world, "calibration": dist.group.WORLD.transport.describe()["calibration"]}
+
+    def slowest(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=flat)
+        return t.tolist()
+
+    # 1. all_reduce
+    variants = ["auto", *ALGORITHMS, "flat"]
+    rows = []
+    for mib in args.sizes:
+        x = torch.ones(mib * MIB // 4)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for rep in range(args.reps + 1):
+            for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
+                dist.barrier(group=flat)
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=groups[v])
+                times[v].append(time.perf_counter() - t0)
+                x.fill_(1.0)
+        med = {}
+        for v in variants:
+            med[v] = statistics.median(slowest(times[v][1:]))  # the first repetition warms up
+        chosen = dist.group.WORLD.transport.group.algorithm(x, _sum())
+        rows.append({"bytes": mib * MIB, "median_s": med, "auto_chose": chosen})
+    out["all_reduce"] = rows
+
+    # 2. DDP steps
+    out["ddp"] = {}
+    tasks = {"mlp": (*mlp_task(args.batch), {"bucket_cap_mb": 4}),
+             "train_mixed": (tm.TinyTransformer, tm.batch, tm.loss_of, {})}
+    for name, (make_model, make_batch, loss, ddp_kw) in tasks.items():
+        steps = args.ddp_steps
+        kw = {"make_model": make_model, "make_batch": make_batch, "loss": loss}
+        compute = _compute_only(make_model, make_batch, loss, steps, flat)
+        res: dict[str, Any] = {"compute_s": statistics.median(slowest(compute)[1:]),
+                               "grad_bytes": sum(p.numel() * 4 for p in make_model().parameters())}
+        models = {}
+        for v, g in (("bridge_async", dist.group.WORLD), ("bridge_sync", sync), ("flat_gloo", flat)):
+            ts: list[float] = []
+            models[v], _ = tm.train(g, steps, 0.01, 0.9, times=ts, **kw, **ddp_kw)
+            res[v + "_s"] = statistics.median(slowest(ts)[1:])
+        ref, abs_sums = tm.train(flat, steps, 0.01, 0.9, record_abs=flat, **kw, **ddp_kw)
+        check = tm.compare(models["bridge_async"], ref, abs_sums, 0.01, 0.9, flat)
+        res["async_vs_sync_bitwise"] = tm.digest(models["bridge_async"]) == tm.digest(models["bridge_sync"])
+        res["identical_on_every_rank"] = check["identical_on_every_rank"]
+        res["max_diff_over_bound"] = check["max_diff_over_bound"]
+        res["within_bound"] = check["within_bound"]
+        res["flat_equals_recorded_ref"] = tm.digest(models["flat_gloo"]) == tm.digest(ref)
+        out["ddp"][name] = res
+    if rank == 0:
+        Path(args.as_rank, "result.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def _sum():
+    from vcga.contract import ReduceOp
+
+    return ReduceOp.SUM
+
+
+def _compute_only(make_model, make_batch, loss, steps: int, flat) -> list[float]:
+    """The same steps without DDP, every rank at once (the CPU is shared as in the DDP runs)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rank = dist.get_rank()
+    times = []
+    for step in range(steps):
+        x, y = make_batch(rank, step)
+        dist.barrier(group=flat)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver: nodes, torchrun, tables
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    from vcga.testing.multinode import Cluster, parse_rate
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    argv = [str(Path(__file__).resolve()), "--reps", str(args.reps), "--ddp-steps", str(args.ddp_steps),
+            "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes))]
+    with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate) as cluster:
+        launch = cluster.torchrun([*argv, "--as-rank", tmp], 2, env=env,
+                                  node_env=[{"VCGA_BACKEND": "sim-nccl"}, {"VCGA_BACKEND": "sim-hccl"}])
+        results = launch.wait(timeout=args.timeout)
+        if any(r.returncode != 0 for r in results):
+            raise SystemExit("benchmark failed:\n" + "\n".join(f"--- node {r.node} (exit {r.returncode})\n"
+                                                               f"{r.output[-3000:]}" for r in results))
+        out = json.loads(Path(tmp, "result.json").read_text())
+    out["rate"], out["rate_bps"] = rate, parse_rate(rate)
+    return out
+
+
+def report(res: dict[str, Any], markdown: bool) -> str:
+    from _ranks import table
+
+    link = res["rate_bps"] / 8  # bytes/s each way
+    lines = [f"link {res['rate']} (both ends tbf), 2 nodes x 2 ranks (sim-nccl | sim-hccl), medians"]
+    head = ["size", "link bound ms", "bridge auto ms", "/bound", "auto chose", "leader ms", "bandwidth ms",
+            "replicated ms", "flat gloo ms", "/bound"]
+    rows = []
+    for r in res["all_reduce"]:
+        m, bound = r["median_s"], r["bytes"] / link
+        rows.append([f"{r['bytes'] >> 20} MiB", f"{bound * 1e3:.0f}", f"{m['auto'] * 1e3:.0f}",
+                     f"{m['auto'] / bound:.2f}", r["auto_chose"], *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
+                     f"{m['flat'] * 1e3:.0f}", f"{m['flat'] / bound:.2f}"])
+    lines.append(table(head, rows, markdown))
+    head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "bridge sync ms",
+            "flat gloo ms", "async = sync bits", "async vs gloo: diff/bound"]
+    rows = []
+    for name, d in res["ddp"].items():
+        link_s = d["grad_bytes"] / link
+        bound = max(d["compute_s"], link_s)
+        rows.append([name, f"{d['grad_bytes'] / 1e6:.1f}", f"{d['compute_s'] * 1e3:.0f}", f"{link_s * 1e3:.0f}",
+                     f"{d['bridge_async_s'] * 1e3:.0f}", f"{d['bridge_async_s'] / bound:.2f}",
+                     f"{d['bridge_sync_s'] * 1e3:.0f}", f"{d['flat_gloo_s'] * 1e3:.0f}",
+                     "yes" if d["async_vs_sync_bitwise"] else "NO",
+                     f"{d['max_diff_over_bound']:.2g}" + ("" if d["within_bound"] else " (OVER)")])
+    lines.append(table(head, rows, markdown))
+    return "\n\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="1gbit,4gbit", help="link rates, tc notation, comma-separated")
+    ap.add_argument("--sizes", default="1,4,16,64", help="all_reduce sizes in MiB, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ddp-steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=128, help="MLP batch per rank")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--figures", help="write the auto group's measured link figures (of the first rate) here: "
+                                      "`vcga info --plan --vendors nccl:2,hccl:2 --nodes 2 --figures FILE` reads it")
+    ap.add_argument("--as-rank", help=argparse.SUPPRESS)  # set by the driver for the ranks under torchrun
+    args = ap.parse_args()
+    args.sizes = [int(s) for s in str(args.sizes).split(",")]
+    if args.as_rank:
+        rank_main(args)
+        return
+    results = [run_rate(rate, args) for rate in args.rates.split(",")]
+    for res in results:
+        print(report(res, args.markdown), end="\n\n", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.figures:
+        Path(args.figures).write_text(json.dumps(results[0]["calibration"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
