@@ -30,7 +30,9 @@ bytes by the same operations in the same order on every peer and then copied, so
 with the same bits. Algorithms and error bounds: ``docs/bridge.md``.
 
 Modules: :mod:`vcga.bridge.plan` (the plan and the combined table: pure, no torch),
-:mod:`vcga.bridge.group` (:class:`BridgeGroup`, the hierarchical collectives) and
+:mod:`vcga.bridge.group` (:class:`BridgeGroup`, the hierarchical collectives and their
+communication queue), :mod:`vcga.bridge.allreduce` (its all_reduce algorithms, their α–β
+measurement per link class and the choice; the model itself in :mod:`vcga.bridge.cost`) and
 :mod:`vcga.bridge.create` (discovery, the native and host groups, :class:`BridgeTransport`).
 Importing this package imports only the plan; the torch-bound names load on first use, so
 ``from vcga.bridge import make_plan`` stays torch-free.

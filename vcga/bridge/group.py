@@ -8,32 +8,19 @@ and their error bounds are in ``docs/bridge.md``, the overview in :mod:`vcga.bri
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vcga import dtypes as _dtypes
-from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit, segments
-from vcga.bridge.plan import (
-    ALGORITHMS,
-    AUTO_LARGE,
-    MODEL_MAX_SEGMENTS,
-    MODEL_MIN_SEGMENT_BYTES,
-    PIPELINE_MAX_SEGMENTS,
-    PIPELINE_SEGMENT_BYTES,
-    PLAN_SIZES,
-    Plan,
-    size_name,
-    group_route,
-)
+from vcga.bridge.allreduce import AllReduceAlgorithms, _bytes, _host, _put
+from vcga.bridge.cost import LinkFigures
+from vcga.bridge.plan import ALGORITHMS, AUTO_LARGE, MODEL_MAX_SEGMENTS, Plan
 from vcga.contract import CapabilityTable, ReduceOp
-from vcga.dispatch import Dispatcher, Steps
-from vcga.hostbridge import SharedMemoryBridge, combine_rows, combiner
+from vcga.dispatch import Dispatcher
+from vcga.hostbridge import SharedMemoryBridge
 from vcga.pypg import PyWork, reduce_op_of
 from vcga.workqueue import WorkQueue
 
@@ -45,37 +32,6 @@ log = logging.getLogger("vcga.bridge")
 # ===================================================================================================
 # Host-side pieces
 # ===================================================================================================
-
-
-def _run(steps: Steps) -> None:
-    """Complete what a vendor dispatcher issued: wait for its native works, then its local steps."""
-    for w in steps.works:
-        w.wait()
-    for f in steps.finish:
-        f()
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous host tensor ``t`` as a 1-D uint8 tensor (no copy)."""
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host, contiguous (itself when it already is)."""
-    if t.device.type != "cpu":
-        return t.detach().to("cpu", memory_format=torch.contiguous_format)
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _put(t: torch.Tensor, h: torch.Tensor) -> None:
-    if h is not t:
-        t.copy_(h.view(t.shape) if h.shape != t.shape else h)
-
-
-#: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
-_GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
-                 for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
 
 
 def _on_queue(result: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -120,7 +76,7 @@ def _nothing(*args: Any) -> Sequence[torch.Tensor]:
 # ===================================================================================================
 
 
-class BridgeGroup:
+class BridgeGroup(AllReduceAlgorithms):
     """The hierarchical collectives, with the c10d methods of :data:`vcga.transport.TRANSPORT_METHODS`.
 
     Each collective goes on the group's :class:`~vcga.workqueue.WorkQueue` (:attr:`queue`) and
@@ -180,306 +136,6 @@ class BridgeGroup:
     def shard_exchange(self) -> str | None:
         """How this rank's shard peers reduce on the host: "shared memory", "gloo", or None (it has none)."""
         return "shared memory" if self.shm is not None else "gloo" if self.shard is not None else None
-
-    # -- building blocks -------------------------------------------------------------------------
-
-    def _in_group(self, issue: Callable[[Steps], None]) -> None:
-        if self.inner is not None:
-            s = Steps()
-            issue(s)
-            _run(s)
-
-    def _bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
-        peers = len(self.plan.shard_peers(self.local_rank))
-        h = _host(t)
-        if self.shm is not None:
-            # Same node: through the shared segment, every dtype and op (combine_rows in peer order).
-            self.shm.all_reduce(h, op)
-        elif peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
-            # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
-            # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
-            o = dist.AllreduceOptions()
-            o.reduceOp = getattr(dist.ReduceOp, op.value)
-            self.shard.allreduce([h], o).wait()
-        elif peers > 1:
-            src = _bytes(h)
-            rows = torch.empty(peers * src.numel(), dtype=torch.uint8)
-            self.shard._allgather_base(rows, src).wait()
-            combine_rows(rows.view(peers, -1).view(h.dtype), op, h.reshape(-1))
-        _put(t, h)
-
-    def routes(self, dtype: torch.dtype, op: ReduceOp) -> tuple[str | None, ...]:
-        """:func:`group_route` of every vendor group for one reduction (same on every rank)."""
-        key = (dtype, op)
-        r = self._routes.get(key)
-        if r is None:
-            name = _dtypes.from_torch(dtype)
-            r = self._routes[key] = tuple(group_route(t, name, op) for t in self.tables)
-        return r
-
-    def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
-        """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
-        alg = self._auto(t.numel() * t.element_size())
-        if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
-            alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
-        return alg
-
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp, algorithm: str | None = None) -> str:
-        """All-reduce ``t`` (contiguous) in place; returns the algorithm used."""
-        alg = algorithm or self.algorithm(t, op)
-        if alg != "leader" and (not self.plan.equal_groups or any(r != "library" for r in self.routes(t.dtype, op))):
-            alg = "leader"
-        if self._debug:
-            log.debug("bridge all_reduce %s %s x%d (%d B): %s", op.value, t.dtype, t.numel(),
-                      t.numel() * t.element_size(), alg)
-        self.counts[alg] += 1
-        if t.numel() == 0:
-            return alg
-        if alg == "bandwidth":
-            self._all_reduce_bandwidth(t, op)
-        elif alg == "replicated":
-            self._all_reduce_replicated(t, op)
-        else:
-            self._all_reduce_leader(t, op)
-        return alg
-
-    def _all_reduce_leader(self, t: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce to the leader in the vendor group, reduce among leaders on the host, broadcast back."""
-        if self.routes(t.dtype, op)[self.vgroup.index] == "library":
-            self._in_group(lambda s: self.inner.reduce(t, 0, op, None, None, s))  # type: ignore[union-attr]
-        elif self.inner is not None:
-            # The library cannot reduce this dtype: gather the raw bytes, reduce on the host in the dtype.
-            rows = torch.empty((self.vgroup.size, *t.shape), dtype=t.dtype, device=t.device)
-            self._in_group(lambda s: self.inner.gather(  # type: ignore[union-attr]
-                list(rows.unbind(0)) if self.local_rank == 0 else [], t, 0, None, s))
-            if self.local_rank == 0:
-                h = _host(t)
-                combine_rows(_host(rows).view(self.vgroup.size, -1), op, h.reshape(-1))
-                _put(t, h)
-        if self.local_rank == 0:
-            self._bridge_reduce(t, op)
-        self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
-
-    def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The pipeline segments of a bandwidth all_reduce: a function of the size and of the figures
-        every rank holds, so every vendor group cuts the same boundaries (shard peers must bridge
-        the same elements)."""
-        n = flat.numel()
-        count = min(self.max_segments, self._segment_count(n * flat.element_size()))
-        edges = [n * j // count for j in range(count + 1)]
-        return [flat[edges[j]:edges[j + 1]] for j in range(count)]
-
-    def _bridge_start(self, t: torch.Tensor, op: ReduceOp) -> Any:
-        """Start reducing ``t`` across the shard peers; a work to wait for, or None when done already
-        (dtypes gloo does not reduce, device tensors, and shared memory go the synchronous way)."""
-        if (self.shm is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
-                and len(self.plan.shard_peers(self.local_rank)) > 1):
-            o = dist.AllreduceOptions()
-            o.reduceOp = getattr(dist.ReduceOp, op.value)
-            return self.shard.allreduce([t], o)
-        self._bridge_reduce(t, op)
-        return None
-
-    def _all_reduce_bandwidth(self, t: torch.Tensor, op: ReduceOp, method: str | None = None,
-                              bridge: bool = True) -> None:
-        """Reduce-scatter in the vendor group, reduce each shard among its peers, all-gather back.
-
-        The tensor is cut into pipeline segments (:meth:`_segments`); shard j of a segment is its
-        elements [j*c, min((j+1)*c, m)) with c = ceil(m/k), in every vendor group, so shard peers
-        line up whichever in-group method (:attr:`group_method`) each group uses. While one
-        segment's shard crosses the bridge (gloo, asynchronous) the next is reduce-scattered and
-        the previous all-gathered.
-        """
-        use_p2p = (method or self.group_method) == "p2p"
-        step = self._segment_p2p if use_p2p else self._segment_collective
-        pending: tuple[Any, torch.Tensor] | None = None
-        for seg in self._segments(t.view(-1)):
-            mine = step(seg, op, "reduce_scatter")
-            work = self._bridge_start(mine, op) if bridge and mine.numel() else None
-            if pending is not None:
-                if pending[0] is not None:
-                    pending[0].wait()
-                step(pending[1], op, "all_gather")
-            pending = (work, seg)
-        if pending is not None:
-            if pending[0] is not None:
-                pending[0].wait()
-            step(pending[1], op, "all_gather")
-
-    def _segment_collective(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
-        """One phase of one segment through the library's reduce_scatter / all_gather; returns this
-        rank's shard (a view of ``seg``, or of a padded copy whose result is copied back)."""
-        k, i = self.vgroup.size, self.local_rank
-        n = seg.numel()
-        c = -(-n // k)
-        if phase == "reduce_scatter":
-            buf = seg if c * k == n else torch.cat([seg, seg.new_zeros(c * k - n)])
-            chunks = list(buf.view(k, c).unbind(0))
-            shard = torch.empty(c, dtype=seg.dtype, device=seg.device)
-            self._in_group(lambda s: self.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
-            self._padded[seg.data_ptr()] = (buf, shard)
-            return shard[:max(0, min(c, n - i * c))]  # the padding is not bridged
-        buf, shard = self._padded.pop(seg.data_ptr())
-        chunks = list(buf.view(k, c).unbind(0))
-        self._in_group(lambda s: self.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
-        if buf is not seg:
-            seg.copy_(buf[:n])
-        return shard
-
-    def _segment_p2p(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
-        """One phase of one segment as a ring over the vendor library's own send/recv, in place on
-        ``seg`` (no padding, no staging copy); returns this rank's chunk.
-
-        Reduce-scatter: at step s (0..k-2) local rank i sends its partial of chunk (i-s-1) mod k to
-        rank i+1 and adds what rank i-1 sends of chunk (i-s-2) mod k into its own; after k-1 steps
-        rank i holds chunk i reduced once, along one chain (k-1 additions, in the dtype itself).
-        All-gather: the same ring copies the chunks.
-        """
-        k, i = self.vgroup.size, self.local_rank
-        n = seg.numel()
-        c = -(-n // k)
-
-        def chunk(j: int) -> torch.Tensor:
-            j %= k
-            return seg[min(j * c, n):min((j + 1) * c, n)]
-
-        nxt, prv = (i + 1) % k, (i - 1) % k
-        inner = self.inner
-        assert inner is not None
-
-        def swap(out_t: torch.Tensor, in_t: torch.Tensor, tag: int) -> None:
-            """One ring step: send ``out_t`` to the next rank, receive ``in_t`` from the previous one."""
-            s = Steps()
-            if out_t.numel():
-                inner.send(out_t, nxt, tag, s)
-            if in_t.numel():
-                inner.recv(in_t, prv, tag, s)
-            _run(s)
-
-        if phase == "reduce_scatter":
-            fn = combiner(seg.dtype, op)
-            tmp = torch.empty(c, dtype=seg.dtype, device=seg.device)
-            for step in range(k - 1):
-                out_c, in_c = chunk(i - step - 1), chunk(i - step - 2)
-                got = tmp[:in_c.numel()]
-                swap(out_c, got, 1)
-                if in_c.numel():
-                    fn(in_c, got, out=in_c)
-            return chunk(i)
-        for step in range(k - 1):
-            swap(chunk(i - step), chunk(i - step - 1), 2)
-        return chunk(i)
-
-    def _all_reduce_replicated(self, t: torch.Tensor, op: ReduceOp) -> None:
-        """All-reduce in the vendor group; then every rank reduces the group's result with its shard
-        peers, all shard groups at once. Each vendor group's partial is the same bits on all its
-        ranks, so every shard group reduces the same inputs in the same order: the same result."""
-        self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
-        self._bridge_reduce(t, op)
-
-    def measure_links(self, device: torch.device, reps: int = 3) -> LinkFigures:
-        """Measure, once at creation, the α–β figures of every step the algorithms take here
-        (:mod:`vcga.bridge.cost`): collective over the group; every rank gets the same figures.
-
-        Every rank times each step at the two sizes of :data:`~vcga.bridge.cost.SIZES` (fp32 SUM,
-        best of ``reps``, the kinds interleaved, each after a barrier over the whole group):
-
-        - in its vendor group: reduce to the leader + broadcast ("reduce_bcast"), all-reduce,
-          and reduce-scatter + all-gather through the library's collectives ("rsag_collective")
-          and through rings of its send/recv ("rsag_p2p");
-        - on the host: the leaders' set alone ("leaders"; other ranks wait), and every set of
-          shard peers at once ("all_sets": they share whatever link they cross, as the bandwidth
-          and replicated algorithms do).
-
-        The slowest rank of each vendor group counts (a MAX all-reduce of one table over the whole
-        group), so the fits and every choice made from them agree on every rank. Needs equal vendor
-        groups of size >= 2 (the only shape on which there is a choice).
-        """
-        inner = self.inner
-        assert inner is not None and self.plan.equal_groups
-        groups = self.plan.groups
-        kinds = GROUP_KINDS + BRIDGE_KINDS
-        xs = {n: torch.ones(max(n // 4, 1), dtype=torch.float32, device=device) for n in SIZES}
-        steps: dict[str, Callable[[torch.Tensor], None]] = {
-            "reduce_bcast": lambda x: self._in_group(lambda s: (inner.reduce(x, 0, ReduceOp.SUM, None, None, s),
-                                                                 inner.broadcast(x, 0, None, s))),
-            "all_reduce": lambda x: self._in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
-            "rsag_collective": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
-            "rsag_p2p": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
-            "leaders": lambda x: self._bridge_reduce(x, ReduceOp.SUM) if self.local_rank == 0 else None,
-            "all_sets": lambda x: self._bridge_reduce(x, ReduceOp.SUM),
-        }
-        best = torch.full((len(kinds), len(SIZES)), float("inf"), dtype=torch.float64)
-        for _ in range(reps):
-            for j, n in enumerate(SIZES):
-                for i, kind in enumerate(kinds):
-                    self.world.barrier().wait()
-                    t0 = time.perf_counter()
-                    steps[kind](xs[n])
-                    best[i, j] = min(float(best[i, j]), time.perf_counter() - t0)
-        # Rows 0..G-1: each vendor group's in-group steps (each rank fills its group's row); row G:
-        # the host steps, and whether this rank's set reduces through shared memory (0 if not: a MAX
-        # of "not shm" over the group says whether any set goes through gloo).
-        g_n, k_n = len(groups), len(GROUP_KINDS)
-        table = torch.zeros(g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
-        table[self.vgroup.index, :k_n] = best[:k_n]
-        table[g_n, k_n:len(kinds)] = best[k_n:]
-        table[g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
-        o = dist.AllreduceOptions()
-        o.reduceOp = dist.ReduceOp.MAX
-        self.world.allreduce([table], o).wait()
-        t = table.tolist()
-        fig = LinkFigures(
-            groups=[{kind: fit(SIZES, t[g][i]) for i, kind in enumerate(GROUP_KINDS)} for g in range(g_n)],
-            bridge={kind: fit(SIZES, t[g_n][k_n + i]) for i, kind in enumerate(BRIDGE_KINDS)},
-            classes=dict(self.link_classes),
-            exchange="gloo" if t[g_n][len(kinds)][0] > 0 else "shared memory",
-            group_size=self.vgroup.size, equal_groups=True, min_segment_bytes=MODEL_MIN_SEGMENT_BYTES,
-            max_segments=MODEL_MAX_SEGMENTS,
-            seconds={"groups": {g.backend: {kind: t[i][j] for j, kind in enumerate(GROUP_KINDS)}
-                                for i, g in enumerate(groups)},
-                     "bridge": {kind: t[g_n][k_n + j] for j, kind in enumerate(BRIDGE_KINDS)}})
-        self.apply_figures(fig)
-        return fig
-
-    def apply_figures(self, fig: LinkFigures) -> None:
-        """Use ``fig`` (measured here, or the same figures from elsewhere -- rank 0's, a cache's:
-        every rank must apply the same): each vendor group's in-group method, and "auto"'s choice
-        at each size (the cheapest prediction of :func:`~vcga.bridge.cost.choose`)."""
-        self.figures = fig
-        self.group_method = fig.group_method(self.vgroup.index)
-        self._choices.clear()
-        self._segment_counts.clear()
-        table = choices(fig, PLAN_SIZES, size_name)
-        self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
-                            "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
-                            "choice": table}
-        log.debug("vcga bridge link figures (rank %d): %s", self.rank, json.dumps(self.calibration))
-
-    def _segment_count(self, nbytes: int) -> int:
-        """Pipeline segments of a bandwidth all_reduce of ``nbytes``: what the figures predict fastest
-        (:func:`~vcga.bridge.cost.segments`), or without figures one per 8 MiB (at most 8)."""
-        if self.figures is None:
-            return max(1, min(PIPELINE_MAX_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES))
-        m = self._segment_counts.get(nbytes)
-        if m is None:
-            if len(self._segment_counts) > 4096:
-                self._segment_counts.clear()
-            m = self._segment_counts[nbytes] = segments(self.figures, nbytes)
-        return m
-
-    def _auto(self, nbytes: int) -> str:
-        """What "auto" runs for ``nbytes`` on equal groups: the figures' cheapest prediction, or
-        without figures the plan's size rule."""
-        if self.figures is None or self.plan.algorithm != "auto":
-            return self.plan.all_reduce_algorithm(nbytes, self.auto_large)
-        alg = self._choices.get(nbytes)
-        if alg is None:
-            if len(self._choices) > 4096:  # many distinct sizes (varying buckets): keep it bounded
-                self._choices.clear()
-            alg = self._choices[nbytes] = choose(self.figures, nbytes)[0]
-        return alg
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
