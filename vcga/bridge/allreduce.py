@@ -298,7 +298,8 @@ class AllReduceAlgorithms:
         (:mod:`vcga.bridge.cost`): collective over the group; every rank gets the same figures.
 
         Every rank times each step at the two sizes of :data:`~vcga.bridge.cost.SIZES` (fp32 SUM,
-        best of ``reps``, the kinds interleaved, each after a barrier over the whole group):
+        best of ``reps``, the kinds interleaved, each after a barrier over the whole group;
+        "all_sets" until a barrier after it, less an empty step's time):
 
         - in its vendor group: reduce to the leader + broadcast ("reduce_bcast"), all-reduce,
           and reduce-scatter + all-gather through the library's collectives ("rsag_collective")
@@ -307,8 +308,8 @@ class AllReduceAlgorithms:
           shard peers at once ("all_sets": they share whatever link they cross, as the bandwidth
           and replicated algorithms do).
 
-        The slowest rank of each vendor group counts (a MAX all-reduce of one table over the whole
-        group), so the fits and every choice made from them agree on every rank. Needs equal vendor
+        The slowest rank of each vendor group in each repetition counts, the best repetition of that
+        (a MAX all-reduce of one table over the whole group), so the fits and every choice made from them agree on every rank. Needs equal vendor
         groups of size >= 2 (the only shape on which there is a choice).
         """
         inner = self.inner
@@ -325,25 +326,44 @@ class AllReduceAlgorithms:
             "leaders": lambda x: self._bridge_reduce(x, ReduceOp.SUM) if self.local_rank == 0 else None,
             "all_sets": lambda x: self._bridge_reduce(x, ReduceOp.SUM),
         }
-        best = torch.full((len(kinds), len(SIZES)), float("inf"), dtype=torch.float64)
-        for _ in range(reps):
+
+        def timed(step: Callable[[], None], closing: bool) -> float:
+            self.world.barrier().wait()
+            t0 = time.perf_counter()
+            step()
+            if closing:
+                self.world.barrier().wait()
+            return time.perf_counter() - t0
+
+        # "all_sets" is timed until a barrier after it: its sets are independent collectives, and a
+        # rank that left the first barrier late (a busy machine deschedules ranks for milliseconds)
+        # would otherwise let the sets cross a shared link one after the other and each look as if
+        # it had the link to itself. (Every other step is one collective of its ranks: its slowest
+        # rank measures it whole.) The closing barrier's own cost, an empty step's, is taken off.
+        closing = [kind == "all_sets" for kind in kinds]
+        took = torch.zeros(reps, len(kinds), len(SIZES), dtype=torch.float64)
+        empty = float("inf")
+        for r in range(reps):
+            empty = min(empty, timed(lambda: None, True))
             for j, n in enumerate(SIZES):
                 for i, kind in enumerate(kinds):
-                    self.world.barrier().wait()
-                    t0 = time.perf_counter()
-                    steps[kind](xs[n])
-                    best[i, j] = min(float(best[i, j]), time.perf_counter() - t0)
-        # Rows 0..G-1: each vendor group's in-group steps (each rank fills its group's row); row G:
-        # the host steps, and whether this rank's set reduces through shared memory (0 if not: a MAX
-        # of "not shm" over the group says whether any set goes through gloo).
+                    t = timed(lambda: steps[kind](xs[n]), closing[i])  # noqa: B023 - called at once
+                    took[r, i, j] = max(0.0, t - empty) if closing[i] else t
+        # Per repetition, rows 0..G-1: each vendor group's in-group steps (each rank fills its
+        # group's row); row G: the host steps, and whether this rank's set reduces through shared
+        # memory (0 if not: a MAX of "not shm" over the group says whether any set goes through gloo).
+        # The MAX over ranks comes before the best over repetitions: a step took as long as its
+        # slowest rank in that repetition (the best of each rank on its own could combine
+        # repetitions where the shard-peer sets happened not to share the link).
         g_n, k_n = len(groups), len(GROUP_KINDS)
-        table = torch.zeros(g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
-        table[self.vgroup.index, :k_n] = best[:k_n]
-        table[g_n, k_n:len(kinds)] = best[k_n:]
-        table[g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
+        table = torch.zeros(reps, g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
+        table[:, self.vgroup.index, :k_n] = took[:, :k_n]
+        table[:, g_n, k_n:len(kinds)] = took[:, k_n:]
+        table[:, g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
         o = dist.AllreduceOptions()
         o.reduceOp = dist.ReduceOp.MAX
         self.world.allreduce([table], o).wait()
+        table = table.amin(dim=0)
         t = table.tolist()
         fig = LinkFigures(
             groups=[{kind: fit(SIZES, t[g][i]) for i, kind in enumerate(GROUP_KINDS)} for g in range(g_n)],
