@@ -559,6 +559,9 @@ def _build_vendor_group() -> type:  # noqa: C901 - one class, one method per c10
             return self.gloo.monitored_barrier(timeout, wait_all_ranks)
 
         def shutdown(self) -> None:
-            self.gloo.shutdown()
+            # Drop the gloo group, not only shut it down: its destructor is what stops its threads.
+            gloo, self.gloo = self.gloo, None
+            if gloo is not None:
+                gloo.shutdown()
 
     return SimVendorGroup

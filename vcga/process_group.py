@@ -253,10 +253,15 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         return self.transport.table
 
     def shutdown(self) -> None:
+        """``destroy_process_group`` calls this: the native groups stop their threads before it
+        returns (see :meth:`vcga.transport.NativeTransport.close`); calls made later raise
+        :class:`~vcga.errors.VcgaCollectiveError`."""
         self.transport.close()
+        # The transport dropped its reference; these are the others (the hot path's and the
+        # dispatcher's), so the native group's destructor runs now, not at interpreter exit.
+        self.native = self._d.group = self.transport.group
 
-    def abort(self) -> None:
-        self.transport.close()
+    abort = shutdown
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vcga.config import Config
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "make_transport"]
+__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "ClosedGroup", "shut_down", "make_transport"]
 
 #: The c10d methods the dispatcher calls on ``Transport.group`` (names as on ``ProcessGroupGloo``).
 TRANSPORT_METHODS: tuple[str, ...] = (
@@ -88,7 +88,12 @@ class Transport(abc.ABC):
         return {"transport": type(self).__name__, "backend": self.backend_name, "device_type": self.device_type}
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release native resources (called when the ``vcga`` group shuts down)."""
+        """Release native resources (called when the ``vcga`` group shuts down).
+
+        When it returns, the native groups' threads must have stopped, as they have after
+        ``destroy_process_group`` on a plain gloo group: a thread left running may release a Python
+        object (the last reference to a tensor, a future's value) after the interpreter began to
+        finalize, and the process aborts (see :class:`NativeTransport`)."""
 
 
 class NativeTransport(Transport):
@@ -108,12 +113,52 @@ class NativeTransport(Transport):
         return d
 
     def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+        """Shut the native group down and drop this transport's reference to it.
+
+        ``ProcessGroupGloo.shutdown()`` does nothing; only its destructor stops and joins its worker
+        threads. A worker that completed a work still holds it for a moment, and dropping it there
+        can release the last reference to a tensor whose Python object torch keeps alive, which
+        takes the GIL. Once the interpreter is finalizing, Python ends a thread that asks for the
+        GIL, inside a ``noexcept`` destructor, and the process aborts ("terminate called without an
+        active exception"). So the group must be gone when ``destroy_process_group`` returns, as a
+        plain gloo group is; the ``vcga`` group drops its own references too
+        (:meth:`vcga.process_group.VcgaProcessGroup.shutdown`)."""
+        group, self.group = self.group, ClosedGroup(self.backend_name)
+        shut_down(group)
+
+
+class ClosedGroup:
+    """What a closed transport's ``group`` becomes: every c10d method raises a typed error instead of
+    reaching a native group that no longer exists. ``shutdown`` and ``abort`` do nothing."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def shutdown(self) -> None:
+        pass
+
+    abort = shutdown
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        from vcga.errors import VcgaCollectiveError
+
+        raise VcgaCollectiveError(f"{attr}: this group ({self._name}) was shut down by destroy_process_group(); "
+                                  "create a new group to communicate again")
+
+
+def shut_down(group: Any) -> None:
+    """Call ``group.shutdown()`` (or ``close()``) if it has one; teardown is best effort. The caller
+    then drops its reference: a native group stops its threads when the last one goes."""
+    if group is None:
+        return
+    shutdown = getattr(group, "shutdown", None) or getattr(group, "close", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
 
 
 # ===================================================================================================

@@ -22,7 +22,7 @@ from vcga.contract import Backend, CapabilityTable
 from vcga.dispatch import Dispatcher
 from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
 from vcga.hostbridge import SharedMemoryBridge, every_rank
-from vcga.transport import NativeTransport, Transport
+from vcga.transport import ClosedGroup, NativeTransport, Transport, shut_down
 from vcga.workqueue import WorkQueue
 
 __all__ = ["BridgeTransport", "create_bridge_transport"]
@@ -52,16 +52,16 @@ class BridgeTransport(Transport):
         return d
 
     def close(self) -> None:
-        if self.group.queue is not None:
+        """Shut every group down and drop every reference to them: a native group stops its threads
+        only in its destructor (see :meth:`vcga.transport.NativeTransport.close`)."""
+        if isinstance(self.group, BridgeGroup) and self.group.queue is not None:
             self.group.queue.close()  # fails what is still queued; the thread ends
         for pg in self._closables:
-            shutdown = getattr(pg, "shutdown", None) or getattr(pg, "close", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except Exception:  # noqa: BLE001 - best effort at teardown
-                    pass
+            shut_down(pg)
         self._closables = []
+        group, self.group = self.group, ClosedGroup(self.backend_name)
+        if isinstance(group, BridgeGroup):
+            group.inner = group.shard = group.world = group.shm = None
 
 
 def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int, owners: Sequence[int]) -> None:
