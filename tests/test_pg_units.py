@@ -198,6 +198,39 @@ def test_a_rank_leaving_with_a_collective_in_flight_exits_cleanly(layout: dict) 
         leaving.returncode, out)
 
 
+def test_closing_a_native_transport_drops_its_group() -> None:
+    """destroy_process_group() -> VcgaProcessGroup.shutdown() -> NativeTransport.close(): the native
+    group is shut down and the transport's reference goes (a ProcessGroupGloo joins its worker
+    threads only in its destructor); later calls raise a typed error instead of reaching it."""
+    import weakref
+
+    from vcga.errors import VcgaCollectiveError
+    from vcga.transport import NativeTransport
+
+    class Native:
+        shut = 0
+
+        def shutdown(self) -> None:
+            Native.shut += 1
+
+    class Backend:
+        name, vendor, device_type = "fake", "fake", "cpu"
+
+        def capabilities(self) -> None:
+            return None
+
+    native = Native()
+    alive = weakref.ref(native)
+    t = NativeTransport(Backend(), native)  # type: ignore[arg-type]
+    del native
+    t.close()
+    assert Native.shut == 1 and alive() is None
+    with pytest.raises(VcgaCollectiveError, match="shut down by destroy_process_group"):
+        t.group.allreduce([torch.ones(1)])
+    t.close()  # a second close (shutdown, then abort) is harmless
+    assert Native.shut == 1
+
+
 def test_completed_work() -> None:
     w = completed_work([torch.ones(1)])
     assert w.is_completed() and w.wait() and w.get_future().wait()[0].item() == 1.0
