@@ -16,20 +16,24 @@ and every result is compared bit for bit with a value computed without the libra
 
 Usage::
 
-    python benchmarks/soak.py                                # 50 x 3000 calls, 4 ranks: gloo, vcga, mixed
-    python benchmarks/soak.py --reps 5 --calls 300 --setups gloo,vcga
-    python benchmarks/soak.py --setups sim-nccl,sim-hccl,sim-cncl,nccl:2,hccl:2 --markdown
+    python benchmarks/soak.py                      # 50 x 3000 calls, 4 ranks: gloo, vcga, nccl:2,hccl:2
+    python benchmarks/soak.py --reps 5 --calls 300 --setups "gloo;vcga"
+    python benchmarks/soak.py --setups "gloo;sim-nccl;sim-hccl;sim-cncl;nccl:2,hccl:2" --markdown
+    python benchmarks/soak.py --lock /work/locks/heavy --progress   # a long run on a shared machine
 
 A setup is ``gloo`` (backend gloo), ``vcga`` (backend vcga on gloo), a simulated vendor
 (``sim-nccl``...: backend vcga with ``VCGA_BACKEND``), or a mixed-vendor layout (``nccl:2,hccl:2``:
-``VCGA_SIM_VENDORS``; separate several setups with ``;`` then). Repetitions alternate between the
-setups, so machine noise hits all of them alike. Throughput is calls per second over the loop of
-calls and checks (the same work for every setup), median over repetitions, and its ratio to gloo's.
+``VCGA_SIM_VENDORS``); setups are separated by ``;``. Each repetition runs every setup once, one
+after the other, with the same seed, so machine noise hits all of them alike. Throughput is calls
+per second over the loop of calls and checks on the slowest rank (the same work for every setup),
+median over repetitions, and its ratio to gloo's in the same run. The exit code is 0 only if every
+rank of every job exited 0 with every result right.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -44,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier",
@@ -333,6 +338,21 @@ def run_job(setup: str, world: int, calls: int, seed: int, timeout: float, cores
     return {"codes": codes, "report": report, "logs": texts}
 
 
+@contextlib.contextmanager
+def _locked(path: str | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setups", default="gloo;vcga;nccl:2,hccl:2",
@@ -344,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per collective and per job, seconds")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--progress", action="store_true", help="a line per job on stderr")
+    ap.add_argument("--lock", help="hold this flock(1)-style lock file during each repetition (all its setups): "
+                                   "a long soak on a shared machine lets others in between repetitions")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--cores", help="let ranks dump core; keep a failed job's cores and logs in this folder")
     ap.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank of this setup
@@ -357,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {s: {"setup": s, "rates": [], "codes": [], "wrong": 0, "missing": 0,
                                            "failed_jobs": 0} for s in setups}
     for rep in range(args.reps):
-        for setup in setups:
-            job = run_job(setup, args.world, args.calls, args.seed + rep, args.timeout, args.cores)
+        with _locked(args.lock):
+            jobs = {setup: run_job(setup, args.world, args.calls, args.seed + rep, args.timeout, args.cores)
+                    for setup in setups}
+        for setup, job in jobs.items():
             row = rows[setup]
             row["codes"].append(job["codes"])
             rep_ok = job["report"] is not None
