@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setups = [s.strip() for s in args.setups.split(";") if s.strip()]
     rows: dict[str, dict[str, Any]] = {s: {"setup": s, "rates": [], "codes": [], "wrong": 0, "missing": 0,
-                                           "failed_jobs": 0} for s in setups}
+                                           "failed_jobs": 0, "by_rep": {}} for s in setups}
     for rep in range(args.reps):
         with _locked(args.lock):
             jobs = {setup: run_job(setup, args.world, args.calls, args.seed + rep, args.timeout, args.cores)
@@ -391,25 +391,33 @@ def main(argv: list[str] | None = None) -> int:
                     row["wrong"] += len(r["wrong"])
                     row["missing"] += r["missing"]
                 row["rates"].append(args.calls / max(r["seconds"] for r in job["report"]))
+                row["by_rep"][rep] = row["rates"][-1]
             if args.progress:
-                print(f"[{setup}] repetition {rep}: exit codes {job['codes']}", file=sys.stderr, flush=True)
+                rate = f"{row['rates'][-1]:.1f} calls/s" if rep_ok else "no report"
+                wrong = sum(len(r["wrong"]) + r["missing"] for r in job["report"]) if rep_ok else "?"
+                print(f"[{setup}] repetition {rep}: exit codes {job['codes']}, {rate}, wrong {wrong}",
+                      file=sys.stderr, flush=True)
             if not rep_ok or any(c != 0 for c in job["codes"]):
                 row["failed_jobs"] += 1
                 bad = [r for r, c in enumerate(job["codes"]) if c != 0]
                 tail = job["logs"][bad[0]][-600:] if bad else "no report"
                 print(f"[{setup}] repetition {rep}: exit codes {job['codes']}: {tail.strip()}", file=sys.stderr)
     out_rows = []
-    gloo_rate = statistics.median(rows["gloo"]["rates"]) if rows.get("gloo", {}).get("rates") else math.nan
     for s in setups:
         row = rows[s]
         rate = statistics.median(row["rates"]) if row["rates"] else math.nan
         codes = [c for rep in row["codes"] for c in rep]
+        # the ratio to gloo's rate in the same repetition, median over repetitions (paired: noise
+        # that slows a whole repetition cancels)
+        paired = [row["by_rep"][k] / rows["gloo"]["by_rep"][k] for k in row["by_rep"]
+                  if k in rows.get("gloo", {}).get("by_rep", {})]
         out_rows.append({"setup": s, "reps": args.reps, "calls": args.calls, "world": args.world,
-                         "calls_per_s": rate, "ratio_to_gloo": rate / gloo_rate,
+                         "calls_per_s": rate, "ratio_to_gloo": statistics.median(paired) if paired else math.nan,
                          "wrong": row["wrong"], "missing": row["missing"],
                          "exit_codes": {str(c): codes.count(c) for c in sorted(set(codes))},
                          "failed_jobs": row["failed_jobs"]})
-    head = ["setup", "reps x calls", "calls/s (median)", "vs gloo", "wrong", "rank exit codes", "failed jobs"]
+    head = ["setup", "reps x calls", "calls/s (median)", "vs gloo (median of same-rep ratios)", "wrong",
+            "rank exit codes", "failed jobs"]
     lines = [[r["setup"], f"{r['reps']} x {r['calls']}", f"{r['calls_per_s']:.1f}", f"{r['ratio_to_gloo']:.3f}",
               str(r["wrong"] + r["missing"]), ", ".join(f"{k}: {v}" for k, v in r["exit_codes"].items()),
               str(r["failed_jobs"])] for r in out_rows]
