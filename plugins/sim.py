@@ -564,4 +564,9 @@ def _build_vendor_group() -> type:  # noqa: C901 - one class, one method per c10
             if gloo is not None:
                 gloo.shutdown()
 
+        def abort(self) -> None:
+            # gloo cannot abort a collective; whoever drops this group waits for its threads
+            if self.gloo is not None:
+                self.gloo.abort()
+
     return SimVendorGroup

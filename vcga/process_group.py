@@ -30,8 +30,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -52,8 +54,9 @@ from vcga.errors import (
     VcgaError,
     VcgaTimeoutError,
 )
+from vcga import pypg
 from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
-from vcga.transport import Transport, make_transport
+from vcga.transport import ClosedGroup, Transport, make_transport
 
 __all__ = [
     "BACKEND_NAME",
@@ -71,6 +74,40 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "vcga"
 #: Device types the backend accepts tensors of (each through its vendor's plugin).
 DEVICES = ["cpu", "cuda", "npu", "mlu"]
+
+# -- leaving without destroy_process_group() ------------------------------------------------------
+#
+# A script that returns without destroy_process_group() leaves its groups to the interpreter's
+# finalization, and with them the native groups' worker threads (gloo's pt_gloo_runloop). A worker
+# that just completed a work drops it a moment later; once the script's own references are gone
+# (finalization clears the modules) that drop can release a tensor's Python object, which takes
+# the GIL, and Python ends a thread that asks for the GIL during finalization inside a noexcept
+# destructor: SIGABRT ("terminate called without an active exception"), at random, after correct
+# results. So at exit -- atexit runs before finalization, after every non-daemon thread ended --
+# every group still open is shut down as destroy_process_group() would: its workers are joined
+# while the interpreter still runs. It runs in vcga.pypg's exit hook, right after the drain: what
+# was in flight has completed (or the drain gave up on it) before its group goes.
+
+_OPEN: weakref.WeakSet[VcgaProcessGroup] = weakref.WeakSet()
+
+
+def _shutdown_at_exit() -> None:
+    for pg in list(_OPEN):
+        try:
+            pg.shutdown()
+        except Exception:  # noqa: BLE001 - at exit: the next group still gets its shutdown
+            log.warning("vcga: shutting down %r at exit failed", pg, exc_info=True)
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: its copies of the parent's groups are not
+    its own to shut down (joining threads that do not exist there would fail)."""
+    _OPEN.clear()
+
+
+pypg._AFTER_DRAIN.append(_shutdown_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 _TIMEOUT_RE = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
 
@@ -218,6 +255,7 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         # collective -> (torch dtype, RedOpType or None) -> native? : the hot path's only lookup
         self._fast: dict[Collective, dict[tuple[Any, Any], bool]] = {c: {} for c in Collective}
         log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
+        _OPEN.add(self)  # shut down at exit if the script does not (see _shutdown_at_exit)
 
     # -- identity --------------------------------------------------------------------------------
 
@@ -256,12 +294,24 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         """``destroy_process_group`` calls this: the native groups stop their threads before it
         returns (see :meth:`vcga.transport.NativeTransport.close`); calls made later raise
         :class:`~vcga.errors.VcgaCollectiveError`."""
+        _OPEN.discard(self)
         self.transport.close()
         # The transport dropped its reference; these are the others (the hot path's and the
         # dispatcher's), so the native group's destructor runs now, not at interpreter exit.
         self.native = self._d.group = self.transport.group
 
-    abort = shutdown
+    def abort(self) -> None:
+        """``torch.distributed.distributed_c10d._abort_process_group`` (torchft, elastic recovery)
+        calls this. As torch's own backends do, it returns at once: the native groups are aborted
+        (what is in flight fails where the library can abort; gloo cannot) and released in a
+        background thread, never joined here (see :meth:`vcga.transport.NativeTransport.abort`);
+        calls made later raise :class:`~vcga.errors.VcgaCollectiveError`."""
+        _OPEN.discard(self)
+        # Drop the hot path's and the dispatcher's references first: the transport hands its own
+        # to the releasing thread, and the last one must go there, not here.
+        self.native = self._d.group = ClosedGroup(self._backend, "aborted")
+        self.transport.abort()
+        self.native = self._d.group = self.transport.group
 
     # -- plumbing --------------------------------------------------------------------------------
 

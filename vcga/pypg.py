@@ -41,6 +41,7 @@ __all__ = [
     "options",
     "timeout_given",
     "Translate",
+    "run_counted",
 ]
 
 #: Turns an exception raised by a native library into the exception the caller should see.
@@ -338,7 +339,38 @@ def _drain_at_exit(limit: float | None = None) -> bool:
     return done
 
 
-atexit.register(_drain_at_exit)  # returns at once when nothing is in flight
+#: Run at exit after the drain: vcga.process_group shuts down the groups a script left open.
+_AFTER_DRAIN: list[Callable[[], None]] = []
+
+
+def _at_exit() -> None:
+    _drain_at_exit()  # returns at once when nothing is in flight
+    for fn in _AFTER_DRAIN:
+        fn()
+
+
+atexit.register(_at_exit)
+
+
+def run_counted(fn: Callable[[], Any], name: str) -> threading.Thread:
+    """Run ``fn`` in a daemon thread counted by the exit drain, like a watcher (see above).
+
+    For teardown that may block on a collective still running in a native library (a group's
+    destructor joins its worker threads): the caller returns at once, and a process that exits
+    meanwhile gives it up to :data:`EXIT_DRAIN_SECONDS` before it finalizes."""
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - teardown is best effort; nobody waits for a result
+            log.debug("vcga: %s failed", name, exc_info=True)
+        finally:
+            _release()
+
+    _hold()
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t
 
 
 class _NativeDone:

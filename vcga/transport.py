@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from vcga.config import Config
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "ClosedGroup", "shut_down", "make_transport"]
+__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "ClosedGroup", "shut_down", "abort_now", "release_later",
+           "make_transport"]
 
 #: The c10d methods the dispatcher calls on ``Transport.group`` (names as on ``ProcessGroupGloo``).
 TRANSPORT_METHODS: tuple[str, ...] = (
@@ -95,6 +96,12 @@ class Transport(abc.ABC):
         object (the last reference to a tensor, a future's value) after the interpreter began to
         finalize, and the process aborts (see :class:`NativeTransport`)."""
 
+    def abort(self) -> None:
+        """Stop communicating now (``abort()`` on the ``vcga`` group): later calls raise, and nothing
+        waits for a collective still running. Transports with native threads override this to abort
+        their groups and release them in the background (:func:`release_later`)."""
+        self.close()
+
 
 class NativeTransport(Transport):
     """A single-vendor group: the backend's native process group, used directly."""
@@ -126,13 +133,23 @@ class NativeTransport(Transport):
         group, self.group = self.group, ClosedGroup(self.backend_name)
         shut_down(group)
 
+    def abort(self) -> None:
+        """Abort the native group (NCCL/HCCL abort their communicators: what is in flight fails) and
+        return without joining its threads: a worker may sit in a collective until the library's
+        timeout (gloo cannot abort one), and its destructor waits for that. The group is shut down
+        and released in a background thread instead (:func:`release_later`)."""
+        groups, self.group = [self.group], ClosedGroup(self.backend_name, "aborted")
+        abort_now(groups[0])
+        release_later(groups)  # no other reference here: a local one would destroy it on return
+
 
 class ClosedGroup:
     """What a closed transport's ``group`` becomes: every c10d method raises a typed error instead of
     reaching a native group that no longer exists. ``shutdown`` and ``abort`` do nothing."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, how: str = "shut down by destroy_process_group()") -> None:
         self._name = name
+        self._how = how
 
     def shutdown(self) -> None:
         pass
@@ -144,7 +161,7 @@ class ClosedGroup:
             raise AttributeError(attr)
         from vcga.errors import VcgaCollectiveError
 
-        raise VcgaCollectiveError(f"{attr}: this group ({self._name}) was shut down by destroy_process_group(); "
+        raise VcgaCollectiveError(f"{attr}: this group ({self._name}) was {self._how}; "
                                   "create a new group to communicate again")
 
 
@@ -159,6 +176,37 @@ def shut_down(group: Any) -> None:
             shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
+
+
+def abort_now(group: Any) -> None:
+    """Call ``group.abort()`` if it has one (best effort: gloo's does nothing, a Python group may
+    have none)."""
+    abort = getattr(group, "abort", None)
+    if callable(abort):
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+
+
+def release_later(groups: list[Any], teardown: Callable[[], None] | None = None) -> None:
+    """Shut ``groups`` down and drop them in a daemon thread counted by the exit drain
+    (:func:`vcga.pypg.run_counted`): their destructors join worker threads that may still be in a
+    collective. The caller must hold no other reference. ``teardown`` runs there first."""
+    from vcga.pypg import run_counted  # torch is loaded by now: a transport exists
+
+    box = [groups]
+
+    def release() -> None:
+        if teardown is not None:
+            teardown()
+        gs = box.pop()
+        while gs:
+            g = gs.pop()
+            shut_down(g)
+            del g  # the last reference: the destructor runs here, before the drain's count drops
+
+    run_counted(release, "vcga-abort-release")
 
 
 # ===================================================================================================

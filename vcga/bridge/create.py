@@ -22,7 +22,7 @@ from vcga.contract import Backend, CapabilityTable
 from vcga.dispatch import Dispatcher
 from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
 from vcga.hostbridge import SharedMemoryBridge, every_rank
-from vcga.transport import ClosedGroup, NativeTransport, Transport, shut_down
+from vcga.transport import ClosedGroup, NativeTransport, Transport, abort_now, release_later, shut_down
 from vcga.workqueue import WorkQueue
 
 __all__ = ["BridgeTransport", "create_bridge_transport"]
@@ -60,8 +60,24 @@ class BridgeTransport(Transport):
             shut_down(pg)
         self._closables = []
         group, self.group = self.group, ClosedGroup(self.backend_name)
-        if isinstance(group, BridgeGroup):
-            group.inner = group.shard = group.world = group.shm = None
+        _drop_groups(group)
+
+    def abort(self) -> None:
+        """Abort every group and return at once; they are shut down and released in the background
+        (see :meth:`vcga.transport.NativeTransport.abort`)."""
+        if isinstance(self.group, BridgeGroup) and self.group.queue is not None:
+            self.group.queue.close(wait_s=0)  # fails what is still queued; never waits for its thread
+        closables, self._closables = self._closables, []
+        box, self.group = [self.group], ClosedGroup(self.backend_name, "aborted")
+        for i in range(len(closables)):  # no loop variable left holding a group (see release_later)
+            abort_now(closables[i])
+        release_later(closables, lambda: _drop_groups(box.pop()))
+
+
+def _drop_groups(group: Any) -> None:
+    """Drop a closed bridge's references to its native groups (their destructors join their threads)."""
+    if isinstance(group, BridgeGroup):
+        group.inner = group.shard = group.world = group.shm = None
 
 
 def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int, owners: Sequence[int]) -> None:
