@@ -251,6 +251,92 @@ def test_closing_a_native_transport_drops_its_group() -> None:
     assert Native.shut == 1
 
 
+class _StuckGroup:
+    """Stands for a native group whose worker sits in a collective: its teardown (gloo's destructor
+    joining that worker) blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.aborted = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+    def shutdown(self) -> None:
+        self.entered.set()
+        self.release.wait(5)
+
+
+class _FakeBackend:
+    name, vendor, device_type = "fake", "fake", "cpu"
+
+    def capabilities(self) -> None:
+        return None
+
+
+def test_aborting_a_native_transport_does_not_wait_for_its_group(monkeypatch) -> None:
+    """abort() aborts the native group and returns while its teardown is still blocked (a worker in
+    a collective); the teardown runs in a background thread that the exit drain counts, and the
+    group's last reference goes there. Calls after the abort raise a typed error."""
+    import weakref
+
+    from vcga.errors import VcgaCollectiveError
+    from vcga.transport import NativeTransport
+
+    monkeypatch.setattr(pypg, "_LIVE", [0])
+    native = _StuckGroup()
+    alive, release, entered = weakref.ref(native), native.release, native.entered
+    t = NativeTransport(_FakeBackend(), native)  # type: ignore[arg-type]
+    del native
+    t.abort()
+    assert entered.wait(30) and not release.is_set()
+    assert alive() is not None and alive().aborted == 1  # abort() returned with the teardown still blocked
+    with pytest.raises(VcgaCollectiveError, match="aborted"):
+        t.group.allreduce([torch.ones(1)])
+    assert not pypg._drain_at_exit(0.05)  # the releasing thread is counted
+    release.set()
+    assert pypg._drain_at_exit(30) and alive() is None
+
+
+def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatch) -> None:
+    """A mixed-vendor transport's abort: the work queue is closed without waiting (what is queued
+    fails), every group is aborted, and in the background the queue's thread is given the group's
+    timeout to end the collective it is in before the groups are shut down and dropped."""
+    import weakref
+
+    from vcga.bridge.create import BridgeTransport
+    from vcga.bridge.group import BridgeGroup
+    from vcga.errors import VcgaCollectiveError
+
+    class Queue:
+        def __init__(self) -> None:
+            self.waits: list[tuple[float, str]] = []
+
+        def close(self, wait_s: float = 5.0) -> None:
+            self.waits.append((wait_s, threading.current_thread().name))
+
+    monkeypatch.setattr(pypg, "_LIVE", [0])
+    native, world, queue = _StuckGroup(), _StuckGroup(), Queue()
+    world.release.set()
+    group = BridgeGroup.__new__(BridgeGroup)
+    group.queue, group.inner, group.shard, group.world, group.shm = queue, object(), None, world, None
+    alive = weakref.ref(native)
+    t = BridgeTransport.__new__(BridgeTransport)
+    t.group, t.backend_name, t.timeout, t._closables = group, "fake", timedelta(seconds=60), [native, world]
+    del native, world
+    t.abort()
+    me = threading.current_thread().name
+    assert queue.waits[0] == (0, me)
+    assert alive() is not None and alive().aborted == 1
+    with pytest.raises(VcgaCollectiveError, match="aborted"):
+        t.group.allreduce([torch.ones(1)])
+    alive().release.set()
+    assert pypg._drain_at_exit(30) and alive() is None
+    assert len(queue.waits) == 2 and queue.waits[1][0] >= 60 and queue.waits[1][1] != me
+    assert group.inner is None and group.world is None
+
+
 def test_completed_work() -> None:
     w = completed_work([torch.ones(1)])
     assert w.is_completed() and w.wait() and w.get_future().wait()[0].item() == 1.0

@@ -34,8 +34,9 @@ class BridgeTransport(Transport):
     """A mixed-vendor group: native vendor groups plus the host bridge (see the module docstring)."""
 
     def __init__(self, plan: Plan, rank: int, backend: Backend, table: CapabilityTable, group: BridgeGroup,
-                 closables: Sequence[Any]) -> None:
+                 closables: Sequence[Any], timeout: timedelta = timedelta(minutes=30)) -> None:
         self.plan, self.rank, self.backend = plan, rank, backend
+        self.timeout = timeout
         self.table = table
         self.group = group
         self.backend_name = table.backend
@@ -65,13 +66,23 @@ class BridgeTransport(Transport):
     def abort(self) -> None:
         """Abort every group and return at once; they are shut down and released in the background
         (see :meth:`vcga.transport.NativeTransport.abort`)."""
-        if isinstance(self.group, BridgeGroup) and self.group.queue is not None:
-            self.group.queue.close(wait_s=0)  # fails what is still queued; never waits for its thread
+        queue = self.group.queue if isinstance(self.group, BridgeGroup) else None
+        if queue is not None:
+            queue.close(wait_s=0)  # fails what is still queued; never waits for its thread here
         closables, self._closables = self._closables, []
         box, self.group = [self.group], ClosedGroup(self.backend_name, "aborted")
         for i in range(len(closables)):  # no loop variable left holding a group (see release_later)
             abort_now(closables[i])
-        release_later(closables, lambda: _drop_groups(box.pop()))
+        wait_s = self.timeout.total_seconds() + WorkQueue.MARGIN_S
+
+        def teardown() -> None:
+            # in the releasing thread: the collective the queue's thread is in ends (or fails) on its
+            # own before the groups it runs on go
+            if queue is not None:
+                queue.close(wait_s=wait_s)
+            _drop_groups(box.pop())
+
+        release_later(closables, teardown)
 
 
 def _drop_groups(group: Any) -> None:
@@ -170,7 +181,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     if async_ops:
         group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
     closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
-    return BridgeTransport(plan, rank, backend, table, group, closables)
+    return BridgeTransport(plan, rank, backend, table, group, closables, timeout)
 
 
 #: How often a rank waiting for its native group looks for another rank's failure (seconds).
