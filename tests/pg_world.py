@@ -1,14 +1,14 @@
-"""Spawn a small world of processes for the ``vcga`` process-group tests.
+"""Start a small world of processes for the ``vcga`` process-group tests.
 
-:func:`run_world` starts ``world_size`` processes (spawn), each calling ``target(rank, world_size,
-init_method, *args)`` with a fresh TCP rendezvous, and returns every rank's return value. A rank
-that raises, dies, or outlives the deadline fails the test with its traceback; leftover processes
-are killed, so a hang in the code under test becomes a failure, never a hung suite.
+:func:`run_world` starts ``world_size`` rank processes (:func:`vcga.spawn.get_context`: forked
+from a server that has imported torch), each calling ``target(rank, world_size, init_method,
+*args)`` with a fresh TCP rendezvous, and returns every rank's return value. A rank that raises,
+dies, or outlives the deadline fails the test with its traceback; leftover processes are killed,
+so a hang in the code under test becomes a failure, never a hung suite.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
@@ -16,6 +16,8 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from vcga.spawn import get_context
 
 __all__ = ["run_world", "free_port", "WorldFailed"]
 
@@ -41,19 +43,13 @@ def _child(target: Callable[..., Any], rank: int, world_size: int, init_method: 
 
 
 def run_world(target: Callable[..., Any], world_size: int, *args: Any, env: Mapping[str, str] | None = None,
-              timeout: float = 240.0, preload: Sequence[str] | None = None) -> list[Any]:
-    """Run ``target`` on ``world_size`` spawned ranks; return the per-rank results in rank order.
+              timeout: float = 240.0, preload: Sequence[str] = ()) -> list[Any]:
+    """Run ``target`` on ``world_size`` rank processes; return the per-rank results in rank order.
 
-    With ``preload`` (module names, e.g. ``["torch"]``) the ranks are forked from a forkserver that
-    imported those modules once, instead of each rank importing them anew: a world then starts in
-    a fraction of a second instead of several CPU-seconds per rank. The forkserver is one per test
-    process, started by the first such call (whose preload list it keeps); it is single-threaded
-    when it forks, so nothing of torch's or gloo's threads is inherited."""
-    if preload:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(preload))
-    else:
-        ctx = mp.get_context("spawn")
+    ``preload`` names modules beyond torch for the ranks' forkserver to import once (e.g.
+    ``torch.distributed.checkpoint``) instead of each rank importing them anew; see
+    :func:`vcga.spawn.get_context`."""
+    ctx = get_context(preload)
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     # A short collective timeout: a desynchronised test fails in a minute instead of hanging.

@@ -45,13 +45,14 @@ def test_a_killed_peer_fails_the_other_at_once(with_child: bool) -> None:
     """Rank 1's process exits (os._exit) after the segment is open: rank 0's next reduction raises
     a typed error naming it, well before the 60 s collective timeout -- also when rank 1 forked a
     child that lives on for 45 s (a DataLoader worker): the child lets go of the inherited pipes."""
-    import multiprocessing as mp
     import signal
 
     from hostbridge_cases import killed_peer
     from pg_world import free_port
 
-    ctx = mp.get_context("spawn")
+    from vcga.spawn import get_context
+
+    ctx = get_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=killed_peer, args=(r, port, queue, with_child), daemon=True) for r in range(2)]

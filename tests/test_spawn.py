@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vcga.spawn import RanksFailed, run_ranks
@@ -25,3 +27,209 @@ def test_returns_what_rank_0_puts() -> None:
 def test_a_dead_rank_ends_the_wait_at_once_naming_it() -> None:
     with pytest.raises(RanksFailed, match=r"ranks \[1\] failed"):
         run_ranks(_rank_one_dies, 2, timeout=600)  # waiting for the timeout would exceed pytest-timeout (300 s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# get_context: ranks forked from a server that has imported torch, started as spawned ones would be
+# ---------------------------------------------------------------------------------------------------
+
+def _describe(queue) -> None:
+    """Runs in the rank, first thing: what it inherited."""
+    import os
+    import sys
+
+    torch_there = "torch" in sys.modules  # before this function imports anything
+    import torch
+    import torch.distributed as dist
+
+    queue.put({"pid": os.getpid(), "ppid": os.getppid(), "torch_preloaded": torch_there,
+               "cuda_initialized": torch.cuda.is_initialized(), "vcga_backend": "vcga" in dist.Backend.backend_list,
+               "marker": os.environ.get("VCGA_TEST_MARKER"), "gone": os.environ.get("VCGA_TEST_GONE")})
+
+
+def _say(text: str) -> None:
+    import os
+
+    os.write(1, f"out:{text}\n".encode())
+    os.write(2, f"err:{text}\n".encode())
+
+
+def _one(ctx, target, *args, timeout: float = 120):
+    queue = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, queue))
+    p.start()
+    try:
+        return queue.get(timeout=timeout)
+    finally:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+
+def test_ranks_are_forked_from_a_server_that_imported_torch_and_no_device(monkeypatch) -> None:
+    import os
+
+    from vcga.spawn import get_context
+
+    ctx = get_context()
+    assert ctx.get_start_method() == "forkserver"
+    monkeypatch.setenv("VCGA_TEST_GONE", "set while the server may start")
+    ctx = get_context()
+    # the environment a spawned rank would see: the parent's at start(), not the server's
+    monkeypatch.setenv("VCGA_TEST_MARKER", "set after the server started")
+    monkeypatch.delenv("VCGA_TEST_GONE")
+    a = _one(ctx, _describe)
+    b = _one(ctx, _describe)
+    assert a["torch_preloaded"] and b["torch_preloaded"]
+    assert a["ppid"] == b["ppid"] != os.getpid()  # both forked by the one server
+    assert not a["cuda_initialized"]
+    assert a["vcga_backend"]  # torch.backends entry points ran in the child
+    assert a["marker"] == "set after the server started" and a["gone"] is None
+
+
+def test_a_forked_rank_writes_to_the_parents_stdout_and_stderr_at_start(tmp_path) -> None:
+    import os
+
+    from vcga.spawn import get_context
+
+    ctx = get_context()
+    saved = [os.dup(1), os.dup(2)]
+    out, err = tmp_path / "out", tmp_path / "err"
+    try:
+        for fd, path in ((1, out), (2, err)):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT)
+            os.dup2(f, fd)
+            os.close(f)
+        p = ctx.Process(target=_say, args=("hello",))
+        p.start()
+        p.join(timeout=120)
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+    assert p.exitcode == 0
+    assert out.read_text() == "out:hello\n" and err.read_text() == "err:hello\n"
+
+
+def _threads(queue) -> None:
+    import os
+
+    import torch
+
+    queue.put((os.getppid(), torch.get_num_threads()))
+
+
+def _hold(event, queue) -> None:
+    queue.put("up")
+    event.wait(120)
+
+
+def test_start_method_switch(monkeypatch) -> None:
+    from vcga.errors import VcgaConfigError
+    from vcga.spawn import START_METHOD_ENV, get_context
+
+    assert get_context().get_start_method() == "forkserver"
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert get_context().get_start_method() == "spawn"
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(VcgaConfigError, match=START_METHOD_ENV):
+        get_context()
+    monkeypatch.delenv(START_METHOD_ENV)
+    assert get_context().get_start_method() == "forkserver"
+
+
+def test_a_changed_import_time_variable_restarts_the_server_or_spawns(monkeypatch) -> None:
+    """OMP_NUM_THREADS is read once, by `import torch`: a rank must see the value the parent has at
+    start(), as a spawned one would -- from a new server, or spawned while the old one has ranks."""
+    from vcga.spawn import get_context
+
+    ctx = get_context()
+    server, _ = _one(ctx, _threads)
+    default = torch_threads_default()
+    want = 1 if default != 1 else 2
+    monkeypatch.setenv("OMP_NUM_THREADS", str(want))
+    ctx = get_context()
+    assert ctx.get_start_method() == "forkserver"
+    new_server, threads = _one(ctx, _threads)
+    assert threads == want and new_server != server
+
+    event = ctx.Event()
+    queue = ctx.Queue()
+    holder = ctx.Process(target=_hold, args=(event, queue))
+    holder.start()
+    try:
+        assert queue.get(timeout=120) == "up"
+        monkeypatch.setenv("OMP_NUM_THREADS", str(default))
+        spawned = get_context()  # the server cannot stop while its rank runs: stopping loses the exit code
+        assert spawned.get_start_method() == "spawn"
+        assert _one(spawned, _threads)[1] == default
+    finally:
+        event.set()
+        holder.join(timeout=60)
+    assert holder.exitcode == 0
+
+
+def torch_threads_default() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _modules(names, queue) -> None:
+    import sys
+
+    queue.put([n in sys.modules for n in names])
+
+
+def test_preload_asks_the_server_for_more_modules() -> None:
+    from vcga.spawn import get_context
+
+    names = ["torch.distributed.checkpoint"]
+    get_context()
+    assert _one(get_context(names), _modules, names) == [True]
+
+
+_EXTENSION_SCRIPT = r'''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from vcga.spawn import get_context
+
+def rank(queue):
+    queue.put(os.getpid())
+
+if __name__ == "__main__":
+    ctx = get_context()
+    queue = ctx.Queue()
+    p = ctx.Process(target=rank, args=(queue,))
+    p.start()
+    print(queue.get(timeout=120))
+    p.join(timeout=30)
+'''
+
+
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_device_extensions_load_in_each_rank_never_in_the_server(tmp_path, autoload: str) -> None:
+    """A torch.backends entry point (how torch_npu and torch_mlu load at `import torch`) records
+    which process called it: the rank, after the fork -- never the server, whose children would
+    inherit an opened device runtime -- and nobody when TORCH_DEVICE_BACKEND_AUTOLOAD=0."""
+    import subprocess
+    import sys
+
+    dist_info = tmp_path / "fake_device_ext-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-device-ext\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text("[torch.backends]\nfake_device = fake_device_ext:load\n")
+    (tmp_path / "fake_device_ext.py").write_text(
+        "import os\n"
+        "def load():\n"
+        "    with open(os.environ['FAKE_EXT_LOG'], 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n")
+    log = tmp_path / "calls"
+    log.touch()
+    script = tmp_path / "start_one.py"
+    script.write_text(_EXTENSION_SCRIPT)
+    env = {**os.environ, "FAKE_EXT_LOG": str(log), "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    rank_pid = int(r.stdout.split()[-1])
+    assert log.read_text().split() == ([str(rank_pid)] if autoload == "1" else [])

@@ -405,23 +405,33 @@ def test_ranks_do_not_outlive_a_killed_runner():
                              "--check", "collectives"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
-    def children() -> list[int]:
+    def children(parent: int) -> list[int]:
         out = []
-        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        for task in Path(f"/proc/{parent}/task").glob("*"):
             try:
                 out += [int(x) for x in (task / "children").read_text().split()]
             except OSError:
                 pass
         return out
 
-    def rank_pids() -> list[int]:  # the ranks, not multiprocessing's resource tracker
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    servers: list[int] = []
+
+    def rank_pids() -> list[int]:
+        """The ranks, not multiprocessing's resource tracker: spawned children of the runner, or
+        the children of its forkserver (vcga.spawn.get_context)."""
         pids = []
-        for pid in children():
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    pids.append(pid)
-            except OSError:
-                pass
+        for pid in children(proc.pid):
+            if b"spawn_main" in cmdline(pid):
+                pids.append(pid)
+            elif b"multiprocessing.forkserver" in cmdline(pid):
+                servers[:] = [pid]
+                pids += children(pid)
         return pids
 
     try:
@@ -452,6 +462,7 @@ def test_ranks_do_not_outlive_a_killed_runner():
             return False
 
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in ranks):
+    while time.monotonic() < deadline and any(alive(p) for p in ranks + servers):
         time.sleep(0.2)
     assert not any(alive(p) for p in ranks), f"ranks {ranks} outlived the runner"
+    assert not any(alive(p) for p in servers), f"the forkserver {servers} outlived the runner"

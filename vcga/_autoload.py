@@ -106,6 +106,14 @@ def install() -> None:
         log.warning("vcga: could not install the torch.distributed hook: %r", e)
 
 
+def uninstall() -> None:
+    """Take the import hook out again (a registration already made stays): the forkserver of
+    :mod:`vcga.spawn` imports torch without it, and its children call :func:`install`."""
+    global _installed
+    _remove_finder()
+    _installed = False
+
+
 def torch_autoload() -> None:
     """Entry point in the group ``torch.backends``, called by ``import torch``. Never raises."""
     try:

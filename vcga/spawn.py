@@ -1,20 +1,60 @@
-"""Run a small world of local processes and collect a result: the gloo plugin's capability
-measurement, the multi-process benchmarks and ``vcga bench --nranks N`` share this.
+"""Start local rank processes cheaply, and run a small world of them: the gloo plugin's capability
+measurement, ``vcga verify``'s worlds, ``vcga bench --nranks N``, the multi-process benchmarks and
+the tests share this.
 
-Spawned, not forked (torch and gloo threads do not survive a fork); each rank gets a free TCP port
-for its rendezvous. A rank that exits non-zero ends the wait at once instead of leaving the caller
-waiting for the whole timeout.
+:func:`get_context` is the multiprocessing context for rank processes. Every rank used to be a
+fresh interpreter (``spawn``) that spent about 2 s of CPU in ``import torch`` before doing
+anything; ``vcga verify`` starts a dozen of them. On Linux it is now a *forkserver* that has
+imported torch once: each rank is forked from it, with torch already loaded. What a rank sees is
+kept equal to ``spawn`` (see :class:`_Process`): the parent's environment and stdout/stderr at
+``start()``, its ``sys.path``, working directory and ``__main__``.
+
+Why this is safe on accelerator machines: a forked child must not inherit an initialised device
+runtime (CUDA, CANN, CNRT), and torch starts no threads at import. The server imports torch with
+device extensions turned off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so torch_npu / torch_mlu are
+not loaded) and never touches ``torch.cuda``; each child then loads the device extensions itself,
+after the fork, exactly as its own ``import torch`` would have. Only the variables ``import torch``
+reads (``TORCH_*``, ``OMP_*``, ...; :data:`IMPORT_ENV_PREFIXES`) are those of the moment the server
+started; when the parent has changed one of them since, the server is started again (or, while
+ranks of the old one still run, ranks are spawned instead).
+
+``VCGA_START_METHOD=spawn`` turns the forkserver off (fresh interpreters, as before).
+
+:func:`run_ranks` spawns ``world`` ranks with a free TCP port for their rendezvous. A rank that
+exits non-zero ends the wait at once instead of leaving the caller waiting for the whole timeout.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import multiprocessing.context as mp_context
+import os
 import queue as queue_mod
 import socket
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["run_ranks", "stream_ranks", "RanksFailed"]
+from vcga.errors import VcgaConfigError
+
+__all__ = ["run_ranks", "stream_ranks", "RanksFailed", "get_context", "START_METHOD_ENV", "IMPORT_ENV_PREFIXES"]
+
+#: The environment variable that chooses how rank processes start: ``forkserver`` (the default
+#: where the platform has it) or ``spawn``.
+START_METHOD_ENV = "VCGA_START_METHOD"
+
+#: Environment variables that ``import torch`` (or the interpreter and the libraries it loads)
+#: read once, at import: a forkserver child keeps the values the server saw.
+IMPORT_ENV_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON",
+                       "CUDA_", "ASCEND_", "NEUWARE_", "MLU_")
+
+#: What the forkserver imports before it forks anything (see :mod:`vcga._preload`).
+_PRELOAD = "vcga._preload"
+
+_lock = threading.Lock()
+_server: dict[str, Any] = {}  # pid: the process that started it; env, preload: what it imported under
 
 
 class RanksFailed(RuntimeError):
@@ -27,16 +67,145 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _import_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+
+
+class _Stdio:
+    """The parent's stdout and stderr at ``start()``, carried to a forkserver child as file
+    descriptors (a spawned child inherits them; a forked one would have the server's)."""
+
+    def __init__(self, fds: list[Any] | None = None) -> None:
+        self.fds = fds or []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        # Pickled inside Popen._launch, which sends every DupFd's descriptor to the child.
+        fds = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the parent: the child keeps the server's
+                fds.append(None)
+                continue
+            fds.append(reduction.DupFd(fd))
+        return (_Stdio, (fds,))
+
+    def install(self) -> None:
+        for target, dup in zip((1, 2), self.fds):
+            if dup is None:
+                continue
+            fd = dup.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+class _Process(mp_context.ForkServerProcess):
+    """A forkserver process that starts as a spawned one would: the parent's environment and
+    stdout/stderr at ``start()``, the device extensions loaded after the fork, and no hold on the
+    server's lifetime. (Python's ``random`` reseeds itself after a fork; the server imports nothing
+    else with a global random state.)"""
+
+    def start(self) -> None:
+        self._vcga_env = dict(os.environ)
+        self._vcga_stdio = _Stdio()
+        super().start()
+
+    def run(self) -> None:
+        _like_a_spawned_child(self._vcga_env, self._vcga_stdio)
+        super().run()
+
+
+def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    stdio.install()
+    # The server's copy of the "alive" pipe makes it live until every child has exited; without it
+    # the server exits with the parent, and a child that asked to die with its parent
+    # (PR_SET_PDEATHSIG, as vcga verify's ranks do) dies with it. A process forked here that
+    # starts ranks of its own gets a server of its own (multiprocessing starts one on first use).
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        try:
+            os.close(alive)
+        except OSError:
+            pass
+        forkserver._forkserver._forkserver_alive_fd = None
+    from vcga import _autoload
+
+    # What the server's `import torch` left out: the torch.backends entry points (device extensions
+    # and VCGA's own registration), under this child's environment.
+    torch = sys.modules.get("torch")
+    autoload = getattr(torch, "_is_device_backend_autoload_enabled", None)
+    if torch is not None and autoload is not None and autoload():
+        torch._import_device_backends()
+    _autoload.install()  # a spawned child imports vcga (this module) and so runs it too
+
+
+class _ForkServerContext(mp_context.ForkServerContext):
+    Process = _Process  # type: ignore[assignment]
+
+
+_FORKSERVER = _ForkServerContext()
+
+
+def get_context(preload: Sequence[str] = ()) -> mp_context.BaseContext:
+    """The multiprocessing context for rank processes: a forkserver with torch imported where the
+    platform has one (see the module's docstring), else ``spawn``.
+
+    ``preload`` names more modules for the server to import (a test's heavy imports, e.g.
+    ``torch.distributed.checkpoint``). The server of this process is started by the first call;
+    a later call that needs more modules, or finds changed import-time variables
+    (:data:`IMPORT_ENV_PREFIXES`), starts it again when none of its ranks is running. While ranks
+    of the running server are alive (stopping it would lose their exit codes), missing modules are
+    imported by each rank itself, and changed import-time variables make the ranks spawned ones.
+
+    :raises VcgaConfigError: ``VCGA_START_METHOD`` is neither ``forkserver`` nor ``spawn``."""
+    method = os.environ.get(START_METHOD_ENV, "").strip().lower() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise VcgaConfigError("start_method", os.environ[START_METHOD_ENV],
+                              "'forkserver' (the default where available) or 'spawn'", f"env {START_METHOD_ENV}")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    env = _import_env()
+    with _lock:
+        ours = _server.get("pid") == os.getpid()  # a forked child has no server of its own yet
+        modules = (_server["preload"] if ours else set()) | set(preload)
+        running = ours and forkserver._forkserver._forkserver_pid is not None  # noqa: SLF001
+        if running and (_server["env"] != env or modules != _server["preload"]):
+            if _ranks_alive():
+                if _server["env"] != env:
+                    return mp.get_context("spawn")
+                return _FORKSERVER  # the ranks import what the server lacks
+            forkserver._forkserver._stop()  # noqa: SLF001 - the one way to end multiprocessing's server
+            running = False
+        if not running:
+            forkserver.set_forkserver_preload([_PRELOAD, *sorted(modules)])
+            forkserver.ensure_running()
+            _server.update(pid=os.getpid(), env=env, preload=modules)
+    return _FORKSERVER
+
+
+def _ranks_alive() -> bool:
+    """Whether a process started from this process's forkserver is still running."""
+    return any(isinstance(p, _Process) for p in mp.active_children())
+
+
 def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 3600) -> Any:
-    """Spawn ``world`` processes running ``target(rank, world, port, *args, queue)`` with a free TCP
-    port for their rendezvous; return the first thing a rank puts on ``queue`` (rank 0's results).
+    """Start ``world`` processes (:func:`get_context`) running ``target(rank, world, port, *args,
+    queue)`` with a free TCP port for their rendezvous; return the first thing a rank puts on
+    ``queue`` (rank 0's results).
 
     :raises RanksFailed: a rank exited non-zero first (its traceback is on stderr), or ``timeout``
         seconds passed without a result."""
-    import multiprocessing as mp
-
     port = _free_port()
-    ctx = mp.get_context("spawn")
+    ctx = get_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
@@ -68,16 +237,13 @@ def stream_ranks(target: Callable[..., None], world: int, *args: Any, timeout: f
     rank 0 puts :data:`END` (then wait for every rank to exit).
 
     ``timeout`` bounds the wait for each next item, not the whole run (a long benchmark keeps
-    reporting). ``env`` is set in this process while the ranks start (spawned children inherit it)
-    and restored after.
+    reporting). ``env`` is set in this process while the ranks start (the ranks see it) and
+    restored after.
 
     :raises RanksFailed: a rank exited non-zero (its traceback is on stderr), or nothing came
         within ``timeout`` seconds."""
-    import multiprocessing as mp
-    import os
-
     port = _free_port()
-    ctx = mp.get_context("spawn")
+    ctx = get_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     saved = {k: os.environ.get(k) for k in (env or {})}

@@ -79,6 +79,9 @@ def _list(console: Any) -> None:
 def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], profile_name: str,
          mixed: tuple[str, ...], checks: tuple[str, ...], group: str | None, timeout: float | None,
          report: str | None, junit: str | None, quiet: bool) -> int:
+    from vcga import spawn
+
+    spawn.get_context()  # starts the ranks' forkserver now: its `import torch` overlaps this process's
     from vcga.conformance.profiles import load_profile
     from vcga.conformance.report import (
         build_report,
