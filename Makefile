@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
+# Two pytest workers (pytest-xdist), each test module on one of them (its module-scoped worlds are
+# made once): while one worker's test waits (a timeout it provokes, a subprocess starting), the
+# other's runs. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 verify: $(STAMP)
 	$(VENV)/bin/vcga verify

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import time
 from typing import Any
 
@@ -124,27 +125,39 @@ def fallback_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     last = rank == size - 1
-    shm_dir, attach, fallocate = hb.SHM_DIR, hb._attach, hb.os.posix_fallocate
+    # A directory of this world's own on the same tmpfs: what is left in it is this world's, even
+    # while other worlds (another test worker, another suite) make and remove their segments.
+    shm_dir = os.path.join(hb.SHM_DIR, f"vcga-test-fallback-{init_method.rsplit(':', 1)[1]}")
+    if rank == 0:
+        os.mkdir(shm_dir)
+    dist.barrier()
+    hb.SHM_DIR = shm_dir
+    attach, fallocate = hb._attach, hb.os.posix_fallocate
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
     out: dict[str, Any] = {}
-    for how in (*FALLBACKS, "none"):
-        before = set(os.listdir(shm_dir))
-        if how == "no-dir" and rank == 0:
-            hb.SHM_DIR = "/nonexistent-vcga-test-dir"
-        if how == "attach" and last:
-            hb._attach = lambda path, size, token: None
-        if how == "no-space" and rank == 0:
-            hb.os.posix_fallocate = full
-        b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
-        hb.SHM_DIR, hb._attach, hb.os.posix_fallocate = shm_dir, attach, fallocate
+    try:
+        for how in (*FALLBACKS, "none"):
+            before = set(os.listdir(shm_dir))
+            if how == "no-dir" and rank == 0:
+                hb.SHM_DIR = "/nonexistent-vcga-test-dir"
+            if how == "attach" and last:
+                hb._attach = lambda path, size, token: None
+            if how == "no-space" and rank == 0:
+                hb.os.posix_fallocate = full
+            b = hb.SharedMemoryBridge.open(dist.group.WORLD, not (how == "unwanted" and last), 30.0)
+            hb.SHM_DIR, hb._attach, hb.os.posix_fallocate = shm_dir, attach, fallocate
+            dist.barrier()
+            made = sorted(n for n in set(os.listdir(shm_dir)) - before if n.startswith("vcga-bridge-"))
+            out[how] = {"bridge": b is not None, "left": made}
+            if b is not None:
+                b.close()
         dist.barrier()
-        made = sorted(n for n in set(os.listdir(shm_dir)) - before if n.startswith("vcga-bridge-"))
-        out[how] = {"bridge": b is not None, "left": made}
-        if b is not None:
-            b.close()
+    finally:
+        if rank == 0:
+            shutil.rmtree(shm_dir, ignore_errors=True)
     dist.destroy_process_group()
     return out
 
