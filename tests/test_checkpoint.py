@@ -183,6 +183,46 @@ def test_async_save_returns_a_future_and_a_failure_surfaces_in_the_next_save(tmp
     assert ckpt.wait() is None and ckpt.latest_step(root) == 9
 
 
+def test_async_save_stages_each_tensor_with_one_copy_and_new_buffers_when_the_layout_changes(tmp_path):
+    """The call blocks for the staging copy: once warm, one copy per tensor. torch's
+    _check_state_dict_similarity (used before) copies every tensor itself, so each was copied twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                self.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    root = tmp_path / "ck"
+    state = _state(1)
+    ckpt.async_save(state, root, step=1).result(timeout=60)  # cold: allocates the buffers
+    n_tensors = 5  # model.w, .b, .mask, .big and optim.step
+    for step in (2, 3):
+        state["model"]["w"].add_(1.0)
+        with CountCopies() as counter:
+            fut = ckpt.async_save(state, root, step=step)
+        assert counter.copies == n_tensors, counter.copies
+        fut.result(timeout=60)
+        got = _fresh()
+        assert ckpt.load_latest(got, root) == step
+        assert torch.equal(got["model"]["w"], state["model"]["w"])
+    # Another dtype, and a smaller shape that copy_ would broadcast into the old buffer: new
+    # buffers, and the checkpoint holds what was passed.
+    state["model"]["w"] = state["model"]["w"].double()
+    state["model"]["big"] = state["model"]["big"][:1].clone()
+    ckpt.async_save(state, root, step=4).result(timeout=60)
+    got = _fresh()
+    got["model"]["w"], got["model"]["big"] = torch.zeros(64, 33, dtype=torch.float64), torch.zeros(1)
+    assert ckpt.load_latest(got, root) == 4
+    assert got["model"]["w"].dtype == torch.float64 and torch.equal(got["model"]["w"], state["model"]["w"])
+    assert torch.equal(got["model"]["big"], state["model"]["big"])
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {_Evil.marker}",))
