@@ -86,6 +86,22 @@ def test_ranks_are_forked_from_a_server_that_imported_torch_and_no_device(monkey
     assert a["marker"] == "set after the server started" and a["gone"] is None
 
 
+def _register_at_exit(path: str, queue) -> None:
+    import atexit
+
+    atexit.register(lambda: open(path, "w").write("ran"))
+    queue.put("registered")
+
+
+def test_a_forked_rank_runs_its_atexit_hooks_as_a_spawned_one_does(tmp_path) -> None:
+    from vcga.spawn import get_context
+
+    ctx = get_context()
+    assert ctx.get_start_method() == "forkserver"
+    assert _one(ctx, _register_at_exit, str(tmp_path / "hook")) == "registered"
+    assert (tmp_path / "hook").read_text() == "ran"
+
+
 def test_a_forked_rank_writes_to_the_parents_stdout_and_stderr_at_start(tmp_path) -> None:
     import os
 

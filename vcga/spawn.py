@@ -26,6 +26,7 @@ exits non-zero ends the wait at once instead of leaving the caller waiting for t
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import multiprocessing.context as mp_context
 import os
@@ -103,9 +104,9 @@ class _Stdio:
 
 
 class _Process(mp_context.ForkServerProcess):
-    """A forkserver process that starts as a spawned one would: the parent's environment and
-    stdout/stderr at ``start()``, the device extensions loaded after the fork, and no hold on the
-    server's lifetime. (Python's ``random`` reseeds itself after a fork; the server imports nothing
+    """A forkserver process that starts and ends as a spawned one would: the parent's environment
+    and stdout/stderr at ``start()``, the device extensions loaded after the fork, no hold on the
+    server's lifetime, and its atexit hooks run at the end. (Python's ``random`` reseeds itself after a fork; the server imports nothing
     else with a global random state.)"""
 
     def start(self) -> None:
@@ -115,7 +116,12 @@ class _Process(mp_context.ForkServerProcess):
 
     def run(self) -> None:
         _like_a_spawned_child(self._vcga_env, self._vcga_stdio)
-        super().run()
+        try:
+            super().run()
+        finally:
+            # A spawned child runs its atexit hooks (sys.exit); a forked one ends in os._exit and
+            # would skip them: an async checkpoint save still writing, a group's threads to wait for.
+            atexit._run_exitfuncs()
 
 
 def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
