@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, VENV_BIN, free_port, run_vcga
-from vcga import bench
+from vcga import bench, bench_spec
 from vcga.errors import VcgaConfigError
 
 # -- nccl-tests' arithmetic ------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_geometry_and_bus_factors_are_nccl_tests():
         assert bench.bus_factor(op, n) == 1.0
 
 
-@pytest.mark.parametrize("dtype", sorted(bench._EXACT))
+@pytest.mark.parametrize("dtype", sorted(bench_spec._EXACT))
 @pytest.mark.parametrize("redop", bench.REDOPS)
 @pytest.mark.parametrize("n", [2, 3, 8, 64])
 def test_check_data_has_an_exact_answer_in_every_dtype(dtype, redop, n):
@@ -63,7 +63,7 @@ def test_check_data_has_an_exact_answer_in_every_dtype(dtype, redop, n):
     reduction order gives it bit for bit), and the data are not all equal (so a wrong answer shows)."""
     tdt = getattr(torch, {"half": "float16", "float": "float32", "double": "float64"}.get(dtype, dtype))
     parts = [bench.inputs(dtype, redop, n, r, 4096, rep=3) for r in range(n)]
-    exact = bench._reduce_exact(parts, redop, n)
+    exact = bench_spec._reduce_exact(parts, redop, n)
     for t in (*parts, exact):
         assert torch.equal(t.to(tdt).to(torch.int64), t), (dtype, redop, n)
     assert len({tuple(p[:64].tolist()) for p in parts}) > 1 or redop == "prod"
