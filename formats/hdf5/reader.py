@@ -1,181 +1,33 @@
-"""HDF5 checkpoints through h5py (installed as ``vcga.formats.hdf5``): Keras weight files and any h5py tree.
-
-Every dataset in any group hierarchy becomes one tensor named by its path without the leading
-'/' (``model_weights/dense/dense/kernel``). Chunked and compressed datasets (gzip, lzf, szip,
-shuffle, fletcher32; more when the optional ``hdf5plugin`` package is installed), big-endian data
-and scalar datasets read as little-endian C-order bytes, one dataset at a time (peak memory: one
-tensor). The conventions for what HDF5 lacks -- bf16 and fp8 as labelled OPAQUE data, bool as
-h5py's enum, complex as h5py's ``{r, i}`` compound or HDF5 2.0's native complex -- and for
-attributes as metadata are specified in docs/convert.md ("HDF5 conventions").
-
-Refused, with a :class:`~vcga.errors.VcgaFormatError` naming the dataset: strings, references,
-variable-length, array and non-complex compound types, enums other than bool, null dataspaces,
-and external links (a converter must not wander into other files).
-"""
+"""Reading HDF5: the structure scanned in a forked child (libhdf5 may crash on damaged files),
+then every dataset streamed one at a time."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from vcga import dtypes
-from vcga.contract import FormatSpec, TensorEntry, hookimpl
-from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext, WriterContext, entry_array
-from vcga.tensors import check_entry
+from vcga.contract import TensorEntry
+from vcga.errors import VcgaFormatError
+from vcga.formatkit import ReaderContext
 
-__all__ = ["Hdf5Reader", "Hdf5Writer", "sniff", "SPEC", "encode_attr", "decode_attr",
-           "GROUPS_KEY", "DTYPE_ATTR", "ATTR_PREFIX"]
+from ._format import (
+    _CUSTOM_FLOATS,
+    _IEEE_FLOATS,
+    DTYPE_ATTR,
+    GROUPS_KEY,
+    NAME,
+    OPAQUE_DTYPES,
+    _encode_attrs,
+    _h5py,
+    _one_line,
+)
 
-log = logging.getLogger(__name__)
-
-NAME = "hdf5"
-SIGNATURE = b"\x89HDF\r\n\x1a\n"
-#: Keras 3's attribute naming the real dtype of an OPAQUE dataset (``ds.attrs["dtype"] = "bfloat16"``).
-DTYPE_ATTR = "dtype"
-#: Dtypes stored as labelled OPAQUE data (HDF5 has no predefined type h5py can map to them).
-OPAQUE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-#: File-level metadata key holding every non-root group and its attributes (JSON).
-GROUPS_KEY = "hdf5.groups"
-#: Prefix of an attribute value that is not a plain string (followed by JSON; see :func:`encode_attr`).
-ATTR_PREFIX = "h5attr:"
-
-#: (size, exponent bits, mantissa bits, exponent bias) of the float layouts HDF5 2.0 predefines
-#: for bf16/fp8 (H5T_FLOAT_BFLOAT16LE, H5T_FLOAT_F8E4M3, H5T_FLOAT_F8E5M2) or another tool may write.
-_CUSTOM_FLOATS = {
-    (2, 8, 7, 127): "bfloat16",
-    (1, 4, 3, 7): "float8_e4m3fn",
-    (1, 5, 2, 15): "float8_e5m2",
-}
-_IEEE_FLOATS = {(2, 5, 10, 15): "float16", (4, 8, 23, 127): "float32", (8, 11, 52, 1023): "float64"}
-
-
-def _h5py() -> Any:
-    import h5py
-
-    try:  # registers extra compression filters (blosc, zstd, bitshuffle, ...) when installed
-        import hdf5plugin  # noqa: F401
-    except Exception:
-        pass
-    return h5py
-
-
-def sniff(path: Any) -> bool:
-    """The HDF5 superblock signature at 0 or at a user-block offset (512, 1024, 2048, 4096)."""
-    try:
-        with open(path, "rb") as f:
-            for off in (0, 512, 1024, 2048, 4096):
-                f.seek(off)
-                if f.read(8) == SIGNATURE:
-                    return True
-    except OSError:
-        return False
-    return False
-
-
-# ---------------------------------------------------------------------------------------------------
-# Attributes <-> metadata strings
-# ---------------------------------------------------------------------------------------------------
-
-
-def encode_attr(value: Any, dtype: Any, shape: tuple[int, ...] | None) -> str | None:
-    """One attribute as a metadata string.
-
-    A scalar UTF-8 string that does not start with :data:`ATTR_PREFIX` is kept as it is; anything
-    else becomes ``ATTR_PREFIX + JSON {"dtype", "shape", "value"}`` so the writer recreates the same
-    HDF5 type and shape (bytes as latin-1 text, complex as [re, im], NaN/Infinity as JSON extensions).
-    Returns None for types with no faithful encoding (references, compounds); the caller logs them.
-    """
-    import numpy as np
-
-    h5py = _h5py()
-    if isinstance(value, h5py.Empty):
-        return ATTR_PREFIX + json.dumps({"dtype": np.dtype(dtype).str, "empty": True}, separators=(",", ":"))
-    sinfo = h5py.check_string_dtype(dtype)
-    if sinfo is not None:
-        if sinfo.length is None:
-            kind = "vlen-utf8" if sinfo.encoding == "utf-8" else "vlen-ascii"
-        else:
-            kind = np.dtype(dtype).str
-        if shape == () and isinstance(value, str) and kind == "vlen-utf8" and not value.startswith(ATTR_PREFIX):
-            return value
-
-        def text(v: Any) -> str:
-            return v.decode("latin-1") if isinstance(v, bytes) else str(v)
-
-        arr = np.asarray(value, dtype=object)
-        val = text(arr.item()) if arr.ndim == 0 else [text(v) for v in arr.reshape(-1)]
-        return ATTR_PREFIX + json.dumps({"dtype": kind, "shape": list(arr.shape), "value": val}, ensure_ascii=False,
-                                         separators=(",", ":"))
-    dt = np.dtype(dtype)
-    if dt.kind not in "biufc":
-        return None
-    arr = np.asarray(value, dtype=dt)
-    flat = arr.reshape(-1)
-    if dt.kind == "c":
-        val: Any = [[float(v.real), float(v.imag)] for v in flat]
-    elif dt.kind == "f":
-        val = [float(v) for v in flat]
-    elif dt.kind == "b":
-        val = [bool(v) for v in flat]
-    else:
-        val = [int(v) for v in flat]
-    return ATTR_PREFIX + json.dumps({"dtype": dt.str, "shape": list(arr.shape), "value": val}, separators=(",", ":"))
-
-
-def decode_attr(text: str) -> tuple[Any, Any]:
-    """``(value, dtype or None)`` to pass to ``attrs.create`` -- the inverse of :func:`encode_attr`.
-
-    :raises ValueError: a prefixed value that is not valid JSON of the expected shape.
-    """
-    import numpy as np
-
-    h5py = _h5py()
-    if not text.startswith(ATTR_PREFIX):
-        return text, h5py.string_dtype("utf-8")
-    spec = json.loads(text[len(ATTR_PREFIX):])
-    kind = spec["dtype"]
-    if spec.get("empty"):
-        return h5py.Empty(np.dtype(kind)), None
-    shape = tuple(spec["shape"])
-    val = spec["value"]
-    if kind in ("vlen-utf8", "vlen-ascii"):
-        dt = h5py.string_dtype("utf-8" if kind == "vlen-utf8" else "ascii")
-        if kind == "vlen-ascii":
-            val = [v.encode("latin-1") for v in val] if shape else val.encode("latin-1")
-        arr = np.array(val, dtype=object).reshape(shape) if shape else np.array(val, dtype=dt)
-        return arr, dt
-    dt = np.dtype(kind)
-    if dt.kind == "S":
-        vals = [v.encode("latin-1") for v in val] if shape else val.encode("latin-1")
-        return np.array(vals, dtype=dt).reshape(shape), dt
-    if dt.kind == "c":
-        val = [complex(re, im) for re, im in val]
-    return np.array(val, dtype=dt).reshape(shape), dt
-
-
-def _encode_attrs(obj: Any, path: str, skip: str | None = None, notes: list[str] | None = None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    notes = [] if notes is None else notes
-    for name in obj.attrs:
-        if name == skip:
-            continue
-        aid = obj.attrs.get_id(name)
-        try:
-            value = obj.attrs[name]
-        except Exception as e:  # an attribute h5py cannot read (unknown type, damaged heap)
-            notes.append(f"attribute {name!r} of {path!r} is not readable ({_one_line(e)}); not kept")
-            continue
-        enc = encode_attr(value, aid.dtype, aid.shape)
-        if enc is None:
-            notes.append(f"attribute {name!r} of {path!r} has type {aid.dtype}, which VCGA does not keep")
-            continue
-        out[name] = enc
-    return out
+log = logging.getLogger("vcga.formats.hdf5")  # the format's name, as before the split
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,175 +293,3 @@ class Hdf5Reader(ReaderContext):
             self._file.close()
         except Exception:
             pass
-
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-# ---------------------------------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------------------------------
-
-
-class Hdf5Writer(WriterContext):
-    """Writes an HDF5 file atomically, one dataset per tensor, groups from '/' in names.
-
-    :param path: the destination (appears only on :meth:`commit`).
-    :param compression: ``None`` (contiguous datasets, the fastest), ``"gzip"`` or ``"lzf"``.
-    :param compression_opts: gzip level 0-9.
-    :param shuffle: byte-shuffle before compressing.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, compression: str | None = None,
-                 compression_opts: int | None = None, shuffle: bool = False,
-                 publish_into: str | os.PathLike[str] | None = None) -> None:
-        h5py = _h5py()
-        self._init_outputs(publish_into)
-        if compression not in (None, "gzip", "lzf"):
-            raise VcgaConversionError(f"hdf5 compression must be gzip or lzf, not {compression!r}", target=NAME)
-        self.path = Path(path)
-        self._filters: dict[str, Any] = {}
-        if compression:
-            self._filters = {"compression": compression, "shuffle": bool(shuffle)}
-            if compression_opts is not None:
-                self._filters["compression_opts"] = int(compression_opts)
-        self._af = self._open_output(self.path, "w+b")
-        try:
-            # HDF5 is given the file object, not a path: the output is an anonymous file (vcga.atomic),
-            # and HDF5 resolves a path's real name, which /proc/self/fd/N does not have. (h5py's
-            # file-object driver writes big datasets as fast as the path driver; docs/benchmarks.md.)
-            # track_order: groups list their members in creation order, so a round trip keeps the order.
-            self._h5 = h5py.File(self._af.file, "w", track_order=True)
-        except BaseException:
-            self.abort()
-            raise
-        self._metadata: dict[str, str] = {}
-
-    def set_metadata(self, metadata: Mapping[str, str]) -> None:
-        """File metadata: root attributes, plus the groups (and their attributes) listed under
-        :data:`GROUPS_KEY`, created now so they keep the source's order."""
-        self._check_open()
-        self._metadata = dict(metadata)
-        self._write_groups()
-
-    def _group(self, parts: Sequence[str], full: str) -> Any:
-        h5py = _h5py()
-        g = self._h5
-        for i, part in enumerate(parts):
-            if part in g:
-                nxt = g[part]
-                if not isinstance(nxt, h5py.Group):
-                    raise VcgaConversionError(
-                        f"tensor {full!r} needs group {'/'.join(parts[:i + 1])!r}, but a tensor of that name was "
-                        "already written; HDF5 names are paths, so one name cannot be both", tensor=full, target=NAME)
-                g = nxt
-            else:
-                g = g.create_group(part, track_order=True)
-        return g
-
-    def write(self, entry: TensorEntry) -> None:
-        import numpy as np
-
-        self._check_open()
-        name = entry.name
-        parts = name.split("/")
-        if not name or "\x00" in name or any(p in ("", ".") for p in parts):
-            raise VcgaConversionError(
-                f"tensor name {name!r} is not a valid HDF5 path (a NUL character, empty or '.' components, leading, "
-                "trailing or doubled '/'); rename it before converting to hdf5", tensor=name, target=NAME)
-        buf = check_entry(entry, target=NAME)
-        group = self._group(parts[:-1], name)
-        leaf = parts[-1]
-        if leaf in group:
-            raise VcgaConversionError(f"tensor {name!r} written twice (or is also a group)", tensor=name, target=NAME)
-        shape = tuple(entry.shape)
-        filters = self._filters if (self._filters and shape and entry.numel) else {}
-        if entry.dtype in OPAQUE_DTYPES:
-            # Exactly what Keras 3 writes for bf16: h5py's untagged OPAQUE type for numpy's void dtype
-            # plus attrs["dtype"]. (A tag would make HDF5 refuse Keras' opaque-to-opaque read.)
-            size = dtypes.get(entry.dtype).itemsize
-            ds = group.create_dataset(leaf, shape=shape, dtype=np.dtype(f"V{size}"), **filters)
-            if entry.numel:
-                ds.write_direct(np.frombuffer(buf, dtype=np.dtype(f"V{size}")).reshape(shape))
-            ds.attrs[DTYPE_ATTR] = entry.dtype
-        else:
-            arr = entry_array(entry, target=NAME)
-            ds = group.create_dataset(leaf, shape=shape, dtype=arr.dtype, **filters)
-            if entry.numel:
-                ds.write_direct(np.ascontiguousarray(arr))
-        for key, text in entry.metadata.items():
-            if entry.dtype in OPAQUE_DTYPES and key == DTYPE_ATTR:
-                continue
-            _set_attr(ds, key, text, name)
-
-    def _write_groups(self) -> None:
-        meta = dict(self._metadata)
-        raw = meta.pop(GROUPS_KEY, None)
-        if raw is not None:
-            try:
-                groups = json.loads(raw)
-                if not isinstance(groups, dict):
-                    raise ValueError("not an object")
-            except ValueError as e:
-                raise VcgaConversionError(f"metadata {GROUPS_KEY!r} is not a JSON object: {e}", target=NAME) from None
-            for gpath, attrs in groups.items():
-                parts = gpath.split("/")
-                if any(p in ("", ".") for p in parts) or not isinstance(attrs, dict):
-                    raise VcgaConversionError(f"metadata {GROUPS_KEY!r} names an invalid group {gpath!r}", target=NAME)
-                g = self._group(parts, gpath)
-                for key, text in attrs.items():
-                    _set_attr(g, key, text, gpath)
-        for key, text in meta.items():
-            _set_attr(self._h5, key, text, "/")
-
-    def _finish(self) -> None:
-        self._h5.close()  # HDF5 writes its last metadata into the file object
-
-    def _discard(self) -> None:
-        h5 = getattr(self, "_h5", None)
-        if h5 is not None:
-            try:
-                h5.close()
-            except Exception:
-                pass
-
-
-def _set_attr(obj: Any, key: str, text: Any, where: str) -> None:
-    if not isinstance(text, str):
-        raise VcgaConversionError(f"metadata {key!r} of {where!r} is not a string", target=NAME)
-    # HDF5 names and variable-length strings are C strings: a NUL would silently cut them short.
-    if not key or "\x00" in key:
-        raise VcgaConversionError(f"metadata key {key!r} of {where!r} cannot be an HDF5 attribute name "
-                                  "(empty or containing NUL)", target=NAME)
-    if "\x00" in text and not text.startswith(ATTR_PREFIX):
-        raise VcgaConversionError(f"metadata {key!r} of {where!r} contains a NUL character, which HDF5 strings "
-                                  "cannot hold", target=NAME)
-    try:
-        value, dt = decode_attr(text)
-        if dt is None:
-            obj.attrs[key] = value
-        else:
-            obj.attrs.create(key, value, dtype=dt)
-    except (ValueError, KeyError, TypeError) as e:
-        raise VcgaConversionError(f"metadata {key!r} of {where!r} is not a valid {ATTR_PREFIX} attribute: {e}",
-                                  target=NAME) from None
-
-
-SPEC = FormatSpec(
-    name=NAME,
-    extensions=(".h5", ".hdf5", ".hdf", ".he5"),
-    dtypes=frozenset(dtypes.ALL),
-    sniff=sniff,
-    open_reader=Hdf5Reader,
-    open_writer=Hdf5Writer,
-    description="HDF5 through h5py: Keras weight files and any group tree; bf16/fp8 as labelled opaque data",
-)
-
-
-@hookimpl
-def vcga_formats() -> list[FormatSpec]:
-    return [SPEC]
-
