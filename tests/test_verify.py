@@ -361,7 +361,7 @@ def test_gradient_worlds_are_compared_pairwise_within_the_sum_of_their_bounds():
 def test_only_the_vcga_groups_own_refusal_marks_a_mixed_world_unsupported():
     """A build without the bridge refuses mixed worlds naming the group ('vcga'): skipped, not
     verified. A vendor backend failing inside a mixed world names the vendor: a failure."""
-    from vcga.conformance.runner import _group_cannot_mix
+    from vcga.conformance.rank import _group_cannot_mix
 
     from vcga.errors import VcgaBackendUnavailable
 
