@@ -27,6 +27,7 @@ returns an already completed work.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -34,7 +35,8 @@ import os
 import re
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
@@ -56,7 +58,7 @@ from vcga.errors import (
 )
 from vcga import pypg
 from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
-from vcga.transport import ClosedGroup, Transport, make_transport
+from vcga.transport import ClosedGroup, StartupClock, Transport, make_transport
 
 __all__ = [
     "BACKEND_NAME",
@@ -163,6 +165,25 @@ def _attempt_store(store: Any) -> Any:
     return store if attempt is None else dist.PrefixStore(f"vcga/attempt-{attempt}", store)
 
 
+@contextmanager
+def _collection_deferred() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a group is created (restored after).
+
+    A process that has imported torch holds some 170,000 objects, and the first few thousand
+    allocations after the import -- creating a group makes that many -- trigger a full collection
+    that scans all of them: 40-90 ms of one rank's CPU (measured in fresh processes, docs/benchmarks.md
+    "Group creation"), while every other rank waits for that rank. Nothing is skipped: the
+    collection runs at the next allocation after creation, outside the ranks' rendezvous.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessGroup:
     """The creator torch calls for ``backend="vcga"`` (``extended_api=True``).
 
@@ -170,8 +191,6 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
         group name, global ranks).
     :param pg_options: a :class:`VcgaOptions`, or None.
     """
-    from vcga.plugin_manager import get_plugin_manager
-
     store, rank, size = _attempt_store(dist_opts.store), dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
     group_name = str(dist_opts.group_id)
@@ -183,10 +202,15 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
         raise TypeError(f"pg_options for backend 'vcga' must be vcga.process_group.VcgaOptions, "
                         f"not {type(pg_options).__name__}")
     timeout = _effective_timeout(dist_opts.timeout, config)
+    clock = StartupClock()
     # The simulated vendor layout (and any per-rank choice) is by global rank in the whole job.
     world = dist.get_world_size() if dist.is_initialized() else size
-    backend = get_plugin_manager().select_backend(config, rank=global_ranks[rank], world_size=world)
-    transport = make_transport(store, rank, size, backend, timeout, config, global_ranks)
+    with _collection_deferred():
+        with clock.phase("backend selection"):
+            from vcga.plugin_manager import get_plugin_manager
+
+            backend = get_plugin_manager().select_backend(config, rank=global_ranks[rank], world_size=world)
+        transport = make_transport(store, rank, size, backend, timeout, config, global_ranks, clock)
     return VcgaProcessGroup(store, rank, size, transport=transport, config=config, timeout=timeout,
                             group_name=group_name, global_ranks=global_ranks)
 
@@ -254,7 +278,8 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         self._coalescing: list[Any] | None = None
         # collective -> (torch dtype, RedOpType or None) -> native? : the hot path's only lookup
         self._fast: dict[Collective, dict[tuple[Any, Any], bool]] = {c: {} for c in Collective}
-        log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
         _OPEN.add(self)  # shut down at exit if the script does not (see _shutdown_at_exit)
 
     # -- identity --------------------------------------------------------------------------------

@@ -34,21 +34,22 @@ and table).
 from __future__ import annotations
 
 import abc
-import json
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
+from vcga.errors import VcgaBackendUnavailable, VcgaError
 
 if TYPE_CHECKING:
     from vcga.config import Config
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "ClosedGroup", "shut_down", "abort_now", "release_later",
-           "make_transport"]
+__all__ = ["TRANSPORT_METHODS", "Transport", "NativeTransport", "ClosedGroup", "StartupClock", "shut_down", "abort_now",
+           "release_later", "make_transport"]
 
 #: The c10d methods the dispatcher calls on ``Transport.group`` (names as on ``ProcessGroupGloo``).
 TRANSPORT_METHODS: tuple[str, ...] = (
@@ -72,6 +73,39 @@ TRANSPORT_METHODS: tuple[str, ...] = (
 )
 
 
+class StartupClock:
+    """Where this rank's group creation spent its time, per phase (``describe()["startup"]``).
+
+    Phases: "backend selection" (loading the plugins, choosing and probing this rank's backend),
+    "discovery" (publishing and reading what every rank runs), "native groups" (the vendor
+    library's own group), "bridge sub-groups" (the shard peers' gloo groups and their shared
+    memory), "whole-group gloo" (the bridge's group over every rank), "calibration" (the bridge's
+    link figures: measured, or read from the cache). A phase that runs later, on the first
+    collective that needs it, adds to its entry then. Wall seconds in :attr:`seconds`, this
+    process's CPU seconds (all its threads) in :attr:`cpu_seconds`; benchmarks/startup.py reports
+    both (docs/benchmarks.md).
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0, time.process_time() - c0)
+
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {name: {"s": s, "cpu_s": self.cpu_seconds.get(name, 0.0)} for name, s in self.seconds.items()}
+
+
 class Transport(abc.ABC):
     """What the ``vcga`` process group drives (see the module docstring for the contract)."""
 
@@ -84,9 +118,15 @@ class Transport(abc.ABC):
     #: The torch device type tensors must be on when handed to ``group`` ("cpu", "cuda", ...).
     device_type: str
 
+    #: where creating this group spent its time (set by :func:`make_transport`)
+    startup: StartupClock | None = None
+
     def describe(self) -> dict[str, Any]:
         """Facts for logs and ``vcga info``."""
-        return {"transport": type(self).__name__, "backend": self.backend_name, "device_type": self.device_type}
+        d = {"transport": type(self).__name__, "backend": self.backend_name, "device_type": self.device_type}
+        if self.startup is not None:
+            d["startup"] = self.startup.to_json()
+        return d
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release native resources (called when the ``vcga`` group shuts down).
@@ -220,41 +260,35 @@ def _apply_vendor_env(backend: Backend, config: Config) -> None:
 
 
 def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: timedelta, config: Config,
-                   global_ranks: Sequence[int]) -> Transport:
+                   global_ranks: Sequence[int], clock: StartupClock | None = None) -> Transport:
     """Discover every rank's backend through ``store`` and build the group's transport.
 
-    Each rank publishes ``{"backend", "vendor", "device_type"}`` under ``vcga/discovery/<rank>``
-    and reads everyone's, so every rank reaches the same decision. One backend: a
+    Discovery (:func:`vcga.discovery.discover`): every rank publishes its backend, vendor, device
+    type, node and capability-table digest, rank 0 gathers them into one compact layout, and
+    every rank reads it, so every rank reaches the same decision. One backend: a
     :class:`~vcga.transport.NativeTransport` over the backend's native group. Several: the
     mixed-vendor bridge (:func:`vcga.bridge.create_bridge_transport`).
     """
-    import socket
-
     import torch.distributed as dist  # here: importing this module stays torch-free
 
-    disc = dist.PrefixStore("vcga/discovery", store)
-    me = {"backend": backend.name, "vendor": backend.vendor, "device_type": backend.device_type,
-          "global_rank": global_ranks[rank], "node": socket.gethostname()}  # the bridge plans by node
-    disc.set(str(rank), json.dumps(me))
-    keys = [str(r) for r in range(size)]
-    try:
-        disc.wait(keys, timeout)
-    except Exception as e:
-        missing = [global_ranks[r] for r in range(size) if not disc.check([str(r)])]
-        raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=global_ranks[rank],
-                               missing_ranks=missing, detail="ranks never published their backend") from e
-    peers = [json.loads(v) for v in disc.multi_get(keys)]
-    names = {p["backend"] for p in peers}
-    if len(names) == 1:
+    from vcga.discovery import discover
+
+    clock = clock or StartupClock()
+    with clock.phase("discovery"):
+        layout = discover(store, rank, size, backend, timeout, global_ranks)
+    if len(layout.backends) == 1:
         _apply_vendor_env(backend, config)
-        try:
-            native = backend.create_process_group(dist.PrefixStore("vcga/native", store), rank, size, timeout)
-        except VcgaError:
-            raise
-        except Exception as e:
-            raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
-                                                       f"{type(e).__name__}: {e}") from e
-        return NativeTransport(backend, native)
+        with clock.phase("native groups"):
+            try:
+                native = backend.create_process_group(dist.PrefixStore("vcga/native", store), rank, size, timeout)
+            except VcgaError:
+                raise
+            except Exception as e:
+                raise VcgaBackendUnavailable(backend.name, f"creating its native process group failed: "
+                                                           f"{type(e).__name__}: {e}") from e
+        transport = NativeTransport(backend, native)
+        transport.startup = clock
+        return transport
     # Several backends: native groups per vendor plus the host bridge between them (vcga/bridge/).
     # The bridge's exchange between nodes is gloo, whatever the vendors: it follows the network
     # section (GLOO_SOCKET_IFNAME; torch's ProcessGroupGloo reads it when each group is made).
@@ -264,6 +298,6 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
     for key, value in gloo_env(config).items():
         os.environ.setdefault(key, value)  # never override what the user set
 
-    return create_bridge_transport(store, rank, size, backend, peers, timeout, config.bridge_algorithm,
+    return create_bridge_transport(store, rank, size, backend, layout.peers(global_ranks), timeout, config.bridge_algorithm,
                                    apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm,
-                                   async_ops=config.bridge_async)
+                                   async_ops=config.bridge_async, clock=clock, layout=layout)

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,12 +18,13 @@ from typing import Any
 import torch.distributed as dist
 
 from vcga.bridge.group import BridgeGroup
-from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, table_digest, table_from_json
+from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, table_from_json
 from vcga.contract import Backend, CapabilityTable
+from vcga.discovery import Layout
 from vcga.dispatch import Dispatcher
-from vcga.errors import VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaTimeoutError
+from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
 from vcga.hostbridge import SharedMemoryBridge, every_rank
-from vcga.transport import ClosedGroup, NativeTransport, Transport, abort_now, release_later, shut_down
+from vcga.transport import ClosedGroup, NativeTransport, StartupClock, Transport, abort_now, release_later, shut_down
 from vcga.workqueue import WorkQueue
 
 __all__ = ["BridgeTransport", "create_bridge_transport"]
@@ -42,12 +44,18 @@ class BridgeTransport(Transport):
         self.backend_name = table.backend
         self.device_type = backend.device_type
         self._closables = list(closables)
+        #: what discovery found (node names, for describe)
+        self.layout: Layout | None = None
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["vendor"] = self.backend.vendor
         d["local_backend"] = self.backend.name
         d["plan"] = self.plan.describe(tables=self.group.tables)
+        if self.layout is not None:  # the plan knows nodes by index; their names are read now
+            names = self.layout.node_names()
+            for g in d["plan"]["groups"]:
+                g["nodes"] = [names[n] if isinstance(n, int) and n < len(names) else n for n in g["nodes"]]
         d["calibration"] = self.group.calibration
         d["shard_exchange"] = self.group.shard_exchange
         return d
@@ -103,7 +111,8 @@ def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int,
 def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, peers: Sequence[dict[str, Any]],
                             timeout: timedelta, algorithm: str = "auto",
                             apply_env: Callable[[Backend], None] | None = None,
-                            shared_memory: bool = True, async_ops: bool = True) -> BridgeTransport:
+                            shared_memory: bool = True, async_ops: bool = True, clock: StartupClock | None = None,
+                            layout: Layout | None = None) -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -115,40 +124,39 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         memory (:class:`~vcga.hostbridge.SharedMemoryBridge`) instead of gloo.
     :param async_ops: config ``bridge_async``: collectives run on the group's communication thread
         (:class:`~vcga.workqueue.WorkQueue`) and return at once; False: in the calling thread.
+    :param clock: where the phases of creation are timed (``describe()["startup"]``).
+    :param layout: what discovery found (:func:`vcga.discovery.discover`; ``peers`` is its
+        :meth:`~vcga.discovery.Layout.peers`): the capability-table digests of the backends.
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
+    clock = clock or StartupClock()
+    t_disc, c_disc = time.perf_counter(), time.process_time()
     plan = make_plan(peers, algorithm)
     gr = [int(p.get("global_rank", r)) for r, p in enumerate(peers)]
     me = plan.group_of(rank)
     local = me.ranks.index(rank)
     bstore = dist.PrefixStore("vcga/bridge", store)
-    log.debug("vcga bridge plan (rank %d): %s", gr[rank], json.dumps(plan.describe()))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("vcga bridge plan (rank %d): %s", gr[rank], json.dumps(plan.describe()))
 
-    # 1. Capability tables: each leader publishes its backend's; everyone checks its own digest.
-    mine = backend.capabilities()
-    if rank == me.leader:
-        bstore.set(f"table/{me.index}", json.dumps(mine.to_json()))
-    keys = [f"table/{g.index}" for g in plan.groups]
-    _wait(bstore, keys, timeout, "vendor-group leaders never published their capability tables", gr[rank],
-          [gr[g.leader] for g in plan.groups])
-    tables = [table_from_json(g.backend, json.loads(v)) for g, v in zip(plan.groups, bstore.multi_get(keys))]
-    if table_digest(mine) != table_digest(tables[me.index]):
-        raise VcgaConfigError("backend", backend.name,
-                              f"the same capability table on every rank of backend {backend.name!r}; rank {gr[rank]}'s "
-                              f"differs from rank {gr[me.leader]}'s (different plugin versions?). Install the same vcga "
-                              "and plugin versions on every node")
+    # 1. Capability tables: the first rank of each backend publishes its table, under its digest;
+    #    every rank reads those of the other backends (discovery checked that the digests agree).
+    tables, digests = _tables(bstore, layout, plan, rank, backend, timeout, gr)
     name = "bridge(" + ",".join(f"{g.backend}:{g.size}" for g in plan.groups) + ")"
-    table = combined_table(name, tables)
+    table = _combined(name, tables, digests)
+    clock.add("discovery", time.perf_counter() - t_disc, time.process_time() - c_disc)
 
     # 2. This rank's native vendor group; any failure stops every rank with one error.
     if apply_env is not None:
         apply_env(backend)
-    native = _create_native(bstore, store, plan, rank, backend, timeout, gr)
+    with clock.phase("native groups"):
+        native = _create_native(bstore, store, plan, rank, backend, timeout, gr)
 
     # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo.
     try:
         shard, shm = None, None
+        t_sub, c_sub = time.perf_counter(), time.process_time()
         if local == 0 or plan.equal_groups:
             peers_i = plan.shard_peers(local)
             if len(peers_i) > 1:
@@ -157,7 +165,9 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                 same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
                 shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
                                               names=[f"rank {gr[r]}" for r in peers_i])
-        world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
+        clock.add("bridge sub-groups", time.perf_counter() - t_sub, time.process_time() - c_sub)
+        with clock.phase("whole-group gloo"):
+            world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
     except VcgaError:
         raise
     except Exception as e:
@@ -176,35 +186,93 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
             device = None
         # The measurement is collective: run it only if every rank can (else ranks that can would
         # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
-        if every_rank(world, device is not None):
-            group.measure_links(device)
+        with clock.phase("calibration"):
+            if every_rank(world, device is not None):
+                group.measure_links(device)
     if async_ops:
         group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
     closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
-    return BridgeTransport(plan, rank, backend, table, group, closables, timeout)
+    transport = BridgeTransport(plan, rank, backend, table, group, closables, timeout)
+    transport.startup = clock
+    transport.layout = layout
+    return transport
 
 
-#: How often a rank waiting for its native group looks for another rank's failure (seconds).
-_ABORT_POLL_S = 0.05
+#: Capability tables by digest, and combined tables by their parts' digests: a table is a pure
+#: function of its digest, so a process that creates several groups reads and combines each once.
+_TABLES: dict[str, CapabilityTable] = {}
+_COMBINED: dict[tuple[str, ...], CapabilityTable] = {}
+
+
+def _tables(bstore: Any, layout: Layout | None, plan: Plan, rank: int, backend: Backend, timeout: timedelta,
+            gr: Sequence[int]) -> tuple[list[CapabilityTable], tuple[str, ...]]:
+    """Every vendor group's capability table and its digest, in plan order.
+
+    The lowest rank of each backend publishes its table (compressed JSON, about 2.5 KB) under
+    ``table/<digest>``; a rank reads only the tables of the other backends, and only those it has
+    not read before in this process. Discovery already checked that every rank of a backend has
+    the same digest."""
+    if layout is None:
+        raise TypeError("create_bridge_transport needs the layout discovery found (vcga.discovery.discover)")
+    mine = backend.capabilities()
+    digests = {f.name: f.digest for f in layout.backends}
+    first = {f.name: layout.first_rank_of(i) for i, f in enumerate(layout.backends)}
+    if rank == first[backend.name]:
+        bstore.set(f"table/{digests[backend.name]}", zlib.compress(json.dumps(mine.to_json()).encode(), 6))
+    out = []
+    for g in plan.groups:
+        if g.backend == backend.name:
+            out.append(mine)
+            continue
+        digest = digests[g.backend]
+        table = _TABLES.get(digest)
+        if table is None:
+            key = f"table/{digest}"
+            _wait(bstore, [key], timeout, f"rank {gr[first[g.backend]]} never published the capability table of "
+                                          f"{g.backend}", gr[rank], [gr[first[g.backend]]])
+            table = _TABLES[digest] = table_from_json(g.backend, json.loads(zlib.decompress(bstore.get(key))))
+        out.append(table)
+    return out, tuple(digests[g.backend] for g in plan.groups)
+
+
+def _combined(name: str, tables: Sequence[CapabilityTable], key: tuple[str, ...]) -> CapabilityTable:
+    """:func:`combined_table`, computed once per combination of tables (``key``: their digests)
+    in this process."""
+    hit = _COMBINED.get(key)
+    if hit is None:
+        hit = _COMBINED[key] = combined_table(name, tables)
+    return hit if hit.backend == name else CapabilityTable(name, hit.cells())
+
+
+#: A native group not created within this many seconds makes the rank start watching for
+#: another rank's failure (over a connection of its own); most are created sooner, and need none.
+_WATCH_AFTER_S = 0.5
+#: How often a watching rank looks for another rank's failure: from the first to the last
+#: interval, doubling (a failure is seen within about a second; the store sees a few requests
+#: per rank, not one per 50 ms of a long creation).
+_WATCH_POLL_S = (0.05, 1.0)
 
 
 def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Backend, timeout: timedelta,
                    gr: Sequence[int]) -> Any:
-    """Create this rank's native vendor group; publish ok / failed / aborted; fail together.
+    """Create this rank's native vendor group; report ok / failed / aborted; fail together.
 
     The native creation runs in a helper thread, because a vendor library blocks while it waits
-    for peers: if a peer's plugin failed, this rank sees the failure flag and stops waiting at once
-    instead of after the library's own timeout. Every rank then reads every rank's status and, if
-    any failed, raises the same error naming the failing ranks and their reasons.
+    for peers. When it takes longer than :data:`_WATCH_AFTER_S`, a watcher opens a connection of
+    its own (a store client is one connection, and the library may be waiting on ours) and looks
+    for another rank's failure flag, so a rank whose peer's plugin failed stops waiting within a
+    second instead of after the library's own timeout.
+
+    Then the ranks agree on the outcome with a constant number of requests each: a failing rank
+    records its reason (``failed/<rank>``, ``failed_ranks``) before it counts itself in
+    ``finished``; the rank that completes the count sets ``finished_all``; if anything failed,
+    every rank raises the same error naming the failing ranks and their reasons.
     """
     me = plan.group_of(rank)
     result: dict[str, Any] = {}
-    # A store client is one connection: while the library waits on it for a peer that will never
-    # come, every other call on it queues behind. Watch for failures over a connection of our own.
-    try:
-        watch = dist.PrefixStore("vcga/bridge", store.clone())
-    except Exception:  # noqa: BLE001 - a store without clone(): failures are then seen at the library's timeout
-        watch = bstore
+    done = threading.Event()
+    aborted = threading.Event()
+    watcher: dict[str, Any] = {}
 
     def create() -> None:
         try:
@@ -212,39 +280,64 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
                 dist.PrefixStore(f"vcga/bridge/native/{me.index}", store), me.ranks.index(rank), me.size, timeout)
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             result["error"] = e
+        finally:
+            done.set()
 
-    th = threading.Thread(target=create, name="vcga-native-group", daemon=True)
-    th.start()
+    def watch() -> None:
+        try:
+            own = dist.PrefixStore("vcga/bridge", store.clone())
+        except Exception:  # noqa: BLE001 - a store without clone(): failures are then seen at the library's timeout
+            return
+        watcher["store"] = own
+        pause = _WATCH_POLL_S[0]
+        while not done.is_set():
+            if own.check(["failed"]):
+                aborted.set()
+                return
+            done.wait(pause)
+            pause = min(pause * 2, _WATCH_POLL_S[1])
+
+    threading.Thread(target=create, name="vcga-native-group", daemon=True).start()
     deadline = time.monotonic() + timeout.total_seconds()
+    if not done.wait(_WATCH_AFTER_S):
+        threading.Thread(target=watch, name="vcga-native-watch", daemon=True).start()
+    while not done.is_set() and not aborted.is_set() and time.monotonic() < deadline:
+        done.wait(0.02)
     status: dict[str, Any]
-    while True:
-        th.join(_ABORT_POLL_S)
-        if not th.is_alive():
-            if "error" in result:
-                e = result["error"]
-                status = {"state": "failed", "backend": backend.name,
-                          "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-                watch.set("failed", "1")
-            else:
-                status = {"state": "ok"}
-            break
-        if watch.check(["failed"]):
-            status = {"state": "aborted"}
-            break
-        if time.monotonic() > deadline:
+    if done.is_set():
+        if "error" in result:
+            e = result["error"]
             status = {"state": "failed", "backend": backend.name,
-                      "reason": f"creating the native group did not finish within {timeout.total_seconds():g} s"}
-            watch.set("failed", "1")
-            break
-    watch.set(f"status/{rank}", json.dumps(status))
-    keys = [f"status/{r}" for r in range(plan.size)]
-    _wait(watch, keys, timeout, "ranks never reported their native vendor group", gr[rank], list(gr))
-    statuses = [json.loads(v) for v in watch.multi_get(keys)]
-    failed = [(gr[r], s) for r, s in enumerate(statuses) if s["state"] == "failed"]
-    if failed:
+                      "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        else:
+            status = {"state": "ok"}
+    elif aborted.is_set():
+        status = {"state": "aborted"}
+    else:
+        status = {"state": "failed", "backend": backend.name,
+                  "reason": f"creating the native group did not finish within {timeout.total_seconds():g} s"}
+    # Our own connection may still be busy inside the library (aborted, timed out): report through
+    # the watcher's then.
+    st = bstore if done.is_set() else watcher.get("store", bstore)
+    if status["state"] == "failed":
+        st.set(f"failed/{rank}", json.dumps(status))
+        st.append("failed_ranks", f"{rank},")
+        st.set("failed", "1")
+    st.set(f"done/{rank}", "1")
+    if st.add("finished", 1) == plan.size:
+        st.set("finished_all", "1")
+    try:
+        st.wait(["finished_all"], timeout)
+    except Exception as e:  # noqa: BLE001 - DistStoreError on timeout
+        missing = [gr[r] for r in range(plan.size) if not st.check([f"done/{r}"])]
+        raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=gr[rank], missing_ranks=missing,
+                               detail="mixed-vendor bridge: ranks never reported their native vendor group") from e
+    if st.check(["failed"]):
+        ranks = sorted({int(x) for x in st.get("failed_ranks").decode().split(",") if x})
+        statuses = [json.loads(v) for v in st.multi_get([f"failed/{r}" for r in ranks])]
         if status["state"] == "ok":
             _shutdown(result.get("pg"))
-        who = "; ".join(f"rank {g} ({s['backend']}): {s['reason']}" for g, s in failed)
+        who = "; ".join(f"rank {gr[r]} ({s['backend']}): {s['reason']}" for r, s in zip(ranks, statuses))
         err = VcgaBackendUnavailable(
             "vcga", f"mixed-vendor group: the native process group could not be created on {who}. Fix or exclude "
                     "those ranks (see `vcga info` on their nodes), or give them another backend (VCGA_BACKEND)")

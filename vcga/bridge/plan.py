@@ -7,7 +7,6 @@ can show a layout's plan without it. The package docstring (:mod:`vcga.bridge`) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 from vcga import dtypes as _dtypes
 from vcga.contract import Backend, CapabilityTable, Cell, Collective, ReduceOp, Support
+from vcga.discovery import table_digest  # noqa: F401 - re-exported as vcga.bridge.table_digest
 from vcga.errors import VcgaConfigError
 
 __all__ = [
@@ -92,7 +92,8 @@ class VendorGroup:
     vendor: str
     device_type: str
     ranks: tuple[int, ...]
-    nodes: tuple[str, ...]
+    #: the nodes its ranks are on: host names, or in a running group node indices (describe() names them)
+    nodes: tuple[str | int, ...]
 
     @property
     def size(self) -> int:
@@ -304,11 +305,6 @@ def table_from_json(backend: str, rows: Sequence[dict[str, Any]]) -> CapabilityT
         cells[(coll, row["dtype"], op)] = Cell(Support(row["support"]), via=row["via"], note=row["note"],
                                                derived=bool(row.get("derived", False)))
     return CapabilityTable(backend, cells)
-
-
-def table_digest(table: CapabilityTable) -> str:
-    rows = sorted(json.dumps(r, sort_keys=True) for r in table.to_json())
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
 def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTable:

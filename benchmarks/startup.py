@@ -1,0 +1,444 @@
+"""What creating a group costs: torch's gloo against ``vcga`` and mixed-vendor ``vcga``, 4..64 ranks.
+
+For each world size the ranks are spawned once; then, in rotating order and repeated, each
+variant creates its group from scratch -- a new TCPStore client connection, ``init_process_group``,
+the first 4 KiB fp32 all_reduce -- and destroys it:
+
+- ``gloo``: ``init_process_group("gloo")``, the anchor;
+- ``vcga``: ``init_process_group("vcga")`` as a user on this machine gets it (auto: gloo underneath);
+- ``mixed``: ``vcga`` with two simulated vendors, ``VCGA_SIM_VENDORS=nccl:n/2,hccl:n/2`` (the
+  bridge: discovery, vendor groups, bridge sub-groups, calibration).
+
+A start is timed as a job sees it: from the moment every rank is released (one signal through a
+separate control store) to the end of the slowest rank's first all_reduce. The store's server runs
+in this process, as torchrun's agent hosts it. Per phase, the mean over ranks of each rank's own
+seconds: store connect; for vcga the phases the group records itself (``describe()["startup"]``:
+discovery, native groups, bridge sub-groups, whole-group gloo, calibration, with what the first
+collective creates lazily counted in its phase) and the rest of ``init_process_group`` ("torch");
+the first collective.
+
+Store load is counted, in extra starts after the timed ones, through :mod:`_store_proxy` (a relay
+per rank in front of the store's server, parsing every request on the wire): requests and bytes per
+rank and in total, split by which part of creation named the key. The relay slows every request,
+so counted starts are never timed.
+
+Ranks are oversubscribed on this machine's cores: only ratios between variants of the same run
+mean anything. What each process pays once (importing vcga, loading plugins, choosing a backend)
+is reported apart ("once per process").
+
+Usage::
+
+    python benchmarks/startup.py --ranks 4 8 16 32 64 --reps 5
+    python benchmarks/startup.py --ranks 32 --reps 5 --markdown --json startup.json
+    python benchmarks/startup.py --multinode --ranks 8 --reps 3      # 2 namespace nodes (root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from _ranks import table
+from _store_proxy import StoreProxy
+
+VARIANTS = ("gloo", "vcga", "mixed", "vcga-fresh", "mixed-fresh")
+#: The phases a start is split into, in the order of the tables.
+PHASES = ("backend selection", "discovery", "native groups", "bridge sub-groups", "whole-group gloo",
+          "calibration", "rest of init", "first collective")
+#: Store-load categories, by the key a request names (the first, for requests naming several).
+CATEGORIES = ("connect", "discovery", "native groups", "bridge sub-groups", "whole-group gloo", "calibration",
+              "gloo group", "other")
+ELEMS = 1024  # 4 KiB of fp32
+
+
+def classify(key: str) -> str:
+    """Which part of group creation a store key belongs to (keys carry the prefixes vcga gives them)."""
+    for needle, cat in (("vcga/discovery", "discovery"), ("vcga/layout", "discovery"), ("vcga/bridge/table", "discovery"),
+                        ("vcga/bridge/calib", "calibration"),
+                        ("vcga/bridge/shard", "bridge sub-groups"), ("vcga/bridge/world", "whole-group gloo"),
+                        ("vcga/native", "native groups"), ("vcga/bridge/native", "native groups"),
+                        ("vcga/bridge/status", "native groups"), ("vcga/bridge/failed", "native groups")):
+        if needle in key:
+            return cat
+    if "vcga/" in key:
+        return "other"
+    return "gloo group"
+
+
+def variant_env(variant: str, world: int) -> dict[str, str | None]:
+    if variant == "mixed":
+        half = world // 2
+        return {"VCGA_SIM_VENDORS": f"nccl:{world - half},hccl:{half}"}
+    return {"VCGA_SIM_VENDORS": None}
+
+
+def schedule(reps: int, variants: tuple[str, ...], count: bool) -> list[tuple[str, str]]:
+    """(kind, variant) per start: the timed starts rotating, then one counted start each."""
+    out: list[tuple[str, str]] = []
+    for i in range(reps):
+        k = i % len(variants)
+        out += [("timed", v) for v in variants[k:] + variants[:k]]
+    if count:
+        out += [("counted", v) for v in variants if not v.endswith("-fresh")]  # the same requests
+    return out
+
+
+# ===================================================================================================
+# A rank
+# ===================================================================================================
+
+
+def base(variant: str) -> str:
+    """``vcga-fresh`` -> ``vcga``: the group a variant creates."""
+    return variant.split("-")[0]
+
+
+def preload(rank: int, world: int) -> None:
+    """What a process pays once, whatever groups it creates: vcga's modules, its plugins, this
+    rank's backend and that backend's capability table (a process that created one group has
+    paid it; the ``-fresh`` variants pay it inside the timed start)."""
+    import vcga.process_group  # noqa: F401
+    from vcga.config import load_config
+    from vcga.plugin_manager import get_plugin_manager
+
+    get_plugin_manager().select_backend(load_config(), rank=rank, world_size=world).capabilities()
+
+
+def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -> dict[str, Any]:
+    """Create the variant's group over ``store`` (connected before the start), run the first
+    all_reduce: timings (the caller exits after)."""
+    import torch
+    import torch.distributed as dist
+
+    t1, c1 = time.time(), time.process_time()
+    dist.init_process_group("gloo" if variant == "gloo" else "vcga", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    t2, c2 = time.time(), time.process_time()
+    x = torch.ones(ELEMS)
+    dist.all_reduce(x)
+    t3, c3 = time.time(), time.process_time()
+    if x[0].item() != world:
+        raise SystemExit(f"rank {rank}: all_reduce gave {x[0].item()}, not {world}")
+    startup: dict[str, Any] = {}
+    if variant != "gloo":
+        startup = dict(dist.group.WORLD.transport.describe().get("startup", {}))
+    return {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup}
+
+
+def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> None:
+    """One rank of one start: a fresh process (forked from a server that imported torch and vcga,
+    as a training script has by the time it calls init_process_group)."""
+    os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    variant = spec["variant"]
+    for k, v in variant_env(base(variant), world).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = spec["timeout"]
+    ctl = dist.TCPStore("127.0.0.1", ctl_port, None, False, timeout=timedelta(seconds=timeout))
+    it = spec["it"]
+    if base(variant) != "gloo" and not variant.endswith("-fresh"):
+        preload(rank, world)
+    # The store connection is made before the start: torch's TCPStore client sometimes waits 5 s
+    # when dozens connect at once (seen with both server backends), the same for every variant;
+    # inside the timed start it would drown what the variants differ in.
+    t0 = time.time()
+    client = dist.TCPStore("127.0.0.1", spec["port"] if spec["port"] else spec["ports"][rank], world, False,
+                           timeout=timedelta(seconds=timeout))
+    store = dist.PrefixStore(f"start{it}", client)
+    connect = time.time() - t0
+    ctl.add(f"ready/{it}", 1)
+    ctl.wait([f"go/{it}"])
+    res = one_start(rank, world, store, base(variant), timeout)
+    res["connect"] = connect
+    ctl.set(f"res/{it}/{rank}", json.dumps(res))
+    # Exit without tearing the group down: the next start is a new world of new processes, and a
+    # torn-down group would only add its teardown to the store counts.
+    ctl.wait([f"done/{it}"])
+    os._exit(0)
+
+
+# ===================================================================================================
+# The driver
+# ===================================================================================================
+
+
+#: What a training script has imported by the time it calls init_process_group; the rank
+#: processes are forked from a server that imported these (a fresh interpreter per rank would
+#: spend seconds of CPU in `import torch` before every start).
+PRELOAD = ["torch", "torch.distributed", "vcga"]
+
+
+class Driver:
+    """Runs the schedule of one world size: per start, a world of fresh rank processes."""
+
+    def __init__(self, world: int, args: argparse.Namespace) -> None:
+        import multiprocessing as mp
+
+        import torch.distributed as dist
+
+        self.world, self.args = world, args
+        self.timeout = args.timeout
+        self.ctl = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=self.timeout),
+                                 wait_for_workers=False)
+        self.server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=self.timeout),
+                                    wait_for_workers=False)
+        self.proxy = StoreProxy(world, classify) if args.count else None
+        self.schedule = schedule(args.reps, tuple(args.variants), args.count)
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(PRELOAD)
+        self.procs: list[Any] = []
+        self.it = 0
+
+    def _alive(self) -> None:
+        failed = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+        if failed:
+            raise SystemExit(f"ranks {failed} failed (see their tracebacks above)")
+
+    def _wait_keys(self, keys: list[str]) -> list[bytes]:
+        deadline = time.monotonic() + self.timeout
+        while not self.ctl.check(keys):  # polled: a wait that times out logs a warning each time
+            self._alive()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no answer from the ranks within {self.timeout:g} s")
+            time.sleep(0.01)
+        return self.ctl.multi_get(keys)
+
+    def one(self, kind: str, variant: str) -> dict[str, Any]:
+        it = self.it = self.it + 1
+        counted = kind == "counted"
+        spec = {"it": it, "variant": variant, "timeout": self.timeout,
+                "port": None if counted else self.server.port,
+                "ports": [self.proxy.port(r) for r in range(self.world)] if counted and self.proxy else []}
+        self.procs = [self.ctx.Process(target=rank_main, args=(r, self.world, self.ctl.port, spec))
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + self.timeout
+            while self.ctl.add(f"ready/{it}", 0) < self.world:
+                self._alive()
+                if time.monotonic() > deadline:
+                    raise SystemExit("ranks never got ready")
+                time.sleep(0.005)
+            time.sleep(0.2)  # let the forked processes settle: only the start itself is measured
+            if self.proxy is not None:
+                self.proxy.reset()
+            t_go = time.time()
+            self.ctl.set(f"go/{it}", "1")
+            ranks = [json.loads(v) for v in self._wait_keys([f"res/{it}/{r}" for r in range(self.world)])]
+            entry = {"kind": kind, "variant": variant, "t_go": t_go, "ranks": ranks,
+                     "total": max(r["t_end"] for r in ranks) - t_go}
+            if counted and self.proxy is not None:
+                time.sleep(0.2)  # let the relay pass the last replies
+                counts = self.proxy.reset()
+                entry["store"] = {f"{r}|{c}": v for (r, c), v in counts.cells.items()}
+                entry["store_types"] = dict(counts.types)
+                entry["store_errors"] = list(self.proxy.errors)
+            self.ctl.set(f"done/{it}", "1")
+            for p in self.procs:
+                p.join(timeout=60)
+            self._alive()
+        finally:
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+        return entry
+
+    def run(self) -> dict[str, Any]:
+        starts = []
+        for kind, variant in self.schedule:
+            entry = self.one(kind, variant)
+            starts.append(entry)
+            if self.args.progress:
+                print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
+        return {"world": self.world, "starts": starts}
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+
+
+def phases_of(rank: dict[str, Any], which: int) -> dict[str, float]:
+    """One rank's seconds per phase (PHASES) of one start; ``which`` 0: wall, 1: CPU."""
+    key = "s" if which == 0 else "cpu_s"
+    out = dict.fromkeys(PHASES, 0.0)
+    inside = lazy = 0.0
+    for name, v in rank["startup"].items():
+        out[name] = out.get(name, 0.0) + v[key]
+        if v.get("lazy"):
+            lazy += v[key]
+        else:
+            inside += v[key]
+    out["rest of init"] = max(0.0, rank["init"][which] - inside)
+    out["first collective"] = max(0.0, rank["first"][which] - lazy)
+    return out
+
+
+def summarize(result: dict[str, Any], variants: tuple[str, ...]) -> dict[str, Any]:
+    """Per variant: median total, median ratio to gloo (start by start), mean phase seconds, store load."""
+    world = result["world"]
+    timed = [s for s in result["starts"] if s["kind"] == "timed"]
+    out: dict[str, Any] = {"world": world, "variants": {}}
+    by_v = {v: [s for s in timed if s["variant"] == v] for v in variants}
+    for v in variants:
+        starts = by_v[v]
+        row: dict[str, Any] = {"total_s": statistics.median(s["total"] for s in starts), "n": len(starts),
+                               "totals": [s["total"] for s in starts]}
+        if "gloo" in by_v and v != "gloo":
+            ratios = [a["total"] / b["total"] for a, b in zip(starts, by_v["gloo"])]
+            row["ratio"] = statistics.median(ratios)
+            row["ratio_range"] = (min(ratios), max(ratios))
+        for which, name in ((0, "phases_s"), (1, "phases_cpu_s")):
+            phases = dict.fromkeys(PHASES, 0.0)
+            for s in starts:
+                for rk in s["ranks"]:
+                    for ph, sec in phases_of(rk, which).items():
+                        phases[ph] = phases.get(ph, 0.0) + sec / (len(starts) * world)
+            row[name] = phases
+        row["cpu_per_rank_s"] = statistics.median(
+            sum(rk["init"][1] + rk["first"][1] for rk in s["ranks"]) / world for s in starts)
+        row["connect_s"] = statistics.median(max(rk["connect"] for rk in s["ranks"]) for s in starts)
+        counted = [s for s in result["starts"] if s["kind"] == "counted" and s["variant"] == v]
+        if counted:
+            row["store"] = store_load(counted[0], world)
+        out["variants"][v] = row
+    return out
+
+
+def store_load(start: dict[str, Any], world: int) -> dict[str, Any]:
+    per_rank = [[0, 0] for _ in range(world)]
+    by_cat: dict[str, list[int]] = {}
+    for key, (n, up, down) in start["store"].items():
+        r, cat = key.split("|", 1)
+        per_rank[int(r)][0] += n
+        per_rank[int(r)][1] += up + down
+        c = by_cat.setdefault(cat, [0, 0])
+        c[0] += n
+        c[1] += up + down
+    return {"requests_total": sum(r[0] for r in per_rank), "bytes_total": sum(r[1] for r in per_rank),
+            "requests_per_rank_max": max(r[0] for r in per_rank), "bytes_per_rank_max": max(r[1] for r in per_rank),
+            "requests_per_rank_mean": sum(r[0] for r in per_rank) / world,
+            "bytes_per_rank_mean": sum(r[1] for r in per_rank) / world,
+            "by_category": by_cat, "types": start["store_types"], "errors": start["store_errors"]}
+
+
+# ===================================================================================================
+# Output
+# ===================================================================================================
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1024:.1f}" if n < 10 * 1024 * 1024 else f"{n / 1024:.0f}"
+
+
+def render(summaries: list[dict[str, Any]], variants: tuple[str, ...], markdown: bool) -> str:
+    head = ["ranks", *[f"{v} s" for v in variants], *[f"{v}/gloo" for v in variants if v != "gloo"],
+            *[f"{v} CPU s/rank" for v in variants], "store connect s"]
+    lines = []
+    for s in summaries:
+        vs = s["variants"]
+        lines.append([str(s["world"]), *[f"{vs[v]['total_s']:.3f}" for v in variants],
+                      *[f"{vs[v]['ratio']:.2f} ({vs[v]['ratio_range'][0]:.2f}–{vs[v]['ratio_range'][1]:.2f})"
+                        for v in variants if v != "gloo"],
+                      *[f"{vs[v]['cpu_per_rank_s']:.3f}" for v in variants],
+                      f"{statistics.median(vs[v]['connect_s'] for v in variants):.3f}"])
+    out = ["time to the end of the first 4 KiB all_reduce (median; ratio: median of start-by-start ratios, "
+           "range); CPU seconds per rank (median)", table(head, lines, markdown), ""]
+    for key, what in (("phases_s", "wall"), ("phases_cpu_s", "CPU")):
+        used = [p for p in PHASES if any(s["variants"][v][key].get(p, 0) > 0 for s in summaries for v in variants)]
+        head = ["ranks", "variant", *[f"{p} ms" for p in used]]
+        lines = []
+        for s in summaries:
+            for v in variants:
+                ph = s["variants"][v][key]
+                lines.append([str(s["world"]), v, *[f"{ph.get(p, 0) * 1e3:.1f}" for p in used]])
+        out += [f"per phase, {what}: mean over ranks of each rank's milliseconds", table(head, lines, markdown), ""]
+    if any("store" in s["variants"][v] for s in summaries for v in variants):
+        cats = [c for c in CATEGORIES if any(c in s["variants"][v].get("store", {}).get("by_category", {})
+                                             for s in summaries for v in variants)]
+        head = ["ranks", "variant", "requests/rank (max)", "KiB/rank (max)", "requests total", "KiB total",
+                *[f"{c} req / KiB" for c in cats]]
+        lines = []
+        for s in summaries:
+            for v in variants:
+                st = s["variants"][v].get("store")
+                if not st:
+                    continue
+                bc = st["by_category"]
+                lines.append([str(s["world"]), v, f"{st['requests_per_rank_mean']:.1f} ({st['requests_per_rank_max']})",
+                              f"{_kb(st['bytes_per_rank_mean'])} ({_kb(st['bytes_per_rank_max'])})",
+                              str(st["requests_total"]), _kb(st["bytes_total"]),
+                              *[f"{bc[c][0]} / {_kb(bc[c][1])}" if c in bc else "" for c in cats]])
+        out += ["store load of one start, counted on the wire (requests and bytes both ways)",
+                table(head, lines, markdown)]
+        errors = {e for s in summaries for v in variants for e in s["variants"][v].get("store", {}).get("errors", [])}
+        if errors:
+            out.append("store relay could not parse: " + "; ".join(sorted(errors)))
+    return "\n".join(out)
+
+
+def compile_sources() -> None:
+    """Write vcga's bytecode, as ``pip install`` does: a checkout run with PYTHONDONTWRITEBYTECODE
+    would otherwise compile every module in every rank of every start."""
+    import compileall
+    import importlib.util
+
+    for pkg in ("vcga", "vcga.plugins", "vcga.formats", "vcga.conformance"):
+        spec = importlib.util.find_spec(pkg)
+        for d in (spec.submodule_search_locations or []) if spec else []:
+            compileall.compile_dir(d, quiet=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--reps", type=int, default=5, help="timed starts per variant and world size")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--no-count", dest="count", action="store_false", help="skip the counted starts")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", help="write every start's raw figures and the summaries here")
+    p.add_argument("--progress", action="store_true", help="print each start to stderr")
+    a = p.parse_args()
+    a.variants = a.variants.split(",")
+    variants = tuple(a.variants)
+    if any(v not in VARIANTS for v in variants) or variants[0] != "gloo":
+        p.error(f"--variants: gloo first, then some of {', '.join(VARIANTS[1:])}")
+    if any(n < 2 or n % 2 for n in a.ranks):
+        p.error("--ranks: even numbers >= 2 (the mixed variant splits them between two vendors)")
+    compile_sources()
+    raw, summaries = [], []
+    load = [os.getloadavg()[0]]
+    for n in a.ranks:
+        d = Driver(n, a)
+        try:
+            result = d.run()
+        finally:
+            d.close()
+        raw.append(result)
+        summaries.append(summarize(result, variants))
+        if a.progress:
+            print(render(summaries[-1:], variants, False), file=sys.stderr, flush=True)
+    load.append(os.getloadavg()[0])
+    print(f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after")
+    print(render(summaries, variants, a.markdown))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"summaries": summaries, "raw": raw, "load": load}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
