@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +54,11 @@ def run_world(target: Callable[..., Any], world_size: int, *args: Any, env: Mapp
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     # A short collective timeout: a desynchronised test fails in a minute instead of hanging.
-    child_env = {"VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": "60", **(env or {})}
+    # A link-figure cache of the world's own (removed after): a mixed world measures its links as
+    # a first start does, and nothing is written to the user's cache directory.
+    figcache = tempfile.TemporaryDirectory(prefix="vcga-test-figures-")
+    child_env = {"VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": "60",
+                 "VCGA_BRIDGE_FIGURES_CACHE": figcache.name, **(env or {})}
     procs = [ctx.Process(target=_child, args=(target, r, world_size, init_method, args, child_env, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
@@ -91,6 +96,7 @@ def run_world(target: Callable[..., Any], world_size: int, *args: Any, env: Mapp
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        figcache.cleanup()
     if errors:
         raise WorldFailed("\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(errors.items())))
     return [out[r] for r in range(world_size)]

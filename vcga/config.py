@@ -64,6 +64,13 @@ class Config:
     #: Mixed-vendor: collectives run on the group's communication thread and return at once (DDP
     #: overlaps them with backward); False runs each in the calling thread.
     bridge_async: bool = True
+    #: Mixed-vendor: where the bridge's α–β link figures come from. "cached": rank 0's cache entry for
+    #: this topology, measured at creation (and stored) when there is none; "measure": measured at
+    #: every creation (the cache entry refreshed); "off": never measured (the plan's default rule).
+    bridge_calibration: str = "cached"
+    #: Mixed-vendor: the directory of the link-figure cache, or None for ``$XDG_CACHE_HOME/vcga``
+    #: (``~/.cache/vcga``). Only rank 0's is read and written.
+    bridge_figures_cache: str | None = None
     #: The network interfaces between nodes (exact names), or None for each library's own choice.
     #: YAML: ``network: {interface: ...}``.
     network_interface: tuple[str, ...] | None = None
@@ -93,6 +100,8 @@ ENV: Mapping[str, str] = {
     "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
     "bridge_shm": "VCGA_BRIDGE_SHM",
     "bridge_async": "VCGA_BRIDGE_ASYNC",
+    "bridge_calibration": "VCGA_BRIDGE_CALIBRATION",
+    "bridge_figures_cache": "VCGA_BRIDGE_FIGURES_CACHE",
     "network_interface": "VCGA_NETWORK_INTERFACE",
     "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
     "network_service_level": "VCGA_NETWORK_SERVICE_LEVEL",
@@ -114,12 +123,17 @@ _ALLOWED = {
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_async": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
+    "bridge_figures_cache": "a directory path, or null for the user's cache directory (~/.cache/vcga)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
     "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
     "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "
     "bits are ECN, which HCCL_RDMA_TC requires zero), or null",
     "network_service_level": "an integer between 0 and 7 (the NIC's PFC priority), or null",
 }
+
+#: The values of ``bridge_calibration``.
+CALIBRATION_MODES = ("cached", "measure", "off")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -206,6 +220,16 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if not ok:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         return i
+    if key == "bridge_calibration":
+        if not isinstance(v, str) or v.strip().lower() not in CALIBRATION_MODES:
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return v.strip().lower()
+    if key == "bridge_figures_cache":
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "null", "none")):
+            return None
+        if not isinstance(v, (str, os.PathLike)):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return os.path.expanduser(os.fspath(v).strip())
     if key == "bridge_algorithm":
         if not isinstance(v, str) or v.strip().lower() not in ("auto", "leader", "bandwidth", "replicated"):
             raise VcgaConfigError(key, v, _ALLOWED[key], src)

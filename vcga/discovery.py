@@ -40,7 +40,7 @@ from vcga.errors import VcgaConfigError, VcgaTimeoutError
 if TYPE_CHECKING:
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["Layout", "BackendFacts", "discover", "table_digest", "encode_indices", "decode_indices"]
+__all__ = ["Layout", "BackendFacts", "discover", "table_digest", "stack_digest", "encode_indices", "decode_indices"]
 
 #: Bumped when the layout record changes meaning.
 LAYOUT_VERSION = 1
@@ -55,6 +55,9 @@ class BackendFacts:
     device_type: str
     #: :func:`table_digest` of its capability table (the same on every rank that runs it)
     digest: str
+    #: :func:`stack_digest` of its libraries' versions, as its lowest rank found them (the
+    #: link-figure cache is keyed on it: new vendor libraries, new figures)
+    stack: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,21 @@ def table_digest(table: CapabilityTable) -> str:
 _DIGESTS: dict[int, tuple[Any, str]] = {}
 
 
+def stack_digest(backend: Backend) -> str:
+    """A digest of the library versions ``backend``'s probe found (the probe the plugin manager
+    cached when it chose the backend; "" for a backend it does not know) and of torch's."""
+    import torch
+
+    versions: dict[str, str] = {"torch": torch.__version__}
+    try:
+        from vcga.plugin_manager import get_plugin_manager
+
+        versions.update(get_plugin_manager().backend_record(backend.name).probe().versions)
+    except Exception:  # noqa: BLE001 - a backend created outside the plugin manager (tests)
+        pass
+    return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def encode_indices(values: Sequence[int]) -> str:
     """Non-negative ints as zigzag deltas (uint32), zlib-compressed, base64: a periodic layout
     (k ranks per node, a backend per node) compresses to a few hundred bytes at any size."""
@@ -170,7 +188,7 @@ def discover(store: Any, rank: int, size: int, backend: Backend, timeout: timede
 
     disc = dist.PrefixStore("vcga/discovery", store)
     me = {"b": backend.name, "v": backend.vendor, "d": backend.device_type, "n": socket.gethostname(),
-          "t": table_digest(backend.capabilities())}
+          "t": table_digest(backend.capabilities()), "s": stack_digest(backend)}
     disc.set(f"r/{rank}", json.dumps(me, separators=(",", ":")))
     if disc.add("arrived", 1) == size:
         disc.set("all", "1")
@@ -206,18 +224,18 @@ def _layout(records: list[dict[str, Any]], global_ranks: Sequence[int]) -> tuple
         b = backends.get(rec["b"])
         if b is None:
             b = backends[rec["b"]] = len(facts)
-            facts.append([rec["b"], rec["v"], rec["d"], rec["t"], r])
+            facts.append([rec["b"], rec["v"], rec["d"], rec["t"], rec.get("s", ""), r])
         f = facts[b]
         if error is None and (rec["v"], rec["d"]) != (f[1], f[2]):
-            error = ["backend", rec["b"], f"one vendor and device type per backend name; rank {global_ranks[f[4]]} "
+            error = ["backend", rec["b"], f"one vendor and device type per backend name; rank {global_ranks[f[5]]} "
                                           f"reports {(f[1], f[2])}, rank {global_ranks[r]} {(rec['v'], rec['d'])}"]
         if error is None and rec["t"] != f[3]:
             error = ["backend", rec["b"], f"the same capability table on every rank of backend {rec['b']!r}; rank "
-                                          f"{global_ranks[r]}'s differs from rank {global_ranks[f[4]]}'s (different "
+                                          f"{global_ranks[r]}'s differs from rank {global_ranks[f[5]]}'s (different "
                                           "plugin versions?). Install the same vcga and plugin versions on every node"]
         rank_backend.append(b)
         rank_node.append(nodes.setdefault(rec["n"], len(nodes)))
-    out = {"v": LAYOUT_VERSION, "backends": [f[:4] for f in facts], "rb": encode_indices(rank_backend),
+    out = {"v": LAYOUT_VERSION, "backends": [f[:5] for f in facts], "rb": encode_indices(rank_backend),
            "rn": encode_indices(rank_node)}
     if error is not None:
         out["error"] = error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import zlib
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from vcga.bridge.cost import LinkFigures
 from vcga.bridge.group import BridgeGroup
 from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, table_from_json
 from vcga.contract import Backend, CapabilityTable
@@ -112,7 +114,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                             timeout: timedelta, algorithm: str = "auto",
                             apply_env: Callable[[Backend], None] | None = None,
                             shared_memory: bool = True, async_ops: bool = True, clock: StartupClock | None = None,
-                            layout: Layout | None = None) -> BridgeTransport:
+                            layout: Layout | None = None, calibration: str = "cached",
+                            figures_cache: str | None = None) -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -127,6 +130,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     :param clock: where the phases of creation are timed (``describe()["startup"]``).
     :param layout: what discovery found (:func:`vcga.discovery.discover`; ``peers`` is its
         :meth:`~vcga.discovery.Layout.peers`): the capability-table digests of the backends.
+    :param calibration: / :param figures_cache: config ``bridge_calibration`` and
+        ``bridge_figures_cache``: where the α–β link figures come from (:func:`_calibrate`).
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
@@ -153,21 +158,22 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     with clock.phase("native groups"):
         native = _create_native(bstore, store, plan, rank, backend, timeout, gr)
 
-    # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo.
+    # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo. Both
+    #    connect lazily (see _lazy_gloo): creating them is a constant number of store requests per
+    #    rank and waits for nobody; the first collective that uses a pair of ranks connects it.
     try:
         shard, shm = None, None
-        t_sub, c_sub = time.perf_counter(), time.process_time()
-        if local == 0 or plan.equal_groups:
-            peers_i = plan.shard_peers(local)
-            if len(peers_i) > 1:
-                shard = dist.ProcessGroupGloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store),
-                                              peers_i.index(rank), len(peers_i), timeout)
-                same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
-                shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
-                                              names=[f"rank {gr[r]}" for r in peers_i])
-        clock.add("bridge sub-groups", time.perf_counter() - t_sub, time.process_time() - c_sub)
+        with clock.phase("bridge sub-groups"):
+            if local == 0 or plan.equal_groups:
+                peers_i = plan.shard_peers(local)
+                if len(peers_i) > 1:
+                    shard = _lazy_gloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store), peers_i.index(rank),
+                                       len(peers_i), timeout)
+                    same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
+                    shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
+                                                  names=[f"rank {gr[r]}" for r in peers_i])
         with clock.phase("whole-group gloo"):
-            world = dist.ProcessGroupGloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
+            world = _lazy_gloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
     except VcgaError:
         raise
     except Exception as e:
@@ -177,18 +183,9 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
     group.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
-    if plan.equal_groups and plan.algorithm in ("auto", "bandwidth"):
-        try:
-            device = backend.accelerator().device()
-        except Exception as e:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
-            log.warning("vcga bridge: rank %d cannot name its %s device (%s); the creation-time measurement "
-                        "is skipped on every rank", gr[rank], backend.name, e)
-            device = None
-        # The measurement is collective: run it only if every rank can (else ranks that can would
-        # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
+    if plan.equal_groups and plan.algorithm in ("auto", "bandwidth") and calibration != "off":
         with clock.phase("calibration"):
-            if every_rank(world, device is not None):
-                group.measure_links(device)
+            _calibrate(group, bstore, backend, layout, calibration, figures_cache, shared_memory, timeout, gr)
     if async_ops:
         group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
     closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
@@ -196,6 +193,72 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     transport.startup = clock
     transport.layout = layout
     return transport
+
+
+_LAZY_LOCK = threading.Lock()
+
+
+def _lazy_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """A gloo group whose pairs connect on first use (torch's ``TORCH_GLOO_LAZY_INIT``, read when
+    the group is made: set for this group only, and put back). Creating it publishes this rank's
+    address and returns at once; a pair of ranks connects, through the store, the first time a
+    collective or a send/recv needs it -- so a group that never runs a collective between vendors
+    costs nothing more, and the order in which ranks create such groups cannot deadlock them.
+    On a torch without lazy init the group connects eagerly, as before."""
+    with _LAZY_LOCK:
+        was = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        try:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        finally:
+            if was is None:
+                del os.environ["TORCH_GLOO_LAZY_INIT"]
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = was
+
+
+def _calibrate(group: BridgeGroup, bstore: Any, backend: Backend, layout: Layout | None, mode: str,
+               cache: str | None, shared_memory: bool, timeout: timedelta, gr: Sequence[int]) -> None:
+    """Give the group its α–β figures, the same on every rank (collective over the group).
+
+    Rank 0 decides, and every rank does what it decided: rank 0 looks its cache up (mode "cached",
+    :mod:`vcga.bridge.figcache`) and publishes what it found -- the figures, or "measure" -- under
+    ``figures`` in the group's store; every rank reads that one key. Figures found: every rank
+    applies rank 0's (its own cache is never read, so ranks with other caches still agree).
+    Otherwise the group measures (:meth:`BridgeGroup.measure_links`, over the whole group) and rank
+    0 stores the result. Without a cache hit, a rank that cannot name its device makes every rank
+    skip the measurement: "auto" then keeps the plan's rule."""
+    from vcga.bridge import figcache
+
+    rank = group.rank
+    topo = directory = None
+    if rank == 0:
+        directory = figcache.cache_dir(cache)
+        topo = figcache.topology(layout, group.plan, group.link_classes, "shm" if shared_memory else "gloo")
+        fig = figcache.load(directory, topo) if mode == "cached" else None
+        bstore.set("figures", json.dumps({"figures": fig.to_json()} if fig is not None else {"measure": True}))
+    _wait(bstore, ["figures"], timeout, "rank 0 never published the bridge's link figures", gr[rank], [gr[0]])
+    decided = json.loads(bstore.get("figures"))
+    if "figures" in decided:
+        group.apply_figures(LinkFigures.from_json(decided["figures"]))
+        assert group.calibration is not None
+        group.calibration["source"] = "cache"
+        return
+    try:
+        device = backend.accelerator().device()
+    except Exception as e:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
+        log.warning("vcga bridge: rank %d cannot name its %s device (%s); the creation-time measurement "
+                    "is skipped on every rank", gr[rank], backend.name, e)
+        device = None
+    # The measurement is collective: run it only if every rank can (else ranks that can would
+    # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
+    if every_rank(group.world, device is not None):
+        fig = group.measure_links(device)
+        assert group.calibration is not None
+        group.calibration["source"] = "measured"
+        if rank == 0 and directory is not None and topo is not None:
+            path = figcache.store(directory, topo, fig)
+            log.debug("vcga bridge: link figures stored in %s", path)
 
 
 #: Capability tables by digest, and combined tables by their parts' digests: a table is a pure
