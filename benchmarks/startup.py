@@ -7,7 +7,12 @@ the first 4 KiB fp32 all_reduce -- and destroys it:
 - ``gloo``: ``init_process_group("gloo")``, the anchor;
 - ``vcga``: ``init_process_group("vcga")`` as a user on this machine gets it (auto: gloo underneath);
 - ``mixed``: ``vcga`` with two simulated vendors, ``VCGA_SIM_VENDORS=nccl:n/2,hccl:n/2`` (the
-  bridge: discovery, vendor groups, bridge sub-groups, calibration).
+  bridge: discovery, vendor groups, bridge sub-groups, link figures), its figures in the cache
+  (an untimed start before the timed ones measured and stored them, as a job's first start does);
+- ``mixed-measure``: the same with ``bridge_calibration: measure``: every start measures its
+  links (what a first start on a new topology pays);
+- ``vcga-fresh`` / ``mixed-fresh``: as ``vcga`` / ``mixed``, in processes that have not loaded
+  vcga's plugins yet (the first group of a process: plugin loading and backend selection count).
 
 A start is timed as a job sees it: from the moment every rank is released (one signal through a
 separate control store) to the end of the slowest rank's first all_reduce. The store's server runs
@@ -29,17 +34,18 @@ is reported apart ("once per process").
 Usage::
 
     python benchmarks/startup.py --ranks 4 8 16 32 64 --reps 5
-    python benchmarks/startup.py --ranks 32 --reps 5 --markdown --json startup.json
-    python benchmarks/startup.py --multinode --ranks 8 --reps 3      # 2 namespace nodes (root)
+    python benchmarks/startup.py --ranks 32 --reps 5 --variants gloo,vcga,mixed --markdown --json startup.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -47,7 +53,7 @@ from typing import Any
 from _ranks import table
 from _store_proxy import StoreProxy
 
-VARIANTS = ("gloo", "vcga", "mixed", "vcga-fresh", "mixed-fresh")
+VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure", "vcga-fresh", "mixed-fresh")
 #: The phases a start is split into, in the order of the tables.
 PHASES = ("backend selection", "discovery", "native groups", "bridge sub-groups", "whole-group gloo",
           "calibration", "rest of init", "first collective")
@@ -60,7 +66,7 @@ ELEMS = 1024  # 4 KiB of fp32
 def classify(key: str) -> str:
     """Which part of group creation a store key belongs to (keys carry the prefixes vcga gives them)."""
     for needle, cat in (("vcga/discovery", "discovery"), ("vcga/layout", "discovery"), ("vcga/bridge/table", "discovery"),
-                        ("vcga/bridge/calib", "calibration"),
+                        ("vcga/bridge/figures", "calibration"),
                         ("vcga/bridge/shard", "bridge sub-groups"), ("vcga/bridge/world", "whole-group gloo"),
                         ("vcga/native", "native groups"), ("vcga/bridge/native", "native groups"),
                         ("vcga/bridge/status", "native groups"), ("vcga/bridge/failed", "native groups")):
@@ -71,16 +77,20 @@ def classify(key: str) -> str:
     return "gloo group"
 
 
-def variant_env(variant: str, world: int) -> dict[str, str | None]:
-    if variant == "mixed":
+def variant_env(variant: str, world: int, cache: str) -> dict[str, str | None]:
+    """The environment of a variant's ranks (``cache``: the run's own link-figure cache)."""
+    if variant in ("mixed", "mixed-measure", "mixed-fresh"):
         half = world // 2
-        return {"VCGA_SIM_VENDORS": f"nccl:{world - half},hccl:{half}"}
+        return {"VCGA_SIM_VENDORS": f"nccl:{world - half},hccl:{half}", "VCGA_BRIDGE_FIGURES_CACHE": cache,
+                "VCGA_BRIDGE_CALIBRATION": "measure" if variant == "mixed-measure" else "cached"}
     return {"VCGA_SIM_VENDORS": None}
 
 
 def schedule(reps: int, variants: tuple[str, ...], count: bool) -> list[tuple[str, str]]:
-    """(kind, variant) per start: the timed starts rotating, then one counted start each."""
-    out: list[tuple[str, str]] = []
+    """(kind, variant) per start: one untimed mixed start that fills the link-figure cache (as the
+    job's first start, or ``vcga info --plan --calibrate``, would), the timed starts rotating, then
+    one counted start each."""
+    out: list[tuple[str, str]] = [("warm", "mixed")] if any(v in ("mixed", "mixed-fresh") for v in variants) else []
     for i in range(reps):
         k = i % len(variants)
         out += [("timed", v) for v in variants[k:] + variants[:k]]
@@ -95,7 +105,7 @@ def schedule(reps: int, variants: tuple[str, ...], count: bool) -> list[tuple[st
 
 
 def base(variant: str) -> str:
-    """``vcga-fresh`` -> ``vcga``: the group a variant creates."""
+    """``vcga-fresh`` -> ``vcga``, ``mixed-measure`` -> ``mixed``: the group a variant creates."""
     return variant.split("-")[0]
 
 
@@ -116,6 +126,16 @@ def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -
     import torch
     import torch.distributed as dist
 
+    gc_s: list[float] = []
+    gc_t0: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:  # Python's collector, timed (it runs inside a start)
+        if phase == "start":
+            gc_t0.append(time.perf_counter())
+        elif gc_t0:
+            gc_s.append(time.perf_counter() - gc_t0.pop())
+
+    gc.callbacks.append(on_gc)
     t1, c1 = time.time(), time.process_time()
     dist.init_process_group("gloo" if variant == "gloo" else "vcga", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
@@ -128,7 +148,9 @@ def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -
     startup: dict[str, Any] = {}
     if variant != "gloo":
         startup = dict(dist.group.WORLD.transport.describe().get("startup", {}))
-    return {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup}
+    gc.callbacks.remove(on_gc)
+    return {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup,
+            "gc_s": sum(gc_s), "gc_n": len(gc_s)}
 
 
 def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> None:
@@ -136,7 +158,7 @@ def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> Non
     as a training script has by the time it calls init_process_group)."""
     os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     variant = spec["variant"]
-    for k, v in variant_env(base(variant), world).items():
+    for k, v in variant_env(variant, world, spec["cache"]).items():
         if v is None:
             os.environ.pop(k, None)
         else:
@@ -158,6 +180,12 @@ def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> Non
                            timeout=timedelta(seconds=timeout))
     store = dist.PrefixStore(f"start{it}", client)
     connect = time.time() - t0
+    # Python's collector as in a process that has been running a while (a training script that
+    # imported torch and built its model): nothing pending. Freshly forked from the preloaded server,
+    # the first few thousand allocations of any start -- vcga's more than gloo's -- would trigger a
+    # full collection of every object torch's import made (0.1-0.2 s of CPU): a cost of the fork,
+    # not of the group (gc_s in the JSON: what collections ran inside the start).
+    gc.collect()
     ctl.add(f"ready/{it}", 1)
     ctl.wait([f"go/{it}"])
     res = one_start(rank, world, store, base(variant), timeout)
@@ -195,6 +223,8 @@ class Driver:
         self.server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=self.timeout),
                                     wait_for_workers=False)
         self.proxy = StoreProxy(world, classify) if args.count else None
+        # the link-figure cache of this world size's starts (filled by the "warm" start, removed at close)
+        self.cache = tempfile.TemporaryDirectory(prefix="vcga-startup-figures-")
         self.schedule = schedule(args.reps, tuple(args.variants), args.count)
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(PRELOAD)
@@ -218,7 +248,7 @@ class Driver:
     def one(self, kind: str, variant: str) -> dict[str, Any]:
         it = self.it = self.it + 1
         counted = kind == "counted"
-        spec = {"it": it, "variant": variant, "timeout": self.timeout,
+        spec = {"it": it, "variant": variant, "timeout": self.timeout, "cache": self.cache.name,
                 "port": None if counted else self.server.port,
                 "ports": [self.proxy.port(r) for r in range(self.world)] if counted and self.proxy else []}
         self.procs = [self.ctx.Process(target=rank_main, args=(r, self.world, self.ctl.port, spec))
@@ -269,6 +299,7 @@ class Driver:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
+        self.cache.cleanup()
 
 
 def phases_of(rank: dict[str, Any], which: int) -> dict[str, float]:

@@ -45,7 +45,7 @@ def cache_world(rank: int, size: int, init_method: str, caches: list[str]) -> di
        and another rank's cache given, under the same key, figures that make replicated win: every
        rank uses rank 0's (cached) figures, so every rank runs the leader algorithm;
 
-(A corrupted entry is a miss: tests/test_startup.py checks :func:`vcga.bridge.figcache.load` alone.)
+    (A corrupted entry is a miss: tests/test_startup.py checks :func:`vcga.bridge.figcache.load` alone.)
     """
     from vcga.bridge import figcache
     from vcga.bridge.cost import AlphaBeta, LinkFigures

@@ -31,7 +31,7 @@ from typing import Any
 
 from vcga.bridge.cost import FIGURES_VERSION, LinkFigures
 
-__all__ = ["cache_dir", "topology", "entry_path", "load", "store"]
+__all__ = ["cache_dir", "topology", "entry_path", "load", "store", "entries", "calibrate_here"]
 
 log = logging.getLogger("vcga.bridge")
 
@@ -138,3 +138,45 @@ def store(directory: Path, topo: Mapping[str, Any], fig: LinkFigures) -> Path | 
 def entries(directory: Path) -> Sequence[Path]:
     """The cache entries in ``directory`` (``vcga info``)."""
     return sorted(directory.glob("bridge-figures-*.json")) if directory.is_dir() else []
+
+
+# ===================================================================================================
+# vcga info --plan --calibrate: measure a layout on this host now and refresh its entry
+# ===================================================================================================
+
+
+def _calibrate_rank(rank: int, world: int, port: int, env: Mapping[str, str], backends: Sequence[str] | None,
+                    queue: Any) -> None:
+    """One rank of :func:`calibrate_here` (spawned): create the layout's ``vcga`` group with
+    ``bridge_calibration: measure``; rank 0 reports what was measured and where it is cached."""
+    os.environ.update(env)
+    if backends is not None:
+        os.environ["VCGA_BACKEND"] = backends[rank]
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers the backend
+
+    dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        transport = dist.group.WORLD.transport  # type: ignore[attr-defined]
+        if rank == 0:
+            group = getattr(transport, "group", None)
+            cal = getattr(group, "calibration", None)
+            from vcga.config import load_config
+
+            queue.put({"calibration": cal, "cache": str(cache_dir(load_config().bridge_figures_cache))})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate_here(size: int, env: Mapping[str, str], backends: Sequence[str] | None = None,
+                   timeout: float = 600.0) -> dict[str, Any]:
+    """Run a layout's ``size`` ranks on this host (``env``: the VCGA_* settings that lay it out;
+    ``backends``: each rank's backend, or None for the layout the settings give), measuring the
+    bridge's links and replacing the cache entry of that topology. Returns rank 0's calibration
+    (None when there was nothing to measure) and the cache directory."""
+    from vcga.spawn import run_ranks
+
+    full = {**env, "VCGA_BRIDGE_CALIBRATION": "measure"}
+    return run_ranks(_calibrate_rank, size, full, list(backends) if backends is not None else None, timeout=timeout)

@@ -246,6 +246,33 @@ def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
     return {"file": path, "figures": fig.to_json(), "choice": choices(fig, PLAN_SIZES, size_name)}
 
 
+def _calibrate(pdata: dict[str, Any], vendors: str | None, backends: str | None, nodes: int | None,
+               algorithm: str | None, figures: str | None) -> dict[str, Any]:
+    """--calibrate: measure the layout's links on this host (:func:`vcga.bridge.figcache.calibrate_here`)."""
+    from vcga.bridge.figcache import calibrate_here
+    from vcga.spawn import RanksFailed
+
+    if figures is not None:
+        raise click.UsageError("--calibrate measures the figures; --figures reads them from a file: give one")
+    if not pdata["bridge"]:
+        raise click.UsageError("--calibrate needs a mixed-vendor layout (one backend has no bridge to measure)")
+    if nodes is not None and nodes > 1:
+        raise click.UsageError("--calibrate measures this host's links; a multi-node layout measures and caches its "
+                               "figures at its next start with bridge_calibration: measure (VCGA_BRIDGE_CALIBRATION)")
+    env = {"VCGA_SIM_VENDORS": vendors.replace(" ", "")} if vendors is not None and backends is None else {}
+    if algorithm is not None:
+        env["VCGA_BRIDGE_ALGORITHM"] = algorithm
+    try:
+        got = calibrate_here(pdata["size"], env, pdata["backends"] if backends is not None else None)
+    except RanksFailed as e:
+        raise click.ClickException(f"calibrating the layout failed: {e}") from None
+    cal = got["calibration"]
+    if not cal:
+        raise click.ClickException("the group measured nothing: only equal vendor groups of two or more ranks, with "
+                                   "bridge_algorithm auto or bandwidth, have figures to choose by")
+    return {"file": f"measured now, cached in {got['cache']}", "figures": cal["figures"], "choice": cal["choice"]}
+
+
 def _ranks(rs: list[int]) -> str:
     if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
         return f"{rs[0]}-{rs[-1]}"
@@ -348,8 +375,10 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 @click.option("--recheck-plugins", is_flag=True,
               help="Vet every third-party plugin again in a child process instead of trusting cached verdicts "
                    "(after a driver or SDK update; same as VCGA_PLUGIN_RECHECK=1).")
+@click.option("--calibrate", is_flag=True, help="With --plan: run the layout's ranks on this host now, measure the "
+              "bridge's α–β link figures, refresh their cache entry and show them (single-node layouts).")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
-         nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool) -> None:
+         nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool, calibrate: bool) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -361,12 +390,14 @@ def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors:
     if plan:
         try:
             pdata = collect_plan(vendors, backends, nodes, algorithm, figures)
+            if calibrate:
+                pdata["figures"] = _calibrate(pdata, vendors, backends, nodes, algorithm, figures)
         except VcgaError as e:
             raise click.ClickException(str(e)) from None
         click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
         return
-    if vendors or backends or nodes is not None or algorithm or figures:
-        raise click.UsageError("--vendors, --backends, --nodes, --algorithm and --figures go with --plan")
+    if vendors or backends or nodes is not None or algorithm or figures or calibrate:
+        raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures and --calibrate go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:
