@@ -320,8 +320,9 @@ def render_plan(data: dict[str, Any]) -> str:
     for size, alg in p["collectives"]["all_reduce"].items():
         lines.append(f"  {size:>7}  {alg}")
     if any("measured" in a for a in p["collectives"]["all_reduce"].values()):
-        lines.append("  (measured: each group times its steps per link class at creation and runs the algorithm")
-        lines.append("   their α–β figures predict fastest; describe()['calibration']; --figures FILE shows it)")
+        lines.append("  (measured: the group runs the algorithm its α–β link figures predict fastest -- rank 0's cached")
+        lines.append("   figures for this topology, else timed at creation and cached; describe()['calibration'];")
+        lines.append("   --figures FILE shows saved figures, --calibrate measures them on this host now)")
     lines.append("other collectives")
     for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
         lines.append(f"  {name}: {p['collectives'][name]}")
