@@ -113,6 +113,8 @@ def preload(rank: int, world: int) -> None:
     """What a process pays once, whatever groups it creates: vcga's modules, its plugins, this
     rank's backend and that backend's capability table (a process that created one group has
     paid it; the ``-fresh`` variants pay it inside the timed start)."""
+    import vcga.bridge.create  # noqa: F401 - what a mixed group needs (the bridge, its cost model, its queue)
+    import vcga.discovery  # noqa: F401
     import vcga.process_group  # noqa: F401
     from vcga.config import load_config
     from vcga.plugin_manager import get_plugin_manager
@@ -136,6 +138,12 @@ def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -
             gc_s.append(time.perf_counter() - gc_t0.pop())
 
     gc.callbacks.append(on_gc)
+    prof = None
+    if os.environ.get("STARTUP_PROFILE") and rank == 0:  # --profile: where rank 0's start spends its CPU
+        import cProfile
+
+        prof = cProfile.Profile(time.process_time)  # CPU: the ranks share the cores
+        prof.enable()
     t1, c1 = time.time(), time.process_time()
     dist.init_process_group("gloo" if variant == "gloo" else "vcga", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
@@ -149,6 +157,9 @@ def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -
     if variant != "gloo":
         clock = dist.group.WORLD.transport.startup  # not describe(): it reads the node names from the store
         startup = clock.to_json() if clock is not None else {}
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(os.environ["STARTUP_PROFILE"], f"{variant}-{os.getpid()}.prof"))
     gc.callbacks.remove(on_gc)
     return {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup,
             "gc_s": sum(gc_s), "gc_n": len(gc_s)}
@@ -444,6 +455,7 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", help="write every start's raw figures and the summaries here")
     p.add_argument("--progress", action="store_true", help="print each start to stderr")
+    p.add_argument("--profile", metavar="DIR", help="write a cProfile of rank 0's start per start here")
     a = p.parse_args()
     a.variants = a.variants.split(",")
     variants = tuple(a.variants)
@@ -452,6 +464,9 @@ def main() -> None:
     if any(n < 2 or n % 2 for n in a.ranks):
         p.error("--ranks: even numbers >= 2 (the mixed variant splits them between two vendors)")
     compile_sources()
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+        os.environ["STARTUP_PROFILE"] = os.path.abspath(a.profile)
     raw, summaries = [], []
     load = [os.getloadavg()[0]]
     for n in a.ranks:

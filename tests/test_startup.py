@@ -180,3 +180,41 @@ def test_ranks_with_different_cached_figures_agree(tmp_path: Path) -> None:
     assert all(s["source"] == "cache" and s["same_on_every_rank"] and s["sum_ok"] for s in second), second
     assert {s["choice_4MiB"] for s in second} == {"leader"} and all(s["ran"] == ["leader"] for s in second), second
     assert ranks[0]["leftover_temp_files"] == []
+
+
+def test_startup_benchmark_runs_and_counts_the_store_at_a_toy_size(tmp_path: Path) -> None:
+    """benchmarks/startup.py end to end on 2 ranks (figures are not checked): every variant's start
+    is counted on the wire with no request the relay could not parse (its parser follows torch's
+    TCPStore protocol), and vcga's discovery shows as its own part of the load."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "startup.json"
+    r = subprocess.run([sys.executable, "benchmarks/startup.py", "--ranks", "2", "--reps", "1", "--variants",
+                        "gloo,vcga,mixed", "--timeout", "120", "--json", str(out)], cwd=root, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (summary,) = json.loads(out.read_text())["summaries"]
+    for v in ("gloo", "vcga", "mixed"):
+        store = summary["variants"][v]["store"]
+        assert store["errors"] == [] and store["requests_total"] > 0, (v, store)
+    mixed = summary["variants"]["mixed"]["store"]["by_category"]
+    assert "discovery" in mixed and "discovery" not in summary["variants"]["gloo"]["store"]["by_category"]
+    # the bridge's whole-group gloo group connects lazily: creating it is one address per rank
+    # (connected at creation, gloo's rendezvous reads every other rank's: 3n² + n requests)
+    assert mixed["whole-group gloo"][0] <= 2 * 2, mixed
+
+
+def test_calibrate_refuses_what_it_cannot_measure_here() -> None:
+    """``vcga info --plan --calibrate`` measures on this host only, and only where there is a bridge."""
+    from click.testing import CliRunner
+
+    from vcga.cli.info import info
+
+    r = CliRunner().invoke(info, ["--plan", "--vendors", "nccl:2,hccl:2", "--nodes", "2", "--calibrate"])
+    assert r.exit_code == 2 and "VCGA_BRIDGE_CALIBRATION" in r.output, r.output
+    r = CliRunner().invoke(info, ["--plan", "--vendors", "nccl:4", "--calibrate"])
+    assert r.exit_code == 2 and "mixed-vendor layout" in r.output, r.output
+    r = CliRunner().invoke(info, ["--calibrate"])
+    assert r.exit_code == 2 and "go with --plan" in r.output, r.output

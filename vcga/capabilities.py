@@ -185,8 +185,9 @@ class CapabilityTable:
 
     def lookup(self, collective: Collective | str, dtype: str, op: ReduceOp | str | None = None) -> Cell:
         """The cell for one call. ``dtype`` is a canonical name (see :mod:`vcga.dtypes`)."""
-        coll = Collective(collective)
-        rop = ReduceOp(op) if (op is not None and coll.reduces) else None
+        # the enum conversions are skipped when the caller passes members (the hot callers do)
+        coll = collective if type(collective) is Collective else Collective(collective)
+        rop = (op if type(op) is ReduceOp else ReduceOp(op)) if (op is not None and coll.reduces) else None
         return self._cells.get((coll, dtype, rop), self._default)
 
     def cells(self) -> Mapping[CellKey, Cell]:

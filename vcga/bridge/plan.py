@@ -321,11 +321,12 @@ def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTa
     """
     b = CapabilityTable.builder(name)
     backends = ", ".join(t.backend for t in tables)
+    routes: dict[tuple[int, str, ReduceOp], str | None] = {}  # group_route per (table, dtype, op): once, not per collective
     for coll in Collective:
         for dt in _dtypes.ALL:
             ops: Sequence[ReduceOp | None] = list(ReduceOp) if coll.reduces else [None]
             for op in ops:
-                reason = _bridge_refusal(coll, dt, op, tables)
+                reason = _bridge_refusal(coll, dt, op, tables, routes)
                 if reason is None:
                     note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
                             f"vendors on the host" if coll.reduces or coll is Collective.BROADCAST else
@@ -353,8 +354,10 @@ def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
     return None
 
 
-def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequence[CapabilityTable]) -> str | None:
-    """Why the bridge cannot run this cell itself (None: it can)."""
+def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequence[CapabilityTable],
+                    routes: dict[tuple[int, str, ReduceOp], str | None] | None = None) -> str | None:
+    """Why the bridge cannot run this cell itself (None: it can). ``routes``: a memo of
+    :func:`group_route` per (table index, dtype, op)."""
     if coll.reduces:
         assert op is not None
         if op not in _BRIDGE_OPS:
@@ -363,8 +366,14 @@ def _bridge_refusal(coll: Collective, dt: str, op: ReduceOp | None, tables: Sequ
             return f"mixed-vendor bridge reduces {dt} in a wider dtype"
         if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and _dtypes.get(dt).kind not in "iub":
             return f"bitwise ops need an integer or bool dtype, not {dt}"
-        for t in tables:
-            if group_route(t, dt, op) is None:
+        for i, t in enumerate(tables):
+            if routes is None:
+                route = group_route(t, dt, op)
+            elif (i, dt, op) in routes:
+                route = routes[(i, dt, op)]
+            else:
+                route = routes[(i, dt, op)] = group_route(t, dt, op)
+            if route is None:
                 for c in _GROUP_STEPS:
                     cell = t.lookup(c, dt, op if c.reduces else None)
                     if cell.support is Support.REFUSED:
