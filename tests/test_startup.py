@@ -165,7 +165,7 @@ def test_figure_cache_round_trip_and_checks(tmp_path: Path, caplog: pytest.LogCa
     assert figcache.load(tmp_path, topo) is None and "implausible" in caplog.text
     path.write_text("{not json")
     assert figcache.load(tmp_path, topo) is None
-    assert figcache.cache_dir("/x/y") == Path("/x/y") and figcache.cache_dir(None).name == "vcga"
+    assert figcache.cache_dir("/x/y") == Path("/x/y") and figcache.cache_dir(None).parent.name == "vcga"
 
 
 def test_ranks_with_different_cached_figures_agree(tmp_path: Path) -> None:

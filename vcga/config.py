@@ -68,8 +68,9 @@ class Config:
     #: this topology, measured at creation (and stored) when there is none; "measure": measured at
     #: every creation (the cache entry refreshed); "off": never measured (the plan's default rule).
     bridge_calibration: str = "cached"
-    #: Mixed-vendor: the directory of the link-figure cache, or None for ``$XDG_CACHE_HOME/vcga``
-    #: (``~/.cache/vcga``). Only rank 0's is read and written.
+    #: Mixed-vendor: the directory of the link-figure cache, or None for the folder ``bridge`` of
+    #: VCGA's user cache (``$VCGA_CACHE_DIR``, else ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``).
+    #: Only rank 0's is read and written.
     bridge_figures_cache: str | None = None
     #: The network interfaces between nodes (exact names), or None for each library's own choice.
     #: YAML: ``network: {interface: ...}``.
@@ -124,7 +125,7 @@ _ALLOWED = {
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_async": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
-    "bridge_figures_cache": "a directory path, or null for the user's cache directory (~/.cache/vcga)",
+    "bridge_figures_cache": "a directory path, or null for VCGA's user cache (~/.cache/vcga/bridge)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
     "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
     "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "

@@ -7,7 +7,7 @@ each rank is on), the node names, the link classes, the shard peers' exchange, a
 vcga and of the figures' format. Anything in it changes, the key changes, and the entry is not used.
 
 One file per topology, ``bridge-figures-<key>.json`` in the cache directory (config
-``bridge_figures_cache``; default ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``), written
+``bridge_figures_cache``; default the folder ``bridge`` of VCGA's user cache, :mod:`vcga.usercache`), written
 atomically (:mod:`vcga.atomic`). It is checked on load: its key, the topology it names, a checksum
 of its content, and that the figures parse and fit the layout (one set per vendor group, α >= 0,
 β > 0). An entry that fails a check is logged and treated as missing: measured again, replaced.
@@ -40,12 +40,14 @@ ENTRY_VERSION = 1
 
 
 def cache_dir(configured: str | None = None) -> Path:
-    """The cache directory: ``configured`` (config ``bridge_figures_cache``), else
-    ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``."""
+    """The cache directory: ``configured`` (config ``bridge_figures_cache``), else the folder
+    ``bridge`` of VCGA's user cache (:func:`vcga.usercache.cache_dir`: ``$VCGA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``)."""
     if configured:
         return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vcga"
+    from vcga.usercache import cache_dir as user_cache_dir
+
+    return user_cache_dir() / "bridge"
 
 
 def topology(layout: Any, plan: Any, classes: Mapping[str, str], exchange: str) -> dict[str, Any]:
