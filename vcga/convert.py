@@ -4,8 +4,8 @@ Every format plugin contributes a :class:`~vcga.contract.FormatSpec` (reader + w
 stream of :class:`~vcga.contract.TensorEntry`); this module only joins a reader to a writer --
 N readers and N writers, never N^2 converters:
 
-1. find the formats (``--from``/``--to``, else the source's signature via ``FormatSpec.sniff``,
-   else file extensions; MindSpore's shard names ``name0 .. nameN-1`` are recognised);
+1. find the formats (:mod:`vcga.detect`: ``--from``/``--to``, else the source's signature via
+   ``FormatSpec.sniff``, else file extensions; MindSpore's shard names ``name0 .. nameN-1`` are recognised);
 2. read the source's index and check, before writing a byte, that the target can hold every
    dtype exactly -- otherwise :class:`~vcga.errors.VcgaConversionError` names the tensor and the
    dtype, unless an explicit cast (``--cast bfloat16=float32``) was asked for;
@@ -40,6 +40,8 @@ from typing import Any
 from vcga import dtypes
 from vcga.atomic import publish_set, remove_stale, temp_name
 from vcga.contract import FormatSpec, TensorEntry
+# finding formats lives in vcga.detect; its names stay importable from here
+from vcga.detect import available_formats, detect_source, detect_target, format_by_name
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaDiskFullError, VcgaError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
 
@@ -61,127 +63,6 @@ log = logging.getLogger(__name__)
 
 #: ``progress(phase, done_bytes, total_bytes, tensor_name)``; phase is "convert" or "verify".
 Progress = Callable[[str, int, int, str], None]
-
-_SHARD_SUFFIX = re.compile(r"^(?P<stem>.*?)(?P<digits>\d+)$")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding formats
-# ---------------------------------------------------------------------------------------------------
-
-
-def available_formats() -> list[FormatSpec]:
-    """Every format the loaded plugins contribute (built-ins first)."""
-    from vcga.plugin_manager import get_plugin_manager
-
-    return get_plugin_manager().formats()
-
-
-def _names(specs: Sequence[FormatSpec]) -> str:
-    return ", ".join(s.name for s in specs) or "(none: no format plugin loaded; see `vcga info`)"
-
-
-def format_by_name(name: str, specs: Sequence[FormatSpec] | None = None) -> FormatSpec:
-    """The format called ``name`` (``--from``/``--to``)."""
-    specs = available_formats() if specs is None else specs
-    for s in specs:
-        if s.name == name:
-            return s
-    if name == "dcp":
-        raise VcgaConversionError("format dcp is a directory layout (torch.distributed.checkpoint), read-only: give "
-                                  "the checkpoint directory as the source")
-    raise VcgaConversionError(f"unknown format {name!r}; known formats: {_names(specs)}")
-
-
-def _by_extension(path: Path, specs: Sequence[FormatSpec]) -> FormatSpec | None:
-    """Longest matching extension; then the same with a MindSpore shard number stripped
-    (``model.mindrecord3`` -> ``.mindrecord``)."""
-    lname = path.name.lower()
-    best: tuple[int, FormatSpec] | None = None
-    for s in specs:
-        for ext in s.extensions:
-            if lname.endswith(ext.lower()) and (best is None or len(ext) > best[0]):
-                best = (len(ext), s)
-    if best is not None:
-        return best[1]
-    m = _SHARD_SUFFIX.match(path.name)
-    if m and m.group("stem"):
-        return _by_extension(path.with_name(m.group("stem")), specs)
-    return None
-
-
-def _safe_sniff(spec: FormatSpec, path: Path) -> bool:
-    try:
-        return bool(spec.sniff(path))
-    except Exception as e:  # the contract says sniff never raises; a plugin that does is not the user's problem
-        log.warning("format %s: sniff(%s) raised %r; treated as no match", spec.name, path, e)
-        return False
-
-
-def _first_shard(path: Path) -> Path | None:
-    """MindSpore's FileWriter(name, shard_num=N) writes name0 .. name{N-1}, zero-padded to the width of N-1."""
-    for width in range(1, 6):
-        cand = path.with_name(path.name + "0" * width)
-        if cand.is_file():
-            return cand
-    return None
-
-
-def detect_source(path: str | os.PathLike[str], name: str | None = None,
-                  specs: Sequence[FormatSpec] | None = None) -> tuple[FormatSpec, Path]:
-    """The source's format and the path to open.
-
-    A name given (``--from``) wins. Otherwise the file's signature decides (every format's
-    ``sniff``; when several claim it, the one whose extension also matches), then its extension.
-    A path that does not exist but whose MindSpore shards do (``model.mindrecord`` ->
-    ``model.mindrecord0``) opens the first shard; one with a Hugging Face shard index beside it
-    (``model.safetensors`` -> ``model.safetensors.index.json``) opens the index.
-
-    :raises VcgaFormatError: no such file, or no format recognises it.
-    """
-    specs = available_formats() if specs is None else specs
-    p = Path(path)
-    if not p.exists():
-        index = p.with_name(p.name + ".index.json")  # Hugging Face: model.safetensors -> its shard index
-        shard = index if index.is_file() else _first_shard(p)
-        if shard is None:
-            raise VcgaFormatError(p, "no such file (nor MindSpore shards named like it: "
-                                  f"{p.name}0, {p.name}00, ..., nor a shard index {index.name})")
-        p = shard
-    if p.is_dir():
-        # A torch.distributed.checkpoint directory (torch's layout or vcga.checkpoint's) is read as one
-        # checkpoint of whole tensors. It is a layout, not a plugin's file format: read-only, so it is
-        # not among the registered formats.
-        from vcga.checkpoint.directory import DCP_SPEC, is_dcp_directory
-
-        if name in (None, DCP_SPEC.name) and is_dcp_directory(p):
-            return DCP_SPEC, p
-        raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard), or a "
-                              "torch.distributed.checkpoint directory (one holding .metadata)")
-    if name is not None:
-        return format_by_name(name, specs), p
-    sniffed = [s for s in specs if _safe_sniff(s, p)]
-    by_ext = _by_extension(p, specs)
-    if sniffed:
-        return (by_ext if by_ext in sniffed else sniffed[0]), p
-    if by_ext is not None:
-        return by_ext, p
-    raise VcgaFormatError(p, f"no format recognises this file's signature or extension; pass --from with one of: "
-                          f"{_names(specs)}")
-
-
-def detect_target(path: str | os.PathLike[str], name: str | None = None,
-                  specs: Sequence[FormatSpec] | None = None) -> FormatSpec:
-    """The destination's format: ``--to`` if given, else its extension."""
-    specs = available_formats() if specs is None else specs
-    if name is not None:
-        return format_by_name(name, specs)
-    spec = _by_extension(Path(path), specs)
-    if spec is None:
-        exts = ", ".join(f"{s.name} ({' '.join(s.extensions)})" for s in specs)
-        raise VcgaConversionError(f"cannot tell the target format from {Path(path).name!r}; pass --to, or use an "
-                                  f"extension of: {exts}")
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------------
