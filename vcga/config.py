@@ -79,6 +79,9 @@ class Config:
     network_traffic_class: int | None = None
     #: RoCE/IB service level (the PFC priority the NICs and switches use), 0-7, or None for the vendor default.
     network_service_level: int | None = None
+    #: Gradient compression for ``vcga.compress.ddp_hook()``: a spec ``name[:key=value,...]``
+    #: (e.g. "powersgd:rank=4", "topk:ratio=0.01,scope=all"), or None / "none".
+    compression: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,6 +109,7 @@ ENV: Mapping[str, str] = {
     "network_interface": "VCGA_NETWORK_INTERFACE",
     "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
     "network_service_level": "VCGA_NETWORK_SERVICE_LEVEL",
+    "compression": "VCGA_COMPRESSION",
 }
 
 #: The YAML section ``network:`` and the keys it holds (``network: {interface: eth1}`` sets
@@ -131,6 +135,8 @@ _ALLOWED = {
     "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "
     "bits are ECN, which HCCL_RDMA_TC requires zero), or null",
     "network_service_level": "an integer between 0 and 7 (the NIC's PFC priority), or null",
+    "compression": "a compression spec name[:key=value,...] such as powersgd:rank=4, topk:ratio=0.01, "
+    "qsgd:levels=16, fp16, bf16, sign; or none (see docs/compression.md)",
 }
 
 #: The values of ``bridge_calibration``.
@@ -235,6 +241,15 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if not isinstance(v, str) or v.strip().lower() not in ("auto", "leader", "bandwidth", "replicated"):
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         return v.strip().lower()
+    if key == "compression":
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "null")):
+            return None
+        if not isinstance(v, str):
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        from vcga.compress.spec import split_spec  # syntax here; names and values when it is used
+
+        split_spec(v, src)
+        return v.strip()
     raise AssertionError(key)  # pragma: no cover - keys come from fields(Config)
 
 

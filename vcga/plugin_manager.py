@@ -36,7 +36,7 @@ import pluggy
 
 from vcga import contract, vetting
 from vcga.config import Config, load_config
-from vcga.contract import Backend, ConformanceCheck, FormatSpec, ProbeResult
+from vcga.contract import Backend, CompressorSpec, ConformanceCheck, FormatSpec, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
 
 __all__ = [
@@ -57,6 +57,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "vcga.plugins.nccl",
     "vcga.plugins.hccl",
     "vcga.plugins.mlu",
+    "vcga.plugins.compressors",
     "vcga.conformance.checks",
     "vcga.formats.vbin",
     "vcga.formats.hdf5",
@@ -396,6 +397,25 @@ class VcgaPluginManager:
             name = getattr(chk, "name", None)
             if isinstance(name, str) and name not in out:
                 out[name] = chk
+        return list(out.values())
+
+    def compressors(self) -> list[tuple[str, CompressorSpec]]:
+        """Every gradient compressor, with the plugin that contributed it: built-ins first; a name
+        already taken is recorded as the later plugin's hook error (the first wins)."""
+        out: dict[str, tuple[str, CompressorSpec]] = {}
+        for pname, spec in self._collect("vcga_compressors"):
+            rec = self._records.get(pname)
+            if not isinstance(spec, CompressorSpec):
+                if rec is not None:
+                    rec.hook_errors["vcga_compressors"] = (
+                        f"returned {type(spec).__name__}, which is not a vcga.contract.CompressorSpec")
+                continue
+            if spec.name in out:
+                if rec is not None:
+                    rec.hook_errors["vcga_compressors"] = (
+                        f"compressor name {spec.name!r} already registered by plugin {out[spec.name][0]!r}")
+                continue
+            out[spec.name] = (pname, spec)
         return list(out.values())
 
     def tensor_to_host(self, tensor: Any) -> Any:

@@ -1,0 +1,425 @@
+"""Built-in gradient compressors, contributed through the contract like any plugin's.
+
+===========  =======  ======================================================================
+ name        combine  what crosses the hop per tensor of n float32 elements
+===========  =======  ======================================================================
+ fp16        sum      n half floats, pre-divided by the number of peers (torch's fp16 hook)
+ bf16        sum      n bfloat16
+ topk        gather   the k = ⌈ratio·n⌉ largest magnitudes: k int32 indices + k values
+ sign        gather   1 bit per element + one float32 scale (mean |x|), two-phase with a
+                      server-side compression, as 1-bit Adam's compressed allreduce
+ qsgd        gather   a signed level in [-s, s] per element (4, 8 or 16 bits) + one float32
+                      scale per bucket, stochastic rounding (unbiased)
+ powersgd    sum      P (rows × rank) then Q (cols × rank); 1-D tensors and matrices too small
+                      to gain (torch's min_compression_rate) travel uncompressed
+===========  =======  ======================================================================
+
+Error feedback (topk, sign, powersgd by default; ``ef=0/1`` on each) is kept by the driver
+(:mod:`vcga.compress`), exactly. Decoders use only element-wise operations and fixed-order sums
+(:mod:`vcga.compress.exact`), so every rank decodes the same bits. This module imports only the
+public core API (``vcga.contract``, ``vcga.compress``) and torch only inside methods.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from vcga import dtypes as _dtypes
+from vcga.contract import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec, hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["vcga_compressors"]
+
+
+# -- option parsers (each raises ValueError saying what is allowed) --------------------------------
+
+
+def _flag(v: str) -> bool:
+    s = v.strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("0 or 1")
+
+
+def _int_range(lo: int, hi: int) -> Any:
+    def parse(v: str) -> int:
+        try:
+            i = int(v)
+        except ValueError:
+            raise ValueError(f"an integer from {lo} to {hi}") from None
+        if not lo <= i <= hi:
+            raise ValueError(f"an integer from {lo} to {hi}")
+        return i
+    return parse
+
+
+def _ratio(v: str) -> float:
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError("a number in (0, 1]") from None
+    if not 0 < f <= 1:
+        raise ValueError("a number in (0, 1]")
+    return f
+
+
+def _pos_float(v: str) -> float:
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError("a number >= 0") from None
+    if not (f >= 0 and math.isfinite(f)):
+        raise ValueError("a number >= 0")
+    return f
+
+
+def _choice(*names: str) -> Any:
+    def parse(v: str) -> str:
+        if v not in names:
+            raise ValueError("one of " + ", ".join(names))
+        return v
+    return parse
+
+
+def _ef(default: bool) -> CompressorOption:
+    return CompressorOption(default, _flag, "error feedback: keep what was not sent, add it to the next step (0/1)")
+
+
+def _itemsize(dtype: str) -> int:
+    return _dtypes.get(dtype).itemsize
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+# -- fp16 / bf16 --------------------------------------------------------------------------------------
+
+
+class Cast(Compressor):
+    """Send the tensor in a narrower float (torch's fp16_compress_hook / bf16_compress_hook)."""
+
+    combine = Combine.SUM
+
+    def __init__(self, dtype: str, ef: bool, prescale: bool) -> None:
+        self.dtype, self.error_feedback, self.prescale = dtype, ef, prescale  # dtype: canonical name
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        return _numel(shape) * _dtypes.get(self.dtype).itemsize
+
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+        # fp16 holds at most 65504: divide by the peers first so that their sum cannot overflow
+        y = x / ctx.peers if self.prescale else x
+        return [y.to(_dtypes.to_torch(self.dtype)).contiguous()]
+
+    def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                   round: int = 0) -> torch.Tensor:  # noqa: A002
+        import torch
+
+        y = payload[0].to(torch.float32) if payload[0].dtype != torch.float64 else payload[0]
+        return y * ctx.peers if self.prescale else y
+
+
+def _cast(name: str, dtype: str, prescale: bool) -> CompressorSpec:
+    return CompressorSpec(
+        name, f"send {dtype} (2 bytes per element){', pre-divided by the peers' if prescale else ''}",
+        {"ef": _ef(False)}, lambda ef: Cast(dtype, ef, prescale))
+
+
+# -- top-k ------------------------------------------------------------------------------------------
+
+
+class TopK(Compressor):
+    """The k largest magnitudes and their indices (Aji & Heafield 2017; Lin et al. 2018)."""
+
+    combine = Combine.GATHER
+
+    def __init__(self, ratio: float, ef: bool, server: bool) -> None:
+        self.ratio, self.error_feedback, self.server = ratio, ef, server
+
+    def k(self, n: int) -> int:
+        return min(n, max(1, math.ceil(self.ratio * n))) if n else 0
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        return self.k(_numel(shape)) * (4 + _itemsize(dtype))
+
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+        import torch
+
+        flat = x.reshape(-1)
+        state["numel"] = flat.numel()
+        k = self.k(flat.numel())
+        idx = torch.topk(flat.abs(), k, sorted=False).indices
+        idx, _ = torch.sort(idx)  # ascending: the decoder's writes never depend on the library's order
+        return [idx.to(torch.int32), flat[idx].contiguous()]
+
+    def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                   round: int = 0) -> torch.Tensor:  # noqa: A002
+        import torch
+
+        idx, val = payload
+        n = state.get("numel")
+        if n is None:
+            raise KeyError("topk: decompress before compress on this tensor")
+        out = torch.zeros(n, dtype=val.dtype, device=val.device)
+        out[idx.long()] = val  # indices are distinct: a plain write, no accumulation order
+        return out
+
+
+# -- sign (1-bit) ------------------------------------------------------------------------------------
+
+
+_BITS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def _packbits(b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    n = b.numel()
+    pad = (-n) % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    w = torch.tensor(_BITS, dtype=torch.uint8, device=b.device)
+    return (b.view(-1, 8).to(torch.uint8) * w).sum(1, dtype=torch.uint8) if b.numel() else b.to(torch.uint8)
+
+
+def _unpackbits(p: torch.Tensor, n: int) -> torch.Tensor:
+    import torch
+
+    w = torch.tensor(_BITS, dtype=torch.uint8, device=p.device)
+    return (p.view(-1, 1).bitwise_and(w) != 0).reshape(-1)[:n]
+
+
+class Sign(Compressor):
+    """1 bit per element and one scale (the mean magnitude), with error feedback on the workers
+    and, in the two-phase exchange, on the servers (Seide et al. 2014; 1-bit Adam, Tang et al. 2021)."""
+
+    combine = Combine.GATHER
+
+    def __init__(self, ef: bool, server: bool) -> None:
+        self.error_feedback, self.server = ef, server
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        n = _numel(shape)
+        return -(-n // 8) + 4
+
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+        import torch
+
+        flat = x.reshape(-1)
+        state["numel"] = flat.numel()
+        # mean |x| minimises ||x - s·sign(x)||²; 1-bit Adam uses the RMS, which overshoots
+        scale = flat.abs().to(torch.float64).mean().to(torch.float32).reshape(1) if flat.numel() else \
+            torch.zeros(1, dtype=torch.float32, device=flat.device)
+        return [_packbits(flat >= 0), scale]
+
+    def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                   round: int = 0) -> torch.Tensor:  # noqa: A002
+        import torch
+
+        bits, scale = payload
+        n = state.get("numel")
+        if n is None:
+            raise KeyError("sign: decompress before compress on this tensor")
+        pm = _unpackbits(bits, n).to(torch.float32) * 2 - 1  # exact: ±1
+        return pm * scale  # element-wise: the same bits on every rank
+
+
+# -- QSGD --------------------------------------------------------------------------------------------
+
+
+class QSGD(Compressor):
+    """Stochastic quantization to s levels per bucket scale (Alistarh et al. 2017), unbiased.
+
+    Random draws come from a generator seeded by the shared seed, the step, the tensor and the
+    sending peer: reproducible, and any rank can regenerate any other's draws."""
+
+    combine = Combine.GATHER
+
+    def __init__(self, levels: int, bucket: int, norm: str, ef: bool, server: bool) -> None:
+        self.s, self.bucket, self.norm = levels, bucket, norm
+        self.error_feedback, self.server = ef, server
+        self.bits = 4 if 2 * levels + 1 <= 16 else 8 if levels <= 127 else 16
+
+    def _buckets(self, n: int) -> int:
+        return -(-n // self.bucket) if n else 0
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        n = _numel(shape)
+        return (-(-n // 2) if self.bits == 4 else n * self.bits // 8) + 4 * self._buckets(n)
+
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+        import torch
+
+        flat = x.reshape(-1).to(torch.float32)
+        n = flat.numel()
+        state["numel"] = n
+        nb = self._buckets(n)
+        pad = nb * self.bucket - n
+        v = torch.cat([flat, flat.new_zeros(pad)]).view(nb, self.bucket) if n else flat.view(0, self.bucket)
+        if self.norm == "max":
+            scale = v.abs().amax(1)
+        else:
+            scale = v.to(torch.float64).pow(2).sum(1).sqrt().to(torch.float32)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        lv = v.abs() / safe.unsqueeze(1) * self.s  # in [0, s]
+        g = torch.Generator(device="cpu")
+        g.manual_seed(ctx.seed ^ (ctx.step * 0x9E3779B1 + ctx.peer * 0x85EBCA77 + (ctx.role == "server")) & 0x7FFFFFFFFFFFFFFF)
+        u = torch.rand(lv.shape, generator=g, dtype=torch.float32).to(lv.device)
+        low = lv.floor()
+        q = (low + (u < (lv - low)).to(lv.dtype)).clamp_(max=self.s)
+        signed = (q * torch.sign(v)).to(torch.int16).reshape(-1)[:n]
+        if self.bits == 4:
+            off = (signed + self.s).to(torch.uint8)
+            if off.numel() % 2:
+                off = torch.cat([off, off.new_zeros(1)])
+            packed = (off[0::2] * 16 + off[1::2]).to(torch.uint8)
+        elif self.bits == 8:
+            packed = signed.to(torch.int8)
+        else:
+            packed = signed
+        return [packed.contiguous(), scale.contiguous()]
+
+    def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                   round: int = 0) -> torch.Tensor:  # noqa: A002
+        import torch
+
+        packed, scale = payload
+        n = state.get("numel")
+        if n is None:
+            raise KeyError("qsgd: decompress before compress on this tensor")
+        if self.bits == 4:
+            hi, lo = packed // 16, packed % 16
+            signed = torch.stack([hi, lo], 1).reshape(-1)[:n].to(torch.float32) - self.s
+        else:
+            signed = packed.to(torch.float32)
+        sc = scale.repeat_interleave(self.bucket)[:n] if n else scale[:0]
+        return signed * sc / self.s  # element-wise, correctly rounded: the same bits on every rank
+
+
+# -- PowerSGD ------------------------------------------------------------------------------------------
+
+
+class PowerSGD(Compressor):
+    """Rank-r power iteration per matrix with warm start and error feedback (Vogels et al. 2019).
+
+    Round 0 sends P = M Q (Q shared: drawn from the shared seed, or last step's), round 1 sends
+    Q = Mᵀ P̂ with P̂ the orthonormalised sum of the Ps. What this rank sent is P̂ Qᵢᵀ, the
+    projection of its own matrix (the paper's error feedback; torch's hook keeps the input minus
+    the *averaged* approximation instead, which mixes the other ranks' gradients into the residual)."""
+
+    combine = Combine.SUM
+    rounds = 2
+    elementwise = False
+
+    def __init__(self, rank: int, warm: bool, ef: bool, min_rate: float, eps: float) -> None:
+        self.rank, self.warm, self.error_feedback, self.min_rate, self.eps = rank, warm, ef, min_rate, eps
+
+    def _plan(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(rows, cols, rank) when the tensor is compressed, None when it travels as it is."""
+        if len(shape) < 2:
+            return None
+        n = shape[0]
+        m = _numel(shape) // n if n else 0
+        r = min(n, m, self.rank)
+        if r == 0 or (n + m) * r * self.min_rate >= n * m:
+            return None
+        return n, m, r
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        p = self._plan(shape)
+        if p is None:
+            return _numel(shape) * _itemsize(dtype)
+        n, m, r = p
+        return (n + m) * r * _itemsize(dtype)
+
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+        import torch
+
+        from vcga.compress.exact import orthonormalize
+
+        p = self._plan(tuple(x.shape))
+        state["compressed"] = p is not None
+        if p is None:
+            return [x.reshape(-1).contiguous()] if round == 0 else []
+        n, m, r = p
+        mat = x.reshape(n, m)
+        if round == 0:
+            q = state.get("q") if self.warm else None
+            if q is None or q.shape != (m, r):
+                g = torch.Generator(device="cpu")
+                g.manual_seed(ctx.seed)  # the same Q on every peer
+                q = torch.randn(m, r, generator=g, dtype=torch.float64).to(x.dtype).to(x.device)
+            q = orthonormalize(q.clone(), self.eps)
+            state["q"] = q
+            return [(mat @ q).contiguous()]
+        q_own = (mat.t() @ state["p"]).contiguous()
+        state["q_own"] = q_own
+        return [q_own]
+
+    def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                   round: int = 0) -> torch.Tensor | None:  # noqa: A002
+        from vcga.compress.exact import orthonormalize, outer_sum
+
+        if not state.get("compressed", True):
+            return payload[0]  # an uncompressed tensor: its sum, done in round 0
+        if round == 0:
+            state["p"] = orthonormalize(payload[0].clone(), self.eps)
+            return None
+        q = payload[0]
+        if self.warm:
+            state["q"] = q.clone()
+        return outer_sum(state["p"], q)
+
+    def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
+             ctx: CompressContext) -> torch.Tensor:
+        from vcga.compress.exact import outer_sum
+
+        if self._plan(tuple(x.shape)) is None:
+            return x
+        return outer_sum(state["p"], state["q_own"]).to(x.device)
+
+
+# -- registration ----------------------------------------------------------------------------------------
+
+
+def _specs() -> list[CompressorSpec]:
+    server = CompressorOption(False, _flag, "two-phase exchange with a server-side compression (0/1)")
+    return [
+        _cast("fp16", "float16", prescale=True),
+        _cast("bf16", "bfloat16", prescale=False),
+        CompressorSpec("topk", "the largest ratio·n magnitudes with their indices, error feedback",
+                       {"ratio": CompressorOption(0.01, _ratio, "fraction of elements sent, in (0, 1]"),
+                        "ef": _ef(True), "server": server},
+                       lambda ratio, ef, server: TopK(ratio, ef, server)),
+        CompressorSpec("sign", "1 bit per element and a scale; worker and server error feedback (1-bit Adam)",
+                       {"ef": _ef(True),
+                        "server": CompressorOption(True, _flag, "two-phase exchange with server-side compression "
+                                                   "and error feedback, as 1-bit Adam (0/1)")},
+                       lambda ef, server: Sign(ef, server)),
+        CompressorSpec("qsgd", "stochastic quantization to s levels per bucket, unbiased",
+                       {"levels": CompressorOption(16, _int_range(1, 32767), "quantization levels s per sign"),
+                        "bucket": CompressorOption(512, _int_range(1, 1 << 24), "elements per scale"),
+                        "norm": CompressorOption("max", _choice("max", "l2"), "the bucket's scale: max or l2 "
+                                                 "(the paper's)"),
+                        "ef": _ef(False), "server": server},
+                       lambda levels, bucket, norm, ef, server: QSGD(levels, bucket, norm, ef, server)),
+        CompressorSpec("powersgd", "rank-r power iteration per matrix, warm start, error feedback",
+                       {"rank": CompressorOption(1, _int_range(1, 1024), "approximation rank"),
+                        "warm": CompressorOption(True, _flag, "reuse last step's Q (0/1)"),
+                        "ef": _ef(True),
+                        "min_rate": CompressorOption(2.0, _pos_float, "compress a matrix only when it shrinks "
+                                                     "by more than this (torch's min_compression_rate)"),
+                        "eps": CompressorOption(0.0, _pos_float, "added to column norms when orthonormalising")},
+                       lambda rank, warm, ef, min_rate, eps: PowerSGD(rank, warm, ef, min_rate, eps)),
+    ]
+
+
+@hookimpl
+def vcga_compressors() -> list[CompressorSpec]:
+    return _specs()

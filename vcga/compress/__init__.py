@@ -1,0 +1,46 @@
+"""Gradient compression on the slow hop, for any backend (docs/compression.md).
+
+Public API (a plugin and ``vcga verify`` use only these):
+
+- :func:`ddp_hook` -- ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``;
+- :func:`parse_spec` / :class:`CompressionSpec` -- the spec string ``name[:key=value,...]``;
+- :class:`Reducer`, :class:`Exchange` -- the engine behind the hook (checks drive it directly);
+- :class:`ErrorFeedback` -- exact error-feedback bookkeeping;
+- :class:`WireMeter` -- bytes counted at the transport;
+- :mod:`vcga.compress.exact` -- fixed-order arithmetic for decoders;
+- :func:`compressors` -- the registered compressors.
+
+Importing this package does not import torch; its members load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, parse_spec
+
+__all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "compressors", "ddp_hook", "CompressionState",
+           "Reducer", "Exchange", "Layout", "ErrorFeedback", "WireMeter", "LinkCost", "CompressCost"]
+
+_LAZY = {
+    "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
+    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Layout": "vcga.compress.engine",
+    "ErrorFeedback": "vcga.compress.ef", "WireMeter": "vcga.compress.meter",
+    "LinkCost": "vcga.compress.cost", "CompressCost": "vcga.compress.cost",
+}
+
+
+def compressors() -> dict[str, Any]:
+    """Compressor name -> :class:`~vcga.contract.CompressorSpec`, every plugin's (built-ins first)."""
+    from vcga.plugin_manager import get_plugin_manager
+
+    return {spec.name: spec for _, spec in get_plugin_manager().compressors()}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'vcga.compress' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)

@@ -1,0 +1,67 @@
+"""Arithmetic whose bits do not depend on the library, the device or the thread count.
+
+Decoding a compressed gradient must give the same bits on every rank -- across vendors too -- or
+the replicas drift apart. IEEE 754 makes each element-wise ``+ - * / sqrt`` correctly rounded on
+every CPU and accelerator; library reductions (``sum``, ``norm``, ``matmul``) add in an order of
+their own. So decoders use only element-wise operations and the fixed-order reductions below:
+
+- :func:`tree_sum`: a sum over dim 0 as a fixed binary tree of element-wise additions;
+- :func:`orthonormalize`: Gram-Schmidt with :func:`tree_sum` dot products;
+- :func:`outer_sum`: ``P @ Q.T`` as a fixed sequence of element-wise products and additions.
+
+:func:`two_sum` is Knuth's error-free transformation behind exact error feedback
+(:class:`vcga.compress.ErrorFeedback`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["two_sum", "tree_sum", "orthonormalize", "outer_sum"]
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, e)`` with ``s = fl(a + b)`` and ``a + b == s + e`` exactly (Knuth, TAOCP 4.2.2; round
+    to nearest, no overflow). Six separate element-wise operations: no fused multiply-add can
+    contract them."""
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, e
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 by a fixed pairwise tree of element-wise additions (same bits everywhere).
+
+    Rows are added in halves: ``x[:h] + x[h:2h]`` (an odd last row carried up), log2(n) steps; the
+    error bound is that of pairwise summation, γ_⌈log2 n⌉ Σ|xᵢ|."""
+    while x.shape[0] > 1:
+        h = x.shape[0] // 2
+        y = x[:h] + x[h:2 * h]
+        x = torch.cat([y, x[2 * h:]]) if x.shape[0] % 2 else y
+    return x[0] if x.shape[0] else torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``p`` (``[..., n, r]``), in place, with fixed-order dot
+    products. A zero column stays zero (instead of NaN), so an all-zero gradient decodes to zero."""
+    r = p.shape[-1]
+    for i in range(r):
+        col = p[..., :, i:i + 1]
+        for j in range(i):  # classical Gram-Schmidt against the finished columns
+            q = p[..., :, j:j + 1]
+            col -= tree_sum((col * q).movedim(-2, 0)).unsqueeze(-2) * q
+        norm = tree_sum((col * col).movedim(-2, 0)).sqrt().unsqueeze(-2)
+        safe = torch.where(norm > 0, norm + eps, torch.ones_like(norm))
+        col /= safe
+        col.mul_((norm > 0).to(col.dtype))
+    return p
+
+
+def outer_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``p @ q.T`` for ``p`` ``[n, r]`` and ``q`` ``[m, r]`` as r element-wise outer products added
+    in order k = 0, 1, ...: the same bits on every device (r is small: the PowerSGD rank)."""
+    out = p[:, 0:1] * q[:, 0].unsqueeze(0)
+    for k in range(1, p.shape[1]):
+        out = out + p[:, k:k + 1] * q[:, k].unsqueeze(0)
+    return out

@@ -1,0 +1,238 @@
+"""``vcga.compress.ddp_hook(spec) -> (state, hook)``: compressed gradient reduction for DDP.
+
+::
+
+    from vcga.compress import ddp_hook
+    state, hook = ddp_hook("powersgd:rank=4")          # or None: the configured `compression`
+    model.register_comm_hook(state, hook)
+
+Works on any backend and any world (``vcga`` with one vendor or several, gloo, nccl, ...). Every
+rank of the default group must call it (it gathers the layout and, for scope ``bridge``, creates
+subgroups). The hook returns at once: the bucket is reduced on one worker thread per state, in the
+order DDP hands buckets over (the same order on every rank), so backward keeps computing while
+buckets cross the slow hop -- on any backend, whether or not its collectives are asynchronous.
+The result is the average over the group, bitwise identical on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
+from vcga.compress.engine import Reducer
+from vcga.compress.meter import WireMeter, sent_bytes
+from vcga.compress.spec import CompressionSpec, parse_spec
+from vcga.contract import Combine
+from vcga.errors import VcgaError
+
+__all__ = ["ddp_hook", "CompressionState"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class CompressionState:
+    """The state :func:`ddp_hook` hands DDP: the reducer, the step count, the auto policy, stats.
+
+    :ivar step: DDP iterations completed through the hook.
+    :ivar stats: buckets reduced compressed / plainly.
+    """
+
+    def __init__(self, spec: CompressionSpec, group: Any = None, *, meter: WireMeter | None = None,
+                 overlap: bool = True, record: bool = False) -> None:
+        self.spec = spec
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = self.group.size()
+        self.meter = meter
+        self.overlap = overlap
+        self.reducer = Reducer(spec, self.group, meter=meter, record=record) if spec.enabled else None
+        self.step = 0
+        self.stats = {"compressed": 0, "plain": 0}
+        self.link: LinkCost | None = None
+        self.cost: CompressCost | None = None
+        self._decisions: dict[Any, bool] = {}
+        self._keys: set[Any] = set()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.reducer is not None and spec.when == "auto":
+            self._measure()
+
+    # -- the auto policy -----------------------------------------------------------------------------
+
+    def _measure(self) -> None:
+        """Agree on the hop's α–β and the compressor's cost (collective: max over every rank)."""
+        r = self.reducer
+        assert r is not None
+        ex = r.exchange
+        hop = r.layout.hop or "all"
+        link = link_from_transport(self.group, hop)
+        mine = torch.zeros(4, dtype=torch.float64)
+        if link is None and ex.group is not None and ex.peers > 1:
+            link = measure_link(ex.group, hop)
+        if link is not None:
+            mine[0], mine[1] = link.alpha_s, 1.0 / link.beta_Bps
+        cost = measure_compressor(r.compressor, peers=max(ex.peers, 2))
+        mine[2], mine[3] = cost.fixed_s, cost.per_byte_s
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)  # the same figures on every rank
+        a, inv_b, c0, c1 = mine.tolist()
+        self.link = LinkCost(hop, a, 1.0 / inv_b if inv_b > 0 else math.inf,
+                             link.source if link is not None else "none")
+        self.cost = CompressCost(c0, c1)
+
+    def _collectives(self) -> int:
+        c = self.reducer.compressor  # type: ignore[union-attr]
+        if c.combine is Combine.SUM:
+            return c.rounds
+        return 2 if c.server else 1
+
+    def decide(self, n: int, shapes: list[tuple[int, ...]] | None, dtype: str, itemsize: int) -> bool:
+        """Compress a bucket of ``n`` elements? (``when=always``: yes; ``auto``: the cost model, from
+        figures every rank agreed on and the bucket's layout, so every rank decides alike)."""
+        r = self.reducer
+        if r is None:
+            return False
+        if self.spec.when != "auto":
+            return True
+        key = (n, tuple(shapes or ()), dtype)
+        got = self._decisions.get(key)
+        if got is None:
+            assert self.link is not None and self.cost is not None
+            k = len(r.island) if r.scope == "bridge" and r.layout.equal else 1
+            peers = r.exchange.peers
+            got = False
+            if peers > 1 and math.isfinite(self.link.beta_Bps):
+                worst_c = max(r.declared_cross_sent(n, shapes, dtype, local=i) for i in range(k))
+                part = math.ceil(n / k) * itemsize
+                got = should_compress(part, sent_bytes("all_reduce", part, peers), worst_c, self._collectives(),
+                                      self.link, self.cost)
+            # Ranks outside every peer set cannot evaluate the exchange: agree (all compress or none)
+            flag = torch.tensor([1 if got or peers <= 1 else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            got = bool(flag.item()) and self.link is not None and math.isfinite(self.link.beta_Bps)
+            self._decisions[key] = got
+        return got
+
+    # -- the work ------------------------------------------------------------------------------------
+
+    def reduce(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int, last: bool) -> torch.Tensor:
+        """Average ``buffer`` (a DDP bucket) over the group, in place, and return it."""
+        from vcga import dtypes as _dtypes
+
+        r = self.reducer
+        key = (index, tuple(shapes))
+        if r is None or self.step < self.spec.start:
+            compress = False
+        else:
+            compress = self.decide(buffer.numel(), shapes, _dtypes.from_torch(buffer.dtype), buffer.element_size())
+        if r is None:
+            dist.all_reduce(buffer, group=self.group)
+        else:
+            if key not in self._keys:
+                self._keys.add(key)
+                if len(self._keys) > 4096:  # DDP rebuilt its buckets: forget stale state
+                    self._keys = {key}
+                    r.exchange.forget(lambda k: k[0] == key)
+            r.step = self.step
+            r.all_reduce(buffer, shapes, key=key, compress=compress)
+        self.stats["compressed" if compress else "plain"] += 1
+        buffer.div_(self.world)
+        if last:
+            self.step += 1
+        return buffer
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            buffer, shapes, index, last, fut = item
+            if self._error is not None:
+                fut.set_exception(self._error)
+                continue
+            try:
+                fut.set_result(self.reduce(buffer, shapes, index, last))
+            except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
+                self._error = e if isinstance(e, VcgaError) else VcgaError(f"compressed reduction failed: {e!r}")
+                if self._error is not e:
+                    self._error.__cause__ = e
+                fut.set_exception(self._error)
+
+    def submit(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int, last: bool) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        if not self.overlap:
+            try:
+                fut.set_result(self.reduce(buffer, shapes, index, last))
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+            return fut
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._worker, name="vcga-compress", daemon=True)
+            self._thread.start()
+        self._queue.put((buffer, shapes, index, last, fut))
+        return fut
+
+    def close(self) -> None:
+        """Stop the worker thread and the meter."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout=30)
+        if self.reducer is not None:
+            self.reducer.close()
+
+    def describe(self) -> dict[str, Any]:
+        r = self.reducer
+        d: dict[str, Any] = {"spec": self.spec.canonical(), "step": self.step, "stats": dict(self.stats)}
+        if r is not None:
+            d.update({"scope": r.scope, "layout": r.layout.describe(), "compressor": r.compressor.describe()})
+        if self.link is not None:
+            d["link"] = self.link.to_json()
+        if self.cost is not None:
+            d["compress_cost"] = self.cost.to_json()
+        return d
+
+
+def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+    buffer = bucket.buffer()
+    shapes = [tuple(g.shape) for g in bucket.gradients()]
+    if sum(math.prod(s) for s in shapes) != buffer.numel():
+        shapes = [(buffer.numel(),)]
+    return state.submit(buffer, shapes, bucket.index(), bucket.is_last())
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
+_hook.__annotations__ = {"state": CompressionState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def ddp_hook(spec: str | CompressionSpec | None = None, process_group: Any = None, *,
+             meter: WireMeter | None = None, overlap: bool = True,
+             record: bool = False) -> tuple[CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future]]:
+    """A DDP communication hook that averages gradients, compressed as ``spec`` says.
+
+    :param spec: ``name[:key=value,...]`` (see :mod:`vcga.compress.spec`), a parsed spec, or None for
+        the configured one (config ``compression`` / ``VCGA_COMPRESSION``; "none": exact averaging).
+    :param process_group: the group DDP reduces over (default: the default group).
+    :param meter: count bytes at the transport (labels "island" and "cross").
+    :param overlap: reduce on a worker thread so backward overlaps communication (default True).
+    :raises vcga.errors.VcgaConfigError: a bad spec, naming the key and what is allowed.
+    :returns: ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
+    """
+    if spec is None:
+        from vcga.config import load_config
+
+        cfg = load_config()
+        spec = parse_spec(cfg.compression, source="config compression / env VCGA_COMPRESSION") \
+            if cfg.compression else CompressionSpec(None)
+    else:
+        spec = parse_spec(spec)
+    state = CompressionState(spec, process_group, meter=meter, overlap=overlap, record=record)
+    return state, _hook
