@@ -16,6 +16,8 @@
 11   send-recv               pairs, ring, tags, batched and any-source point-to-point
 12   gradients               DDP gradients within the derived bound of a float64 reference
 13   mixed-vendors           the world really mixes vendors, and results cross them exactly
+14   compression             every gradient compressor: identical ranks, exact error feedback,
+                             unbiased where declared, no more bytes on the wire than declared
 ===  ======================  ===================================================================
 
 docs/conformance.md explains each check and derives each bound. A vendor adds checks by returning
@@ -28,6 +30,7 @@ from typing import Any
 
 from vcga.contract import hookimpl
 
+from .compression import Compression
 from .coverage import Collectives, Layouts, Sizes, Uneven
 from .mixed import MixedVendors
 from .numerics import CrossRankIdentity, DtypeMatrix, ExactReduce, RandomReduce
@@ -52,6 +55,7 @@ def _builtin() -> list[Any]:
         SendRecv(),
         Gradients(),
         MixedVendors(),
+        Compression(),
     ]
 
 

@@ -240,6 +240,7 @@ class QSGD(Compressor):
     sending peer: reproducible, and any rank can regenerate any other's draws."""
 
     combine = Combine.GATHER
+    unbiased = True
 
     def __init__(self, levels: int, bucket: int, norm: str, ef: bool, server: bool) -> None:
         self.s, self.bucket, self.norm = levels, bucket, norm
@@ -253,19 +254,31 @@ class QSGD(Compressor):
         n = _numel(shape)
         return (-(-n // 2) if self.bits == 4 else n * self.bits // 8) + 4 * self._buckets(n)
 
+    def _scales(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        n = flat.numel()
+        nb = self._buckets(n)
+        v = torch.cat([flat, flat.new_zeros(nb * self.bucket - n)]).view(nb, self.bucket) if n else flat.view(0, self.bucket)
+        if self.norm == "max":
+            return v, v.abs().amax(1)
+        return v, v.to(torch.float64).pow(2).sum(1).sqrt().to(torch.float32)
+
+    def step_width(self, x: torch.Tensor) -> torch.Tensor:
+        """One quantization step per element: its bucket's scale / s."""
+        import torch
+
+        flat = x.reshape(-1).to(torch.float32)
+        _, scale = self._scales(flat)
+        return (scale / self.s).repeat_interleave(self.bucket)[:flat.numel()]
+
     def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
 
         flat = x.reshape(-1).to(torch.float32)
         n = flat.numel()
         state["numel"] = n
-        nb = self._buckets(n)
-        pad = nb * self.bucket - n
-        v = torch.cat([flat, flat.new_zeros(pad)]).view(nb, self.bucket) if n else flat.view(0, self.bucket)
-        if self.norm == "max":
-            scale = v.abs().amax(1)
-        else:
-            scale = v.to(torch.float64).pow(2).sum(1).sqrt().to(torch.float32)
+        v, scale = self._scales(flat)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         lv = v.abs() / safe.unsqueeze(1) * self.s  # in [0, s]
         g = torch.Generator(device="cpu")

@@ -600,9 +600,13 @@ class Compressor(abc.ABC):
       whatever the number of peers.
 
     Decoding must give the same bits on every rank: use only element-wise operations (IEEE 754
-    correctly rounded) and sums in a fixed order (:func:`vcga.compress.exact` helpers) on the
+    correctly rounded) and sums in a fixed order (:mod:`vcga.compress.exact` helpers) on the
     payload bytes -- never a library reduction (matmul, norm, sum) whose order is the library's.
-    Payload tensors must be contiguous; their dtypes are sent as bytes.
+    Payload sizes must depend only on the tensor's shape and dtype and the round (every peer's
+    payload then has the same layout; the driver moves them as bytes). ``decompress`` is also
+    called on this rank's own payload (``sent``) and, for a GATHER compressor, on each peer's
+    with this rank's ``state`` for the same tensor: keep in ``state`` only what any peer's payload
+    of that tensor decodes with (its length, the shared Q, ...).
     """
 
     #: How payloads of several ranks combine.
@@ -616,6 +620,10 @@ class Compressor(abc.ABC):
     error_feedback: bool = False
     #: GATHER compressors: two-phase exchange with a server-side compression (see above).
     server: bool = False
+    #: True when the decoded value's expectation is the input (stochastic rounding): ``vcga verify``
+    #: then tests the mean of many draws against a derived statistical bound, which needs
+    #: :meth:`step_width`.
+    unbiased: bool = False
 
     @abc.abstractmethod
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
@@ -646,9 +654,14 @@ class Compressor(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} has {self.rounds} rounds and must override sent()")
         return out
 
+    def step_width(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For an unbiased compressor: per element of ``x``, the width of the interval its decoded
+        value falls in (one quantization step); None when not defined."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"combine": self.combine.value, "rounds": self.rounds, "elementwise": self.elementwise,
-                "error_feedback": self.error_feedback, "server": self.server}
+                "error_feedback": self.error_feedback, "server": self.server, "unbiased": self.unbiased}
 
 
 @dataclass(frozen=True)

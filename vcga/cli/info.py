@@ -46,6 +46,9 @@ def collect(verbose: bool = False) -> dict[str, Any]:
             entry["capabilities_error"] = f"{type(e).__name__}: {e}"
         out["backends"].append(entry)
     out["plugins"] = [p.to_json() for p in pm.plugins()]
+    out["compressors"] = [{"name": spec.name, "plugin": pname, "description": spec.description,
+                           "options": {k: o.default for k, o in spec.options.items()}}
+                          for pname, spec in pm.compressors()]
     try:
         out["selected_backend"] = pm.select_backend(config).name
     except VcgaError as e:
@@ -92,6 +95,13 @@ def _render(data: dict[str, Any]) -> None:
         mark = "[green]available[/green]" if b["available"] else "[red]unavailable[/red]"
         console.print(f"  {b['name']}: {mark}: {b['reason']}" + (f" ({versions})" if versions else ""),
                       highlight=False, soft_wrap=True)
+    ct = Table(title="Gradient compressors (spec name[:key=value,...]; docs/compression.md)", title_justify="left")
+    for col in ("compressor", "plugin", "options (defaults)", "what"):
+        ct.add_column(col, overflow="fold")
+    for c in data.get("compressors", []):
+        opts = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c["options"].items())
+        ct.add_row(c["name"], c["plugin"], opts, c["description"])
+    console.print(ct)
     if data["selected_backend"]:
         console.print(f"selected backend for this process: [bold]{data['selected_backend']}[/bold]")
     else:
@@ -157,7 +167,8 @@ def _parse_counts(spec: str, option: str) -> list[tuple[str, int]]:
 
 
 def collect_plan(vendors: str | None = None, backends: str | None = None, nodes: int | None = None,
-                 algorithm: str | None = None, figures: str | None = None) -> dict[str, Any]:
+                 algorithm: str | None = None, figures: str | None = None,
+                 compression: str | None = None) -> dict[str, Any]:
     """The bridge plan for a layout, as JSON-ready dict (what every rank of that layout computes).
 
     The layout is ``backends`` (registered backend names with counts, e.g. ``nccl:8,hccl:8``), or
@@ -168,6 +179,8 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
     without it every rank is on this host, as in a single-node run. ``figures``: a JSON file of
     measured α–β figures (a group's ``transport.describe()["calibration"]``, or its ``figures``;
     benchmarks/multinode.py ``--figures`` writes one): the choice per message size they predict.
+    ``compression`` (default: the configured ``compression``) adds where and from which size
+    gradient compression applies.
     """
     from dataclasses import replace
 
@@ -221,6 +234,15 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
             out["figures"] = _figure_choices(plan, figures)
     elif figures is not None:
         raise click.UsageError("--figures needs a mixed-vendor layout (one backend has no bridge to choose for)")
+    text = compression if compression is not None else config.compression
+    if text:
+        from vcga.compress import parse_spec
+        from vcga.compress.plan import describe
+
+        spec = parse_spec(text, source="--compression" if compression is not None else "config compression")
+        if spec.enabled:
+            facts = [(n, node_of[r], records[n].device_type) for r, n in enumerate(names)]
+            out["compression"] = describe(spec, facts)
     return out
 
 
@@ -284,6 +306,10 @@ def render_plan(data: dict[str, Any]) -> str:
     lines = [f"layout: {data['layout']} -> {data['size']} ranks on {len(data['nodes'])} node(s)"]
     if not data["bridge"]:
         lines.append(f"one backend ({data['backends'][0]}) on every rank: no bridge, the vendor's own group")
+        if "compression" in data:
+            from vcga.compress.plan import render
+
+            lines.extend(render(data["compression"]))
         return "\n".join(lines)
     p = data["plan"]
     lines.append(f"bridge_algorithm: {p['algorithm']}; vendor groups contiguous: {'yes' if p['contiguous'] else 'no'}")
@@ -327,6 +353,10 @@ def render_plan(data: dict[str, Any]) -> str:
     for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
         lines.append(f"  {name}: {p['collectives'][name]}")
     lines.extend(_render_links(data))
+    if "compression" in data:
+        from vcga.compress.plan import render
+
+        lines.extend(render(data["compression"]))
     return "\n".join(lines)
 
 
@@ -378,8 +408,12 @@ def _render_links(data: dict[str, Any]) -> list[str]:
                    "(after a driver or SDK update; same as VCGA_PLUGIN_RECHECK=1).")
 @click.option("--calibrate", is_flag=True, help="With --plan: run the layout's ranks on this host now, measure the "
               "bridge's α–β link figures, refresh their cache entry and show them (single-node layouts).")
+@click.option("--compression", metavar="SPEC",
+              help="With --plan: a gradient compression spec (powersgd:rank=4, ...; default: the configured "
+                   "`compression`): where it applies and from which size it pays per link class.")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
-         nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool, calibrate: bool) -> None:
+         nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool, calibrate: bool,
+         compression: str | None) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -390,15 +424,16 @@ def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors:
         os.environ["VCGA_PLUGIN_RECHECK"] = "1"  # read when the plugin manager is created, below
     if plan:
         try:
-            pdata = collect_plan(vendors, backends, nodes, algorithm, figures)
+            pdata = collect_plan(vendors, backends, nodes, algorithm, figures, compression)
             if calibrate:
                 pdata["figures"] = _calibrate(pdata, vendors, backends, nodes, algorithm, figures)
         except VcgaError as e:
             raise click.ClickException(str(e)) from None
         click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
         return
-    if vendors or backends or nodes is not None or algorithm or figures or calibrate:
-        raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures and --calibrate go with --plan")
+    if vendors or backends or nodes is not None or algorithm or figures or calibrate or compression:
+        raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures, --calibrate and --compression "
+                               "go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:

@@ -24,7 +24,7 @@ __all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "compressors", "ddp_h
 
 _LAZY = {
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
-    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Layout": "vcga.compress.engine",
+    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Layout": "vcga.compress.layout",
     "ErrorFeedback": "vcga.compress.ef", "WireMeter": "vcga.compress.meter",
     "LinkCost": "vcga.compress.cost", "CompressCost": "vcga.compress.cost",
 }

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vcga.compress.exact import two_sum
+from vcga.compress.exact import two_sum_
 
-__all__ = ["ErrorFeedback", "EFRecord"]
+__all__ = ["ErrorFeedback", "EFRecord", "Scratch"]
 
 
 @dataclass
@@ -39,36 +39,67 @@ class EFRecord:
     lo: torch.Tensor
 
 
+class Scratch:
+    """Two scratch buffers shared by the residuals one exchange updates one after another."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (like.dtype, like.device)
+        n = like.numel()
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < 2 * n:
+            flat = self._flat[key] = torch.empty(2 * n, dtype=like.dtype, device=like.device)
+        return flat[:n].view(like.shape), flat[n:2 * n].view(like.shape)
+
+
 @dataclass
 class ErrorFeedback:
-    """The residual of one tensor (or chunk) a compressor sends: ``hi + lo``, both of its dtype."""
+    """The residual of one tensor (or chunk) a compressor sends: ``hi + lo``, both of its dtype.
+
+    Works in place: it keeps ``hi``, ``lo``, the input it returns (valid until :meth:`update`) and
+    the carry -- four tensors of the gradient's size -- and borrows two scratch tensors from a
+    :class:`Scratch` shared with the exchange's other residuals; nothing is allocated per step."""
 
     hi: torch.Tensor | None = None
     lo: torch.Tensor | None = None
     record: bool = False
     last: EFRecord | None = None
+    scratch: Scratch = field(default_factory=Scratch, repr=False)
+    _x: torch.Tensor | None = field(default=None, repr=False)
     _carry: torch.Tensor | None = field(default=None, repr=False)
+    _fresh: bool = field(default=True, repr=False)
 
     def input(self, g: torch.Tensor) -> torch.Tensor:
-        """The compressor's input for gradient ``g``: ``g`` plus the residual (a new tensor)."""
-        if self.hi is None or self.hi.shape != g.shape or self.hi.dtype != g.dtype:
-            self.hi, self.lo = torch.zeros_like(g), torch.zeros_like(g)  # first step, or the layout changed
-            self._carry = None
-            return g.clone()
-        a, e1 = two_sum(g, self.hi)
-        x, e2 = two_sum(a, self.lo)
-        self._carry = e1 + e2  # g + hi + lo == x + e1 + e2 exactly; this sum rounds at u²|x|
+        """The compressor's input for gradient ``g``: ``g`` plus the residual."""
+        if self.hi is None or self.hi.shape != g.shape or self.hi.dtype != g.dtype or self.hi.device != g.device:
+            # first step, or the layout changed: nothing to carry
+            self.hi, self.lo = torch.zeros_like(g), torch.zeros_like(g)
+            self._x, self._carry = g.clone(), torch.zeros_like(g)
+            self._fresh = True
+            return self._x
+        x, carry, lo = self._x, self._carry, self.lo
+        assert x is not None and carry is not None and lo is not None
+        tmp, e2 = self.scratch.get(g)
+        two_sum_(g, self.hi, x, carry, tmp)  # g + hi == x + e1            (hi is free afterwards)
+        two_sum_(x, lo, self.hi, e2, tmp)  # x + lo == x' + e2
+        x.copy_(self.hi)
+        carry.add_(e2)  # g + hi + lo == x + e1 + e2; this one rounding is of order u²|x|
+        self._fresh = False
         return x
 
     def update(self, x: torch.Tensor, sent: torch.Tensor) -> None:
         """Keep ``x − sent`` (exactly, as ``h + l``) for the next step."""
+        assert self.hi is not None and self.lo is not None and self._carry is not None
         sent = sent.to(x.dtype).reshape(x.shape)
-        h, l = two_sum(x, -sent)
+        tmp, neg = self.scratch.get(x)
+        torch.neg(sent, out=neg)
+        two_sum_(x, neg, self.hi, self.lo, tmp)  # x - sent == hi + lo exactly
         if self.record:
-            self.last = EFRecord(x.detach().clone(), sent.detach().clone(), h.clone(), l.clone())
-        self.hi = h
-        self.lo = l if self._carry is None else l + self._carry
-        self._carry = None
+            self.last = EFRecord(x.detach().clone(), sent.detach().clone(), self.hi.clone(), self.lo.clone())
+        if not self._fresh:
+            self.lo.add_(self._carry)
 
     def residual(self) -> torch.Tensor | None:
         """The residual rounded to one tensor (for inspection)."""

@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 
 from vcga.contract import Combine, CompressContext, Compressor, Support
-from vcga.compress.ef import ErrorFeedback
-from vcga.compress.meter import WireMeter, sent_bytes
+from vcga.compress.ef import ErrorFeedback, Scratch
+from vcga.compress.layout import Layout, chunks, declared_sent
+from vcga.compress.meter import WireMeter
 from vcga.compress.spec import CompressionSpec
 from vcga.errors import VcgaConfigError, VcgaError
 
-__all__ = ["Layout", "Exchange", "Reducer", "discover_layout", "mix_seed", "create_compressor"]
+__all__ = ["Layout", "Topology", "Exchange", "Reducer", "discover_layout", "mix_seed", "create_compressor"]
 
 log = logging.getLogger(__name__)
 
@@ -78,55 +79,6 @@ def create_compressor(spec: CompressionSpec) -> Compressor:
 # ===================================================================================================
 # Layout: islands and the slow hop
 # ===================================================================================================
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The islands of a group (group ranks), in order of their first rank, and each rank's facts."""
-
-    facts: tuple[tuple[str, str, str], ...]  #: per group rank: (backend, node, device type)
-    islands: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def from_facts(cls, facts: Sequence[Sequence[str]]) -> Layout:
-        f = tuple((str(b), str(n), str(d)) for b, n, d in facts)
-        by: dict[tuple[str, str], list[int]] = {}
-        for r, (b, n, _) in enumerate(f):
-            by.setdefault((b, n), []).append(r)
-        islands = tuple(sorted((tuple(v) for v in by.values()), key=lambda rs: rs[0]))
-        return cls(f, islands)
-
-    @property
-    def equal(self) -> bool:
-        return len({len(i) for i in self.islands}) == 1
-
-    @property
-    def hop(self) -> str | None:
-        """The slow hop's link class: "cross-node", "cross-vendor" (same node), or None (one island)."""
-        if len(self.islands) < 2:
-            return None
-        nodes = {self.facts[i[0]][1] for i in self.islands}
-        return "cross-node" if len(nodes) > 1 else "cross-vendor"
-
-    def island_of(self, rank: int) -> tuple[int, ...]:
-        for isl in self.islands:
-            if rank in isl:
-                return isl
-        raise ValueError(rank)
-
-    def peer_sets(self) -> list[tuple[int, ...]]:
-        """Sets of ranks that exchange compressed: local rank i of every island (equal islands),
-        else the islands' first ranks."""
-        if len(self.islands) < 2:
-            return []
-        if self.equal:
-            return [tuple(isl[i] for isl in self.islands) for i in range(len(self.islands[0]))]
-        return [tuple(isl[0] for isl in self.islands)]
-
-    def describe(self) -> dict[str, Any]:
-        return {"islands": [{"ranks": list(i), "backend": self.facts[i[0]][0], "node": self.facts[i[0]][1]}
-                            for i in self.islands],
-                "equal": self.equal, "hop": self.hop, "peer_sets": [list(p) for p in self.peer_sets()]}
 
 
 def _backend_name(group: Any) -> str:
@@ -197,6 +149,7 @@ class Exchange:
         self.seed, self.label, self.meter, self.record = seed, label, meter, record
         self.host_decode = host_decode
         self.slots: dict[Any, _Slot] = {}
+        self._scratch = Scratch()  # shared by the residuals: they are updated one after another
         self._metered_at_transport = False
         self._table = getattr(group, "capabilities", None) if group is not None else None
 
@@ -236,8 +189,20 @@ class Exchange:
     def slot(self, key: Any) -> _Slot:
         s = self.slots.get(key)
         if s is None:
-            s = self.slots[key] = _Slot(ef=ErrorFeedback(record=self.record) if self.c.error_feedback else None)
+            s = self.slots[key] = _Slot(ef=ErrorFeedback(record=self.record, scratch=self._scratch)
+                                        if self.c.error_feedback else None)
         return s
+
+    def records(self) -> list[tuple[Any, str, Any]]:
+        """The last step's error-feedback records (``record=True``): (key, "worker" or "server j", record)."""
+        out = []
+        for k, slot in self.slots.items():
+            if slot.ef is not None and slot.ef.last is not None:
+                out.append((k, "worker", slot.ef.last))
+            for j, (_, ef) in slot.server.items():
+                if j >= 0 and ef is not None and ef.last is not None:
+                    out.append((k, f"server {j}", ef.last))
+        return out
 
     def forget(self, keep: Callable[[Any], bool]) -> None:
         """Drop the state of keys no longer used (DDP rebuilt its buckets)."""
@@ -368,8 +333,7 @@ class Exchange:
         return outs
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        c = -(-n // self.peers) if n else 0
-        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(self.peers)]
+        return chunks(n, self.peers)
 
     def _run_two_phase(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
         """1-bit Adam's compressed allreduce, for any element-wise GATHER compressor: worker payloads
@@ -413,7 +377,8 @@ class Exchange:
                 server_payloads.append([])
                 continue
             slot = self.slot(k)
-            st, ef = slot.server.setdefault(me, ({}, ErrorFeedback(record=self.record) if c.error_feedback else None))
+            st, ef = slot.server.setdefault(me, ({}, ErrorFeedback(record=self.record, scratch=self._scratch)
+                                                     if c.error_feedback else None))
             like = [self._decode_device(t) for t in work[i][me]]
             total = None
             wst = slot.server[-1 - me][0]  # chunk me's worker state: the peers' payloads have its shape
@@ -456,26 +421,8 @@ class Exchange:
     def declared_sent(self, shapes: Sequence[tuple[int, ...]], dtype: str) -> float:
         """Bytes this rank sends for tensors of ``shapes``, from the compressor's declared payload
         sizes and this exchange's collectives (the meter's factors)."""
-        if self.peers <= 1:
-            return 0.0
-        c, P = self.c, self.peers
-        if c.combine is Combine.SUM:
-            return sent_bytes("all_reduce", sum(c.payload_nbytes(tuple(s), dtype) for s in shapes), P) \
-                if self._payload_summed_natively(dtype) else \
-                sent_bytes("all_gather", sum(c.payload_nbytes(tuple(s), dtype) for s in shapes), P)
-        if not c.server:
-            return sent_bytes("all_gather", sum(c.payload_nbytes(tuple(s), dtype) for s in shapes), P)
-        total = 0.0
-        widths = []
-        for s in shapes:
-            n = math.prod(s)
-            w = [c.payload_nbytes((b - a,), dtype) if b > a else 0 for a, b in self._chunks(n)]
-            widths.append(w)
-        send = sum(sum(w) for w in widths)
-        total += sent_bytes("all_to_all", send, P)
-        row = max((sum(w[j] for w in widths) for j in range(P)), default=0)
-        total += sent_bytes("all_gather", row, P)
-        return total
+        native = self.c.combine is Combine.SUM and self._payload_summed_natively(dtype)
+        return declared_sent(self.c, shapes, dtype, self.peers, native)
 
     def _payload_summed_natively(self, dtype: str) -> bool:
         # the dtype of a SUM compressor's payload is what its compress returns; probe with a tiny tensor
@@ -491,26 +438,68 @@ class Exchange:
 # ===================================================================================================
 
 
+@dataclass
+class Topology:
+    """A group's layout and the subgroups scope ``bridge`` exchanges through (made once, shared by
+    every :class:`Reducer` of the group: creating groups is collective and not free).
+
+    :ivar island_group: this rank's island (None when it has one rank).
+    :ivar peer_group: this rank's set of peers across islands (None when it exchanges nothing).
+    """
+
+    group: Any
+    layout: Layout
+    rank: int
+    island: tuple[int, ...]
+    local: int
+    island_group: Any = None
+    peer_group: Any = None
+    peers: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, group: Any = None) -> Topology:
+        """Gather the layout over ``group`` (collective); with more than one island on the default
+        group, create the island and peer groups (every rank of the job creates every group, in the
+        same order, as ``torch.distributed.new_group`` requires)."""
+        group = group if group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        layout = discover_layout(group)
+        island = layout.island_of(rank)
+        topo = cls(group, layout, rank, island, island.index(rank))
+        if len(layout.islands) > 1 and dist.get_world_size() == group.size():
+            for isl in layout.islands:
+                g = dist.new_group(list(isl)) if len(isl) > 1 else None
+                if rank in isl:
+                    topo.island_group = g
+            for ps in layout.peer_sets():
+                g = dist.new_group(list(ps))
+                if rank in ps:
+                    topo.peer_group, topo.peers = g, ps
+        return topo
+
+
 class Reducer:
     """Sums flat gradient buffers over a process group, compressing where the spec says.
 
-    Every rank of ``group`` must create it (collective: it gathers the layout and, for scope
-    ``bridge``, creates the island and peer groups with ``torch.distributed.new_group``, which every
-    rank of the default group must call -- so scope ``bridge`` needs the default group).
+    Every rank of ``group`` must create it (collective unless a ``topology`` is given: see
+    :meth:`Topology.build`; scope ``bridge`` needs the default group, whose ranks all create the
+    subgroups).
 
     :param spec: a parsed :class:`~vcga.compress.spec.CompressionSpec` (enabled).
     :param group: the process group (default: the default group).
     :param meter: count bytes per label ("island", "cross") at the transport.
     :param record: keep the last step's error-feedback records (checks).
+    :param topology: the group's :class:`Topology`, to share one between reducers.
     """
 
     def __init__(self, spec: CompressionSpec, group: Any = None, *, meter: WireMeter | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, topology: Topology | None = None) -> None:
         self.spec = spec
         self.group = group if group is not None else dist.group.WORLD
         self.size, self.rank = self.group.size(), dist.get_rank(self.group)
         self.compressor = create_compressor(spec)
-        self.layout = discover_layout(self.group)
+        self.topology = topo = topology if topology is not None else Topology.build(self.group)
+        self.layout = topo.layout
         self.scope = spec.scope or ("bridge" if len(self.layout.islands) > 1 else "all")
         self.meter = meter
         self._attached: list[Any] = []
@@ -518,30 +507,19 @@ class Reducer:
         self.island: tuple[int, ...] = (self.rank,)
         self.local = 0
         facts = self.layout.facts
-        if self.scope == "bridge":
+        if self.scope == "bridge" and len(self.layout.islands) > 1:
             if dist.get_world_size() != self.size:
                 raise VcgaConfigError("compression", spec.text, "scope=bridge on the default group (it creates the "
                                       "island and peer groups, which every rank of the job must join); use scope=all "
                                       "on a subgroup")
-            self.island = self.layout.island_of(self.rank)
-            self.local = self.island.index(self.rank)
-            self.island_group = None
-            for isl in self.layout.islands:  # every rank creates every group, in the same order
-                g = dist.new_group(list(isl)) if len(isl) > 1 else None
-                if self.rank in isl:
-                    self.island_group = g
-            my_peer_group, my_peers = None, ()
-            for ps in self.layout.peer_sets():
-                g = dist.new_group(list(ps))
-                if self.rank in ps:
-                    my_peer_group, my_peers = g, ps
-            peers = len(my_peers)
-            peer = my_peers.index(self.rank) if my_peers else 0
-            devices = {facts[r][2] for r in my_peers}
-            self.exchange = Exchange(self.compressor, my_peer_group, peers, peer, seed=spec.seed, label="cross",
+            self.island, self.local, self.island_group = topo.island, topo.local, topo.island_group
+            peers = len(topo.peers)
+            peer = topo.peers.index(self.rank) if topo.peers else 0
+            devices = {facts[r][2] for r in topo.peers}
+            self.exchange = Exchange(self.compressor, topo.peer_group, peers, peer, seed=spec.seed, label="cross",
                                      meter=meter, record=record, host_decode=len(devices) > 1)
             self._attach(self.island_group, "island")
-            self._attach(my_peer_group, "cross")
+            self._attach(topo.peer_group, "cross")
         else:
             devices = {f[2] for f in facts}
             self.exchange = Exchange(self.compressor, self.group, self.size, self.rank, seed=spec.seed,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["two_sum", "tree_sum", "orthonormalize", "outer_sum"]
+__all__ = ["two_sum", "two_sum_", "tree_sum", "orthonormalize", "outer_sum"]
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +28,17 @@ def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
     return s, e
+
+
+def two_sum_(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, e: torch.Tensor, tmp: torch.Tensor) -> None:
+    """:func:`two_sum` into preallocated ``s`` and ``e`` (``tmp`` is scratch; none may alias ``a``
+    or ``b``): the same six operations in the same order, without allocating."""
+    torch.add(a, b, out=s)
+    torch.sub(s, a, out=tmp)  # bb
+    torch.sub(s, tmp, out=e)  # s - bb
+    torch.sub(a, e, out=e)  # a - (s - bb)
+    torch.sub(b, tmp, out=tmp)  # b - bb
+    e.add_(tmp)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +72,11 @@ def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
 def outer_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``p @ q.T`` for ``p`` ``[n, r]`` and ``q`` ``[m, r]`` as r element-wise outer products added
     in order k = 0, 1, ...: the same bits on every device (r is small: the PowerSGD rank)."""
-    out = p[:, 0:1] * q[:, 0].unsqueeze(0)
-    for k in range(1, p.shape[1]):
-        out = out + p[:, k:k + 1] * q[:, k].unsqueeze(0)
+    pt, qt = p.t().contiguous(), q.t().contiguous()  # rows k: contiguous columns of p and q
+    out = torch.mul(pt[0].unsqueeze(1), qt[0].unsqueeze(0))
+    if p.shape[1] > 1:
+        tmp = torch.empty_like(out)
+        for k in range(1, p.shape[1]):
+            torch.mul(pt[k].unsqueeze(1), qt[k].unsqueeze(0), out=tmp)
+            out.add_(tmp)
     return out

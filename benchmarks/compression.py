@@ -1,0 +1,318 @@
+"""Gradient compression on the slow hop: bytes across it, step time and loss, against torch's hooks.
+
+The model is our own teacher–student regression: a fixed random teacher (two tanh layers) maps
+Gaussian inputs to targets; the student is an MLP of ``depth`` square ``width × width`` layers
+(ReLU), trained with DDP and Adam on a fresh batch per rank and step. Every variant
+starts from the same student, sees the same batches in the same order, and runs the same number of
+steps on the same ranks, in one job:
+
+- ``exact``: DDP's own all_reduce (no hook) -- the baseline;
+- ``vcga:<spec>``: ``vcga.compress.ddp_hook(spec)``, e.g. ``vcga:powersgd:rank=4``;
+- ``torch-fp16``, ``torch-powersgd:<rank>``: torch's ``fp16_compress_hook`` and ``powerSGD_hook``
+  (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)``: torch's smallest start
+  with error feedback) on the same ranks -- the anchors.
+
+Reported per variant: the loss on a fixed held-out batch after the last step (the same on every
+rank: the check that every rank holds bitwise identical parameters runs too, over the store), its
+ratio to ``exact``'s, the median step time and its ratio to ``exact``'s, and bytes across the slow
+hop per step: counted at the transport by ``vcga.compress.WireMeter`` for vcga's hooks, and -- in
+``nodes`` mode -- at the network interface between the namespace nodes for every variant.
+
+Usage::
+
+    python benchmarks/compression.py converge --vendors nccl:2,hccl:2 --steps 200   # one node, sim vendors
+    python benchmarks/compression.py nodes --rate 1gbit --steps 30                    # 2 namespace nodes (root)
+    python benchmarks/compression.py converge --markdown                              # table for docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: The teacher maps inputs through this many tanh units: a structured target a student learns in
+#: a few hundred steps.
+TEACHER_RANK = int(__import__("os").environ.get("VCGA_BENCH_TEACHER_RANK", "32"))
+
+DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "torch-powersgd:4", "torch-fp16",
+                    "vcga:fp16", "vcga:bf16", "vcga:sign", "vcga:qsgd:levels=16", "vcga:powersgd:rank=4,scope=all",
+                    "vcga:topk:ratio=0.01,scope=all")
+
+
+# -- the task ----------------------------------------------------------------------------------------
+
+
+def build(width: int, depth: int) -> tuple[Any, Any]:
+    """(teacher, student), the same on every rank (fixed seeds)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(1234)
+    teacher = nn.Sequential(nn.Linear(width, TEACHER_RANK), nn.Tanh(), nn.Linear(TEACHER_RANK, width))
+    with torch.no_grad():  # targets of unit variance: the loss starts near 1
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        x = torch.randn(1024, width, generator=torch.Generator().manual_seed(7))
+        teacher[2].weight.mul_(1 / float(teacher(x).std()))
+        teacher[2].bias.zero_()
+    torch.manual_seed(42)
+    layers: list[Any] = []
+    for i in range(depth):
+        lin = nn.Linear(width, width)
+        if i < depth - 1:  # He initialisation keeps the signal's scale through the ReLUs
+            nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")
+        nn.init.zeros_(lin.bias)
+        layers.append(lin)
+        if i < depth - 1:
+            layers.append(nn.ReLU())
+    return teacher, nn.Sequential(*layers)
+
+
+def batch(teacher: Any, width: int, n: int, seed: int, noise: float = 0.0) -> tuple[Any, Any]:
+    """A batch of inputs and the teacher's targets, plus label noise of standard deviation ``noise``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, width, generator=g)
+    with torch.no_grad():
+        y = teacher(x)
+        if noise:
+            y = y + noise * torch.randn(y.shape, generator=g)
+    return x, y
+
+
+def loss_fn(out: Any, y: Any) -> Any:
+    return ((out - y) ** 2).mean()
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+
+
+def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
+    """(state, hook, closer) for a variant; (None, None, None) for exact."""
+    import torch.distributed as dist
+
+    if variant == "exact":
+        return None, None, None
+    if variant == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        return None, fp16_compress_hook, None
+    if variant.startswith("torch-powersgd:"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        rank = int(variant.split(":", 1)[1])
+        state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        return state, ps.powerSGD_hook, None
+    if variant.startswith("vcga:"):
+        from vcga.compress import ddp_hook
+
+        state, hook = ddp_hook(variant[5:], meter=meter)
+        return state, hook, state.close
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def _link_bytes() -> int:
+    """Bytes sent plus received on this node's inter-node interfaces (namespace nodes), else -1."""
+    if not os.environ.get("VCGA_BENCH_NODES"):
+        return -1
+    total, found = 0, False
+    base = "/sys/class/net"
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if not name.startswith("eth"):
+            continue
+        try:
+            with open(f"{base}/{name}/statistics/tx_bytes") as f:
+                total += int(f.read())
+            with open(f"{base}/{name}/statistics/rx_bytes") as f:
+                total += int(f.read())
+            found = True
+        except OSError:
+            continue
+    return total if found else -1
+
+
+def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import WireMeter
+
+    teacher, student = build(args.width, args.depth)
+    ddp = DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+    meter = WireMeter()
+    state, hook, closer = _hook_for(variant, meter)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
+           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9))
+    times, link = [], []
+    per = args.batch
+    for step in range(args.steps):
+        x, y = batch(teacher, args.width, per, seed=1_000_003 * step + rank, noise=args.noise)
+        if step == args.warmup:
+            meter.reset()
+            dist.barrier()
+            link0 = _link_bytes()
+        t0 = time.perf_counter()
+        loss = loss_fn(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    link1 = _link_bytes()
+    timed = max(args.steps - args.warmup, 1)
+    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF)
+    with torch.no_grad():
+        final = float(loss_fn(student(xe), ye))
+    digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in student.parameters()]).numpy().tobytes()).hexdigest()
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest)
+    # step time: the slowest rank's median
+    med = torch.tensor([statistics.median(times[args.warmup:]) if args.steps > args.warmup else 0.0], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    cross = torch.tensor([meter.total_sent("cross") / timed], dtype=torch.float64)
+    dist.all_reduce(cross)  # every rank's bytes across the hop
+    lb = torch.tensor([(link1 - link0) / timed if link0 >= 0 else -1.0], dtype=torch.float64)
+    dist.all_reduce(lb, op=dist.ReduceOp.MAX)
+    if closer is not None:
+        closer()
+    return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med),
+            "meter_cross_bytes_per_step": float(cross) if variant.startswith("vcga:") else None,
+            # tx+rx of one node's link = bytes crossing it in both directions
+            "link_bytes_per_step": float(lb) if float(lb) >= 0 else None}
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any = None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers the vcga backend
+
+    torch.set_num_threads(1)
+    if port:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("vcga")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = [run_variant(v, args, rank, world) for v in args.variants]
+    dist.destroy_process_group()
+    if rank == 0:
+        if queue is not None:
+            queue.put(results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f)
+
+
+# -- the two modes -------------------------------------------------------------------------------------
+
+
+def report(results: list[dict[str, Any]], markdown: bool, title: str) -> str:
+    from _ranks import table
+
+    base = next(r for r in results if r["variant"] == "exact")
+    lines = []
+    for r in results:
+        def b(v: float | None) -> str:
+            return "–" if v is None else f"{v / 1e6:.3f} MB"
+        lines.append([r["variant"], f"{r['loss']:.5f}", f"{r['loss'] / base['loss']:.3f}",
+                      f"{r['step_s'] * 1e3:.0f} ms", f"{r['step_s'] / base['step_s']:.2f}",
+                      b(r["link_bytes_per_step"]), b(r["meter_cross_bytes_per_step"]),
+                      "yes" if r["identical"] else "NO"])
+    head = ["variant", "loss", "loss / exact", "step", "step / exact", "link bytes/step", "metered cross/step",
+            "ranks identical"]
+    return title + "\n" + table(head, lines, markdown)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("converge", "nodes", "rank"))
+    ap.add_argument("--vendors", default="nccl:2,hccl:2")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS).replace(",vcga:", ";vcga:").replace(",torch", ";torch").replace(",exact", ";exact"),
+                    help="variants separated by ';'")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optim", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--noise", type=float, default=0.0, help="label noise (standard deviation)")
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    if "exact" not in args.variants:
+        args.variants.insert(0, "exact")
+    if args.mode == "rank":  # one rank under torchrun (nodes mode)
+        rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, args)
+        return
+    if args.mode == "converge":
+        from _ranks import run_ranks
+
+        os.environ["VCGA_SIM_VENDORS"] = args.vendors
+        world = sum(int(p.split(":")[1]) for p in args.vendors.split(","))
+        results = run_ranks(rank_main, world, args)
+        title = (f"{world} ranks ({args.vendors}, one node), width {args.width} x depth {args.depth}, "
+                 f"batch {args.batch}/rank, {args.steps} steps")
+        print(report(results, args.markdown, title))
+        return
+    run_nodes(args)
+
+
+def run_nodes(args: argparse.Namespace) -> None:
+    """2 namespace nodes x 2 ranks, nccl ranks on node 0 and hccl ranks on node 1, link at ``--rate``."""
+    import tempfile
+    import threading
+
+    try:
+        from vcga.testing.multinode import Cluster, NodesUnavailable
+    except ImportError:
+        raise SystemExit("nodes mode needs vcga.testing.multinode (the multi-node harness)") from None
+    out = tempfile.mkdtemp(prefix="vcga-compress-bench-")
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            with Cluster(nodes=2, rate=args.rate) as cluster:
+                argv = [os.path.abspath(__file__), "rank", "--variants", ";".join(args.variants),
+                        "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+                        "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
+                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--noise", str(args.noise), "--out", os.path.join(out, "r.json")]
+                launch = cluster.torchrun(argv, nproc_per_node=2,
+                                          node_env=[{"VCGA_BACKEND": "sim-nccl", "VCGA_BENCH_NODES": "1"},
+                                                    {"VCGA_BACKEND": "sim-hccl", "VCGA_BENCH_NODES": "1"}])
+                result["nodes"] = launch.wait(timeout=3000)
+        except NodesUnavailable as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=go)  # the cluster's holders die with the thread that made them
+    t.start()
+    t.join()
+    if "error" in result:
+        raise SystemExit(result["error"])
+    bad = [r for r in result["nodes"] if r.returncode != 0]
+    if bad:
+        raise SystemExit("a node failed:\n" + bad[0].output[-4000:])
+    with open(os.path.join(out, "r.json")) as f:
+        results = json.load(f)
+    title = (f"2 nodes x 2 ranks (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
+             f"depth {args.depth}, batch {args.batch}/rank, {args.steps} steps")
+    print(report(results, args.markdown, title))
+
+
+if __name__ == "__main__":
+    main()

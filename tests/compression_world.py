@@ -1,0 +1,75 @@
+"""Rank body for tests/test_compression.py's spawned worlds (one world serves many assertions)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+
+def _digest(t: Any) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).numpy().tobytes()).hexdigest()
+
+
+def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import vcga  # noqa: F401
+    from vcga.compress import WireMeter, ddp_hook, parse_spec
+    from vcga.compress.engine import Reducer, Topology
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="60")
+    torch.set_num_threads(1)
+    dist.init_process_group("vcga")
+    out: dict[str, Any] = {"exact": {}, "ddp": {}, "wire": {}}
+    topo = Topology.build()
+    out["layout"] = topo.layout.describe()
+    # 1. plumbing is exact: bf16 of small integers is lossless and their sums are exact, so every
+    #    scope and layout must give the exact sum, bit for bit, whatever the partition
+    shapes = [(37, 11), (5,), (64, 3), (1,)]
+    total = sum(int(torch.tensor(s).prod()) for s in shapes)
+    xs = [torch.randint(-8, 9, (total,), generator=torch.Generator().manual_seed(r)).float() for r in range(world)]
+    want = torch.stack(xs).sum(0)
+    for scope in ("bridge", "all"):
+        for comp in ("bf16", "powersgd:rank=64,min_rate=0"):
+            spec = parse_spec(f"{comp},scope={scope}".replace(":rank", ":rank").replace("bf16,", "bf16:"))
+            red = Reducer(spec, topology=topo)
+            flat = xs[rank].clone()
+            red.all_reduce(flat, shapes, key=0)
+            if comp == "bf16":
+                out["exact"][f"{comp} {scope}"] = bool(torch.equal(flat, want))
+            else:  # full rank: exact up to rounding; compare within a loose bound, bits across ranks below
+                out["exact"][f"{comp} {scope}"] = float((flat - want).abs().max())
+            digests: list[Any] = [None] * world
+            dist.all_gather_object(digests, _digest(flat))
+            out["exact"][f"{comp} {scope} identical"] = len(set(digests)) == 1
+    # 2. DDP through the hook, every compressor: parameters bitwise identical after the steps
+    for spec in specs:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        meter = WireMeter()
+        state, hook = ddp_hook(spec, meter=meter)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            x, y = torch.randn(8, 24, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        digests = [None] * world
+        dist.all_gather_object(digests, _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+        d = state.describe()
+        out["ddp"][spec] = {"identical": len(set(digests)) == 1, "stats": d["stats"], "scope": d.get("scope"),
+                            "finite": bool(all(torch.isfinite(p).all() for p in model.parameters())),
+                            "cross_sent": meter.total_sent("cross")}
+        state.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)
