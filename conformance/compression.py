@@ -59,8 +59,7 @@ class Compression(Check):
     defaults = {"compressors": "all", "n": 4096, "steps": 3, "trials": 64, "rational_limit": 4096}
 
     def run(self, ctx: Context) -> Iterator[CheckResult]:
-        from vcga.compress import compressors, parse_spec
-        from vcga.compress.engine import Topology
+        from vcga.compress import Topology, compressors, parse_spec
 
         registry = compressors()
         wanted = self.opt(ctx, "compressors")
@@ -227,7 +226,7 @@ class Compression(Check):
             return None
         if red.compressor.elementwise:
             k = len(red.island) if red.scope == "bridge" and red.layout.equal and len(red.layout.islands) > 1 else 1
-            cuts = red._cuts(total, k, None)
+            cuts = red.cuts(total, k, None)
             return cuts[part], values
         offsets, o = [], 0
         for s in shapes:
@@ -239,7 +238,7 @@ class Compression(Check):
                   label: str) -> Verdict:
         import torch
 
-        from vcga.compress.engine import create_compressor
+        from vcga.compress import create_compressor
 
         trials = int(self.opt(ctx, "trials"))
         red = self._reducer(spec, topology)
@@ -263,7 +262,7 @@ class Compression(Check):
             return Verdict.skip(f"{spec.name} declares itself unbiased but has no step_width(x) to bound it by")
         inputs = self._exchanged_inputs(red, everyone)
         k = len(red.island) if red.scope == "bridge" and red.layout.equal and len(red.layout.islands) > 1 else 1
-        cuts = red._cuts(total, k, None)  # each part is quantized on its own (its buckets start there)
+        cuts = red.cuts(total, k, None)  # each part is quantized on its own (its buckets start there)
         width = torch.zeros(total, dtype=torch.float64)
         for x in inputs:
             for i in range(k):
@@ -297,8 +296,7 @@ class Compression(Check):
     def _wire(self, ctx: Context, spec: Any, topology: Any, shapes: list[tuple[int, ...]], total: int) -> Verdict:
         import torch
 
-        from vcga.compress import WireMeter
-        from vcga.compress.meter import sent_bytes
+        from vcga.compress import WireMeter, sent_bytes
 
         meter = WireMeter()
         red = self._reducer(spec, topology, meter=meter)

@@ -4,9 +4,10 @@ Public API (a plugin and ``vcga verify`` use only these):
 
 - :func:`ddp_hook` -- ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``;
 - :func:`parse_spec` / :class:`CompressionSpec` -- the spec string ``name[:key=value,...]``;
-- :class:`Reducer`, :class:`Exchange` -- the engine behind the hook (checks drive it directly);
+- :class:`Reducer`, :class:`Exchange`, :class:`Topology`, :func:`create_compressor` -- the engine
+  behind the hook (checks drive it directly);
 - :class:`ErrorFeedback` -- exact error-feedback bookkeeping;
-- :class:`WireMeter` -- bytes counted at the transport;
+- :class:`WireMeter`, :func:`sent_bytes` -- bytes counted at the transport;
 - :mod:`vcga.compress.exact` -- fixed-order arithmetic for decoders;
 - :func:`compressors` -- the registered compressors.
 
@@ -20,11 +21,14 @@ from typing import Any
 from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, parse_spec
 
 __all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "compressors", "ddp_hook", "CompressionState",
-           "Reducer", "Exchange", "Layout", "ErrorFeedback", "WireMeter", "LinkCost", "CompressCost"]
+           "Reducer", "Exchange", "Topology", "Layout", "create_compressor", "ErrorFeedback", "WireMeter",
+           "sent_bytes", "LinkCost", "CompressCost"]
 
 _LAZY = {
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
-    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Layout": "vcga.compress.layout",
+    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Topology": "vcga.compress.engine",
+    "create_compressor": "vcga.compress.engine", "sent_bytes": "vcga.compress.meter",
+    "Layout": "vcga.compress.layout",
     "ErrorFeedback": "vcga.compress.ef", "WireMeter": "vcga.compress.meter",
     "LinkCost": "vcga.compress.cost", "CompressCost": "vcga.compress.cost",
 }

@@ -546,7 +546,7 @@ class Reducer:
     # -- layout of a buffer ----------------------------------------------------------------------------
 
     @staticmethod
-    def _cuts(n: int, k: int, offsets: Sequence[int] | None) -> list[int]:
+    def cuts(n: int, k: int, offsets: Sequence[int] | None) -> list[int]:
         """k + 1 cut points of ``n`` elements: equal ranges, or parameter boundaries nearest to them."""
         if offsets is None:
             c = -(-n // k) if n else 0
@@ -615,7 +615,7 @@ class Reducer:
             if self.island_group is not None:
                 dist.broadcast(flat, src=self.island[0], group=self.island_group)
             return
-        cuts = self._cuts(n, k, [o for o in offsets] if offsets is not None else None)
+        cuts = self.cuts(n, k, [o for o in offsets] if offsets is not None else None)
         width = max(cuts[i + 1] - cuts[i] for i in range(k)) if k else 0
         a, b = cuts[self.local], cuts[self.local + 1]
         if k == 1:
@@ -652,7 +652,7 @@ class Reducer:
                 for s in shapes:
                     offsets.append(o)
                     o += math.prod(s)
-            cuts = self._cuts(n, len(self.island), offsets)
+            cuts = self.cuts(n, len(self.island), offsets)
             a, b = cuts[local], cuts[local + 1]
             if offsets is None:
                 return self.exchange.declared_sent([(b - a,)] if b > a else [], dtype)

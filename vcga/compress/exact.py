@@ -54,18 +54,20 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``p`` (``[..., n, r]``), in place, with fixed-order dot
-    products. A zero column stays zero (instead of NaN), so an all-zero gradient decodes to zero."""
+    """Modified Gram-Schmidt on the columns of ``p`` (``[n, r]``), in place, with fixed-order dot
+    products (:func:`tree_sum`): column i is normalised, then its projection is removed from every
+    later column at once -- the order of torch's PowerSGD hook. A zero column stays zero (instead
+    of NaN), so an all-zero gradient decodes to zero."""
     r = p.shape[-1]
     for i in range(r):
-        col = p[..., :, i:i + 1]
-        for j in range(i):  # classical Gram-Schmidt against the finished columns
-            q = p[..., :, j:j + 1]
-            col -= tree_sum((col * q).movedim(-2, 0)).unsqueeze(-2) * q
-        norm = tree_sum((col * col).movedim(-2, 0)).sqrt().unsqueeze(-2)
+        col = p[:, i:i + 1]
+        norm = tree_sum(col * col).sqrt()  # shape [1]
         safe = torch.where(norm > 0, norm + eps, torch.ones_like(norm))
         col /= safe
         col.mul_((norm > 0).to(col.dtype))
+        if i + 1 < r:
+            rest = p[:, i + 1:]
+            rest -= tree_sum(col * rest) * col  # one tree over the rows for every later column
     return p
 
 
