@@ -368,10 +368,10 @@ class PowerSGD(Compressor):
                 g = torch.Generator(device="cpu")
                 g.manual_seed(ctx.seed)  # the same Q on every peer
                 q = torch.randn(m, r, generator=g, dtype=torch.float64).to(x.dtype).to(x.device)
-            q = orthonormalize(q.clone(), self.eps)
+            q = orthonormalize(q.clone(), self.eps)  # where the shared Q lives (the host, when decoding there)
             state["q"] = q
-            return [(mat @ q).contiguous()]
-        q_own = (mat.t() @ state["p"]).contiguous()
+            return [(mat @ q.to(mat.device)).contiguous()]
+        q_own = (mat.t() @ state["p"].to(mat.device)).contiguous()
         state["q_own"] = q_own
         return [q_own]
 
@@ -395,7 +395,8 @@ class PowerSGD(Compressor):
 
         if self._plan(tuple(x.shape)) is None:
             return x
-        return outer_sum(state["p"], state["q_own"]).to(x.device)
+        p = state["p"]  # decode where the others decode (the host when devices differ)
+        return outer_sum(p, state["q_own"].to(p.device)).to(x.device)
 
 
 # -- registration ----------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class ErrorFeedback:
     def update(self, x: torch.Tensor, sent: torch.Tensor) -> None:
         """Keep ``x − sent`` (exactly, as ``h + l``) for the next step."""
         assert self.hi is not None and self.lo is not None and self._carry is not None
-        sent = sent.to(x.dtype).reshape(x.shape)
+        sent = sent.to(device=x.device, dtype=x.dtype).reshape(x.shape)
         tmp, neg = self.scratch.get(x)
         torch.neg(sent, out=neg)
         two_sum_(x, neg, self.hi, self.lo, tmp)  # x - sent == hi + lo exactly

@@ -123,10 +123,14 @@ def _from_bytes(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Slot:
-    """Per-tensor state kept across steps: the compressor's dict and the error-feedback residuals."""
+    """Per-tensor state kept across steps: the compressor's dict and the error-feedback residuals.
+
+    The two-phase exchange adds the compressor's state of each chunk (``chunks``) and, for the
+    chunk this rank serves, the server's state and residual (``server``)."""
 
     state: dict[str, Any] = field(default_factory=dict)
     ef: ErrorFeedback | None = None
+    chunks: dict[int, dict[str, Any]] = field(default_factory=dict)
     server: dict[int, tuple[dict[str, Any], ErrorFeedback | None]] = field(default_factory=dict)
 
 
@@ -200,7 +204,7 @@ class Exchange:
             if slot.ef is not None and slot.ef.last is not None:
                 out.append((k, "worker", slot.ef.last))
             for j, (_, ef) in slot.server.items():
-                if j >= 0 and ef is not None and ef.last is not None:
+                if ef is not None and ef.last is not None:
                     out.append((k, f"server {j}", ef.last))
         return out
 
@@ -346,7 +350,7 @@ class Exchange:
         work: list[list[list[torch.Tensor]]] = []  # [tensor][chunk] -> payload
         for f, k, bs in zip(flat, keys, bounds):
             slot = self.slot(k)
-            work.append([c.compress(f[a:b], slot.server.setdefault(-1 - j, ({}, None))[0], self.ctx((k, j), step))
+            work.append([c.compress(f[a:b], slot.chunks.setdefault(j, {}), self.ctx((k, j), step))
                          if b > a else [] for j, (a, b) in enumerate(bs)])
         send_parts, in_splits = [], []
         for j in range(P):
@@ -366,7 +370,7 @@ class Exchange:
                 sent = torch.zeros_like(flat[i])
                 for j, (a, b) in enumerate(bounds[i]):
                     if b > a:
-                        st = slot.server[-1 - j][0]
+                        st = slot.chunks[j]
                         sent[a:b] = c.decompress(work[i][j], st, self.ctx((k, j), step)).reshape(-1).to(sent.device)
                 slot.ef.update(x, sent.reshape(x.shape))
         # the server: decode and add chunk `me` of every peer, compress the sum again
@@ -381,7 +385,7 @@ class Exchange:
                                                      if c.error_feedback else None))
             like = [self._decode_device(t) for t in work[i][me]]
             total = None
-            wst = slot.server[-1 - me][0]  # chunk me's worker state: the peers' payloads have its shape
+            wst = slot.chunks[me]  # chunk me's worker state: the peers' payloads have its shape
             for p in range(P):
                 dec = c.decompress(self._unpack(recv[p, off:off + mine_sizes[i]], like), wst,
                                    self.ctx((k, me), step)).reshape(-1)
@@ -411,7 +415,7 @@ class Exchange:
                 start = sum(width[q][j] for q in range(i))
                 like = [self._decode_device(t) for t in work[i][j]]
                 pl = self._unpack(rows[j, start:start + width[i][j]], like)
-                st = self.slot(k).server[-1 - j][0]  # chunk j's worker state: same chunk, same shape
+                st = self.slot(k).chunks[j]  # chunk j's worker state: same chunk, same shape
                 out[a:b] = c.decompress(pl, st, self.ctx((k, j), step, "server")).reshape(-1)
             outs.append(out.to(flat[i].device))
         return outs

@@ -60,7 +60,8 @@ class CompressionState:
         self.link: LinkCost | None = None
         self.cost: CompressCost | None = None
         self._decisions: dict[Any, bool] = {}
-        self._keys: set[Any] = set()
+        self._keys: set[Any] = set()  # bucket keys of the step in progress
+        self._last_keys: set[Any] = set()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -134,19 +135,21 @@ class CompressionState:
             compress = False
         else:
             compress = self.decide(buffer.numel(), shapes, _dtypes.from_torch(buffer.dtype), buffer.element_size())
+        self._keys.add(key)
         if r is None:
             dist.all_reduce(buffer, group=self.group)
         else:
-            if key not in self._keys:
-                self._keys.add(key)
-                if len(self._keys) > 4096:  # DDP rebuilt its buckets: forget stale state
-                    self._keys = {key}
-                    r.exchange.forget(lambda k: k[0] == key)
             r.step = self.step
             r.all_reduce(buffer, shapes, key=key, compress=compress)
         self.stats["compressed" if compress else "plain"] += 1
         buffer.div_(self.world)
         if last:
+            if r is not None and self._last_keys and self._keys != self._last_keys:
+                # DDP rebuilt its buckets (after the first iteration): residuals and warm starts of
+                # the old layout belong to no bucket any more
+                keep = set(self._keys)
+                r.exchange.forget(lambda k: k[0] in keep)
+            self._last_keys, self._keys = self._keys, set()
             self.step += 1
         return buffer
 
