@@ -2,7 +2,8 @@
 
 The model is our own teacher–student regression: a fixed random teacher (two tanh layers) maps
 Gaussian inputs to targets; the student is an MLP of ``depth`` square ``width × width`` layers
-(ReLU), trained with DDP and Adam on a fresh batch per rank and step. Every variant
+(ReLU), trained with DDP and SGD with momentum 0.9 (``--optim adam`` for Adam) on a fresh batch per
+rank and step. Every variant
 starts from the same student, sees the same batches in the same order, and runs the same number of
 steps on the same ranks, in one job:
 
@@ -39,9 +40,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-#: The teacher maps inputs through this many tanh units: a structured target a student learns in
-#: a few hundred steps.
-TEACHER_RANK = int(__import__("os").environ.get("VCGA_BENCH_TEACHER_RANK", "32"))
+#: The teacher maps inputs through this many tanh units (``--teacher-rank``): a structured target a
+#: student learns in a few hundred steps; the smaller, the closer to low rank the gradients are.
+TEACHER_RANK = 32
 
 DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "torch-powersgd:4", "torch-fp16",
                     "vcga:fp16", "vcga:bf16", "vcga:sign", "vcga:qsgd:levels=16", "vcga:powersgd:rank=4,scope=all",
@@ -51,13 +52,13 @@ DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "to
 # -- the task ----------------------------------------------------------------------------------------
 
 
-def build(width: int, depth: int) -> tuple[Any, Any]:
+def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK) -> tuple[Any, Any]:
     """(teacher, student), the same on every rank (fixed seeds)."""
     import torch
     import torch.nn as nn
 
     torch.manual_seed(1234)
-    teacher = nn.Sequential(nn.Linear(width, TEACHER_RANK), nn.Tanh(), nn.Linear(TEACHER_RANK, width))
+    teacher = nn.Sequential(nn.Linear(width, teacher_rank), nn.Tanh(), nn.Linear(teacher_rank, width))
     with torch.no_grad():  # targets of unit variance: the loss starts near 1
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -148,7 +149,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
 
     from vcga.compress import WireMeter
 
-    teacher, student = build(args.width, args.depth)
+    teacher, student = build(args.width, args.depth, args.teacher_rank)
     ddp = DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
     meter = WireMeter()
     state, hook, closer = _hook_for(variant, meter)
@@ -246,9 +247,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--optim", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--optim", choices=("adam", "sgd"), default="sgd")
     ap.add_argument("--noise", type=float, default=0.0, help="label noise (standard deviation)")
+    ap.add_argument("--teacher-rank", type=int, default=TEACHER_RANK, help="the teacher's tanh units")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--out", default="")
@@ -266,8 +268,8 @@ def main() -> None:
         os.environ["VCGA_SIM_VENDORS"] = args.vendors
         world = sum(int(p.split(":")[1]) for p in args.vendors.split(","))
         results = run_ranks(rank_main, world, args)
-        title = (f"{world} ranks ({args.vendors}, one node), width {args.width} x depth {args.depth}, "
-                 f"batch {args.batch}/rank, {args.steps} steps")
+        title = (f"{world} ranks ({args.vendors}, one node), width {args.width} x depth {args.depth}, teacher rank "
+                 f"{args.teacher_rank}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps")
         print(report(results, args.markdown, title))
         return
     run_nodes(args)
@@ -291,7 +293,8 @@ def run_nodes(args: argparse.Namespace) -> None:
                 argv = [os.path.abspath(__file__), "rank", "--variants", ";".join(args.variants),
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
-                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--noise", str(args.noise), "--out", os.path.join(out, "r.json")]
+                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--noise", str(args.noise),
+                        "--teacher-rank", str(args.teacher_rank), "--out", os.path.join(out, "r.json")]
                 launch = cluster.torchrun(argv, nproc_per_node=2,
                                           node_env=[{"VCGA_BACKEND": "sim-nccl", "VCGA_BENCH_NODES": "1"},
                                                     {"VCGA_BACKEND": "sim-hccl", "VCGA_BENCH_NODES": "1"}])
@@ -310,7 +313,8 @@ def run_nodes(args: argparse.Namespace) -> None:
     with open(os.path.join(out, "r.json")) as f:
         results = json.load(f)
     title = (f"2 nodes x 2 ranks (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
-             f"depth {args.depth}, batch {args.batch}/rank, {args.steps} steps")
+             f"depth {args.depth}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps "
+             f"({args.warmup} untimed)")
     print(report(results, args.markdown, title))
 
 

@@ -50,10 +50,13 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
     # 2. DDP through the hook, every compressor: parameters bitwise identical after the steps
     for spec in specs:
         torch.manual_seed(0)
+        unused = spec.endswith("|unused")  # DDP's own collectives for unused parameters, beside the hook's
         model = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        ddp = DDP(model, bucket_cap_mb=0.004)
+        if unused:
+            model.spare = nn.Linear(4, 4)  # never used in forward
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
         meter = WireMeter()
-        state, hook = ddp_hook(spec, meter=meter)
+        state, hook = ddp_hook(spec.removesuffix("|unused"), meter=meter)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)

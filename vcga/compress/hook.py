@@ -54,7 +54,13 @@ class CompressionState:
         self.world = self.group.size()
         self.meter = meter
         self.overlap = overlap
-        self.reducer = Reducer(spec, self.group, meter=meter, record=record) if spec.enabled else None
+        # With overlap, the worker thread's collectives must not interleave with what DDP itself
+        # issues on its group from the autograd thread (the unused-parameter map, a static graph's
+        # checks): they run on a group of their own over the same ranks (every rank creates it).
+        self.comm = self.group
+        if overlap and dist.get_world_size() == self.world:
+            self.comm = dist.new_group(list(range(self.world)))
+        self.reducer = Reducer(spec, self.comm, meter=meter, record=record) if spec.enabled else None
         self.step = 0
         self.stats = {"compressed": 0, "plain": 0}
         self.link: LinkCost | None = None
@@ -76,7 +82,7 @@ class CompressionState:
         assert r is not None
         ex = r.exchange
         hop = r.layout.hop or "all"
-        link = link_from_transport(self.group, hop)
+        link = link_from_transport(self.comm, hop)
         mine = torch.zeros(4, dtype=torch.float64)
         if link is None and ex.group is not None and ex.peers > 1:
             link = measure_link(ex.group, hop)
@@ -84,7 +90,7 @@ class CompressionState:
             mine[0], mine[1] = link.alpha_s, 1.0 / link.beta_Bps
         cost = measure_compressor(r.compressor, peers=max(ex.peers, 2))
         mine[2], mine[3] = cost.fixed_s, cost.per_byte_s
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)  # the same figures on every rank
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.comm)  # the same figures on every rank
         a, inv_b, c0, c1 = mine.tolist()
         self.link = LinkCost(hop, a, 1.0 / inv_b if inv_b > 0 else math.inf,
                              link.source if link is not None else "none")
@@ -118,7 +124,7 @@ class CompressionState:
                                       self.link, self.cost)
             # Ranks outside every peer set cannot evaluate the exchange: agree (all compress or none)
             flag = torch.tensor([1 if got or peers <= 1 else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.comm)
             got = bool(flag.item()) and self.link is not None and math.isfinite(self.link.beta_Bps)
             self._decisions[key] = got
         return got
@@ -137,7 +143,7 @@ class CompressionState:
             compress = self.decide(buffer.numel(), shapes, _dtypes.from_torch(buffer.dtype), buffer.element_size())
         self._keys.add(key)
         if r is None:
-            dist.all_reduce(buffer, group=self.group)
+            dist.all_reduce(buffer, group=self.comm)
         else:
             r.step = self.step
             r.all_reduce(buffer, shapes, key=key, compress=compress)
