@@ -128,6 +128,8 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.tensors",  # tensor entries from/to torch and numpy, checksums
     "vcga.formatkit",  # what format plugins share: reader/writer bases, entry buffers, metadata
     "vcga.wire",  # the tensor wire format
+    "vcga.compress",  # gradient compression: spec strings, ddp_hook, the engine, the wire meter
+    "vcga.compress.exact",  # fixed-order arithmetic for compressors' decoders
 )
 
 #: pluggy project name; also the entry-point group plugins register under.
