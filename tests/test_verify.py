@@ -159,7 +159,7 @@ def test_builtin_profiles_load_and_name_every_builtin_check():
     from vcga.plugin_manager import get_plugin_manager
 
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
-    assert list(BUILTIN_CHECKS) == list(registered)[: len(BUILTIN_CHECKS)] and len(BUILTIN_CHECKS) == 13
+    assert list(BUILTIN_CHECKS) == list(registered)[: len(BUILTIN_CHECKS)] and len(BUILTIN_CHECKS) == 14
     for name in ("quick", "full"):
         prof = load_profile(name)
         assert list(prof.checks) == list(BUILTIN_CHECKS), name
