@@ -60,7 +60,7 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
+        for _ in range(3):
             x, y = torch.randn(8, 24, generator=g), torch.randn(8, 4, generator=g)
             loss = ((ddp(x) - y) ** 2).mean()
             opt.zero_grad()

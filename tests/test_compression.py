@@ -286,8 +286,7 @@ def _env(*plugins: str) -> dict[str, str]:
 
 
 def test_verify_compression_passes_on_gloo_the_sim_backends_and_a_mixed_world(tmp_path: Path):
-    r = run_vcga("verify", "--check", "compression", "--backend", "gloo", "--backend", "sim-nccl", "--backend",
-                 "sim-hccl", "--backend", "sim-cncl", "--world-size", "2", "--mixed", "nccl:2,hccl:2",
+    r = run_vcga("verify", "--profile", str(HELPERS / "verify_compression.yaml"),
                  env={**_env(), "TMPDIR": str(tmp_path)}, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     for backend in ("gloo", "sim-nccl", "sim-hccl", "sim-cncl", "sim:nccl:2,hccl:2"):
