@@ -308,3 +308,42 @@ def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_pat
     assert any("broken-wire" in f and "more bytes on the wire than declared" in f for f in fails)
     assert any("broken-bias" in f and "unbiased" in f and "biased beyond the bound" in f for f in fails)
     assert not any("topk" in f for f in fails)
+
+
+# ---------------------------------------------------------------------------------------------------
+# when=auto: the cost model
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_cost_model_compresses_above_the_crossover_and_never_on_a_link_faster_than_the_compressor():
+    from vcga.compress.cost import CompressCost, LinkCost, crossover, should_compress
+    from vcga.compress.meter import sent_bytes
+
+    link = LinkCost("1 Gbit/s", 100e-6, 125e6)
+    cost = CompressCost(1e-3, 2e-9)
+    n_star = crossover(link, cost, wire_ratio=100, peers=2, collectives=2)
+    # N* = (c0 + (m-1)α) / (f(1 - 1/R)/β - c1), f = 1 for two peers
+    assert n_star == pytest.approx((1e-3 + 100e-6) / ((1 - 1 / 100) / 125e6 - 2e-9))
+    for n, want in ((n_star * 0.9, False), (n_star * 1.1, True)):
+        plain = sent_bytes("all_reduce", n, 2)
+        assert should_compress(n, plain, plain / 100, 2, link, cost) is want
+    fast = LinkCost("100 Gbit/s", 20e-6, 12.5e9)
+    assert crossover(fast, cost, wire_ratio=100, peers=2, collectives=2) is None
+
+
+def test_link_figures_come_from_the_transport_in_either_form():
+    from vcga.compress.cost import link_from_transport
+
+    class G:
+        def __init__(self, d):
+            self.transport = type("T", (), {"describe": lambda _self: d})()
+
+    got = link_from_transport(G({"link_classes": {"cross-node": {"alpha_s": 1e-4, "beta_Bps": 1e8}}}), "cross-node")
+    assert (got.alpha_s, got.beta_Bps, got.source) == (1e-4, 1e8, "transport α–β")
+    bridge = {"calibration": {"figures": {"bridge": {"all_sets": [1e-4, 1e8], "leaders": [2e-4, 5e7]}}}}
+    got = link_from_transport(G(bridge), "cross-node", equal=True, peers=2)
+    assert (got.alpha_s, got.beta_Bps) == (1e-4, 1e8)  # two peers: bytes sent == bytes reduced
+    got = link_from_transport(G(bridge), "cross-node", equal=False, peers=4)
+    assert (got.alpha_s, got.beta_Bps) == (2e-4, 5e7 * 1.5)  # leaders; 2(P-1)/P bytes sent per byte
+    assert link_from_transport(G({"calibration": None}), "cross-node") is None
+    assert link_from_transport(object(), "cross-node") is None

@@ -162,16 +162,30 @@ def measure_compressor(compressor: Any, dtype: Any = None, sizes: tuple[int, int
     return CompressCost(max(t0 - per_byte * b0, 0.0), per_byte)
 
 
-def link_from_transport(group: Any, hop: str) -> LinkCost | None:
-    """The α–β figures of link class ``hop`` if ``group``'s transport publishes them, else None."""
+def link_from_transport(group: Any, hop: str, *, equal: bool = True, peers: int = 2) -> LinkCost | None:
+    """The α–β figures of the slow hop if ``group``'s transport publishes them, else None.
+
+    Two forms are read: ``describe()["link_classes"][hop] = {"alpha_s", "beta_Bps"}`` (β per byte
+    sent), and the bridge's measured figures ``describe()["calibration"]["figures"]["bridge"]`` --
+    ``"all_sets"`` (every set of shard peers reducing at once: what scope ``bridge`` does on equal
+    islands) or ``"leaders"``, each ``[α, β]`` with β per byte *reduced*; an all_reduce of N bytes
+    among P peers sends 2(P−1)/P·N, so β per byte sent is that β times 2(P−1)/P."""
     transport = getattr(group, "transport", None)
     if transport is None:
         return None
     try:
-        classes = transport.describe().get("link_classes") or {}
+        d = transport.describe()
     except Exception:  # noqa: BLE001 - a transport without a describe() we understand
         return None
+    classes = d.get("link_classes") if isinstance(d, dict) else None
     fig = classes.get(hop) if isinstance(classes, dict) else None
-    if not isinstance(fig, dict) or "alpha_s" not in fig or "beta_Bps" not in fig:
-        return None
-    return LinkCost(hop, float(fig["alpha_s"]), float(fig["beta_Bps"]), "transport α–β")
+    if isinstance(fig, dict) and "alpha_s" in fig and "beta_Bps" in fig:
+        return LinkCost(hop, float(fig["alpha_s"]), float(fig["beta_Bps"]), "transport α–β")
+    cal = d.get("calibration") if isinstance(d, dict) else None
+    bridge = ((cal or {}).get("figures") or {}).get("bridge") if isinstance(cal, dict) else None
+    if isinstance(bridge, dict):
+        ab = bridge.get("all_sets" if equal else "leaders") or bridge.get("leaders")
+        if isinstance(ab, (list, tuple)) and len(ab) == 2:
+            f = 2 * (peers - 1) / peers if peers > 1 else 1.0
+            return LinkCost(hop, float(ab[0]), float(ab[1]) * f, "bridge α–β")
+    return None

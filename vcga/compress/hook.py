@@ -82,7 +82,7 @@ class CompressionState:
         assert r is not None
         ex = r.exchange
         hop = r.layout.hop or "all"
-        link = link_from_transport(self.comm, hop)
+        link = link_from_transport(self.comm, hop, equal=r.layout.equal, peers=max(len(r.layout.islands), 2))
         mine = torch.zeros(4, dtype=torch.float64)
         if link is None and ex.group is not None and ex.peers > 1:
             link = measure_link(ex.group, hop)
