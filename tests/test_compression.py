@@ -132,12 +132,17 @@ def test_error_feedback_conserves_across_steps_to_second_order():
 
 def test_tree_sum_and_outer_sum_are_fixed_order():
     x = torch.randn(37, 5)
-    ref = x[0]
     assert torch.equal(tree_sum(x), tree_sum(x.clone()))
     assert torch.allclose(tree_sum(x), x.double().sum(0).float(), atol=1e-5)
-    p, q = torch.randn(20, 3), torch.randn(15, 3)
-    assert torch.allclose(outer_sum(p, q), p @ q.t(), atol=1e-5)
-    del ref
+    # outer_sum is the products added in order k = 0, 1, ..., bit for bit, in one block of rows or
+    # several (300 rows of 1024 columns: three blocks and a partial one)
+    for n, m, r in ((20, 15, 3), (300, 1024, 4), (5, 7, 1)):
+        p, q = torch.randn(n, r), torch.randn(m, r)
+        ref = p[:, 0:1] * q[:, 0]
+        for k in range(1, r):
+            ref = ref + p[:, k:k + 1] * q[:, k]
+        assert torch.equal(outer_sum(p, q), ref)
+        assert torch.allclose(outer_sum(p, q), p @ q.t(), atol=1e-5)
 
 
 def test_orthonormalize_gives_orthonormal_columns_and_keeps_zero_columns_zero():
