@@ -98,6 +98,30 @@ def loss_fn(out: Any, y: Any) -> Any:
 # -- one rank ------------------------------------------------------------------------------------------
 
 
+_SYNC_GROUP: list[Any] = []
+
+
+def _anchor_group() -> Any:
+    """The group torch's hooks reduce over: every rank, with the bridge synchronous
+    (``bridge_async: false``). torch's ``powerSGD_hook`` issues its next all_reduce from the previous
+    one's future callback and waits on it there; with the asynchronous bridge that callback runs on
+    the group's communication thread, which then waits for itself (a deadlock the bridge does not
+    guard against yet), so the anchors run on a synchronous group (same ranks, same reductions)."""
+    import torch.distributed as dist
+
+    if not _SYNC_GROUP:
+        saved = os.environ.get("VCGA_BRIDGE_ASYNC")
+        os.environ["VCGA_BRIDGE_ASYNC"] = "0"
+        try:
+            _SYNC_GROUP.append(dist.new_group(list(range(dist.get_world_size()))))
+        finally:
+            if saved is None:
+                os.environ.pop("VCGA_BRIDGE_ASYNC", None)
+            else:
+                os.environ["VCGA_BRIDGE_ASYNC"] = saved
+    return _SYNC_GROUP[0]
+
+
 def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     """(state, hook, closer) for a variant; (None, None, None) for exact."""
     import torch.distributed as dist
@@ -107,12 +131,12 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     if variant == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
-        return None, fp16_compress_hook, None
+        return _anchor_group(), fp16_compress_hook, None
     if variant.startswith("torch-powersgd:"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         rank = int(variant.split(":", 1)[1])
-        state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        state = ps.PowerSGDState(process_group=_anchor_group(), matrix_approximation_rank=rank, start_powerSGD_iter=2)
         return state, ps.powerSGD_hook, None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
@@ -123,22 +147,22 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
 
 
 def _link_bytes() -> int:
-    """Bytes sent plus received on this node's inter-node interfaces (namespace nodes), else -1."""
+    """Bytes sent plus received on this node's inter-node interfaces (``eth*`` of the namespace
+    node, read from /proc/self/net/dev: this process's network namespace), else -1."""
     if not os.environ.get("VCGA_BENCH_NODES"):
         return -1
     total, found = 0, False
-    base = "/sys/class/net"
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        if not name.startswith("eth"):
-            continue
-        try:
-            with open(f"{base}/{name}/statistics/tx_bytes") as f:
-                total += int(f.read())
-            with open(f"{base}/{name}/statistics/rx_bytes") as f:
-                total += int(f.read())
+    try:
+        with open("/proc/self/net/dev") as f:
+            lines = f.read().splitlines()[2:]
+    except OSError:
+        return -1
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name.strip().startswith("eth"):
+            fields = rest.split()
+            total += int(fields[0]) + int(fields[8])  # received + sent bytes
             found = True
-        except OSError:
-            continue
     return total if found else -1
 
 
@@ -150,9 +174,14 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     from vcga.compress import WireMeter
 
     teacher, student = build(args.width, args.depth, args.teacher_rank)
-    ddp = DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+    compute_only = variant == "compute"
+    # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
+    # every variant's step (its loss is one rank's own training: not compared)
+    pg = _anchor_group() if variant.startswith("torch-") else None
+    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False,
+                                           process_group=pg)
     meter = WireMeter()
-    state, hook, closer = _hook_for(variant, meter)
+    state, hook, closer = _hook_for("exact" if compute_only else variant, meter)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
@@ -189,7 +218,9 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     dist.all_reduce(lb, op=dist.ReduceOp.MAX)
     if closer is not None:
         closer()
+    grad_bytes = sum(p.numel() * p.element_size() for p in student.parameters())
     return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med),
+            "grad_bytes": grad_bytes,
             "meter_cross_bytes_per_step": float(cross) if variant.startswith("vcga:") else None,
             # tx+rx of one node's link = bytes crossing it in both directions
             "link_bytes_per_step": float(lb) if float(lb) >= 0 else None}
@@ -219,7 +250,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue:
 # -- the two modes -------------------------------------------------------------------------------------
 
 
-def report(results: list[dict[str, Any]], markdown: bool, title: str) -> str:
+def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: float = 0.0) -> str:
     from _ranks import table
 
     base = next(r for r in results if r["variant"] == "exact")
@@ -227,13 +258,25 @@ def report(results: list[dict[str, Any]], markdown: bool, title: str) -> str:
     for r in results:
         def b(v: float | None) -> str:
             return "–" if v is None else f"{v / 1e6:.3f} MB"
-        lines.append([r["variant"], f"{r['loss']:.5f}", f"{r['loss'] / base['loss']:.3f}",
+        own = r["variant"] == "compute"  # every rank trains alone: loss and identity do not apply
+        lines.append([r["variant"], "–" if own else f"{r['loss']:.5f}", "–" if own else f"{r['loss'] / base['loss']:.3f}",
                       f"{r['step_s'] * 1e3:.0f} ms", f"{r['step_s'] / base['step_s']:.2f}",
                       b(r["link_bytes_per_step"]), b(r["meter_cross_bytes_per_step"]),
-                      "yes" if r["identical"] else "NO"])
+                      "–" if own else ("yes" if r["identical"] else "NO")])
     head = ["variant", "loss", "loss / exact", "step", "step / exact", "link bytes/step", "metered cross/step",
             "ranks identical"]
-    return title + "\n" + table(head, lines, markdown)
+    out = title + "\n" + table(head, lines, markdown)
+    comp = next((r for r in results if r["variant"] == "compute"), None)
+    if rate_bps and comp is not None:
+        # The floors: exact DDP moves every gradient byte across the link each way at least once
+        # (bridge: each node's shard peers exchange halves), so its step is at least
+        # max(compute, bytes / rate); a compressed step is at least compute + compression.
+        link_s = base["grad_bytes"] / (rate_bps / 8)
+        floor = max(comp["step_s"], link_s)
+        out += (f"\nfloors: compute only {comp['step_s'] * 1e3:.0f} ms; gradient bytes / link = "
+                f"{base['grad_bytes'] / 1e6:.1f} MB / {rate_bps / 1e6:.0f} Mbit/s = {link_s * 1e3:.0f} ms; exact's "
+                f"floor max(compute, link) = {floor * 1e3:.0f} ms (exact measured at {base['step_s'] / floor:.2f}x it)")
+    return out
 
 
 def main() -> None:
@@ -295,7 +338,9 @@ def run_nodes(args: argparse.Namespace) -> None:
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
                         "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--noise", str(args.noise),
                         "--teacher-rank", str(args.teacher_rank), "--out", os.path.join(out, "r.json")]
-                launch = cluster.torchrun(argv, nproc_per_node=2,
+                env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+                env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                launch = cluster.torchrun(argv, nproc_per_node=2, env=env,
                                           node_env=[{"VCGA_BACKEND": "sim-nccl", "VCGA_BENCH_NODES": "1"},
                                                     {"VCGA_BACKEND": "sim-hccl", "VCGA_BENCH_NODES": "1"}])
                 result["nodes"] = launch.wait(timeout=3000)
@@ -315,7 +360,9 @@ def run_nodes(args: argparse.Namespace) -> None:
     title = (f"2 nodes x 2 ranks (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
              f"depth {args.depth}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps "
              f"({args.warmup} untimed)")
-    print(report(results, args.markdown, title))
+    from vcga.testing.multinode import parse_rate
+
+    print(report(results, args.markdown, title, parse_rate(args.rate)))
 
 
 if __name__ == "__main__":
