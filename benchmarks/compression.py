@@ -11,7 +11,12 @@ steps on the same ranks, in one job:
 - ``vcga:<spec>``: ``vcga.compress.ddp_hook(spec)``, e.g. ``vcga:powersgd:rank=4``;
 - ``torch-fp16``, ``torch-powersgd:<rank>``: torch's ``fp16_compress_hook`` and ``powerSGD_hook``
   (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)``: torch's smallest start
-  with error feedback) on the same ranks -- the anchors.
+  with error feedback) on the same ranks -- the anchors (on a group with the bridge synchronous:
+  see ``_anchor_group``);
+- ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
+  every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
+  parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
+  compressed step (equal work, no link).
 
 Reported per variant: the loss on a fixed held-out batch after the last step (the same on every
 rank: the check that every rank holds bitwise identical parameters runs too, over the store), its
@@ -166,6 +171,45 @@ def _link_bytes() -> int:
     return total if found else -1
 
 
+def _local_work(spec_text: str, model: Any, rank: int, world: int) -> Any:
+    """The compression work one rank does per step under scope ``bridge`` on two islands of
+    ``world // 2`` ranks, without any communication: error feedback in and out, both rounds of
+    compress and decode (payloads summed by doubling), and what was sent, on this rank's share of
+    the parameters (every ``world // 2``-th matrix from its local index). An equal-work floor:
+    the step can be no faster than compute plus this."""
+    from vcga.compress import parse_spec
+    from vcga.compress.ef import ErrorFeedback
+    from vcga.compress.engine import create_compressor
+    from vcga.contract import Combine, CompressContext
+
+    comp = create_compressor(parse_spec(spec_text))
+    k = max(world // 2, 1)
+    params = [p for i, p in enumerate(model.parameters()) if i % k == rank % k]
+    efs = [ErrorFeedback() for _ in params]
+    states: list[dict[str, Any]] = [{} for _ in params]
+
+    def run(step: int) -> None:
+        for p, ef, st in zip(params, efs, states):
+            g = p.grad
+            x = ef.input(g) if comp.error_feedback else g
+            ctx = CompressContext(2, 0, step, 0)
+            out, pl = None, []
+            rounds = comp.rounds if comp.combine is Combine.SUM else 1
+            for rnd in range(rounds):
+                pl = comp.compress(x, st, ctx, rnd)
+                if comp.combine is Combine.SUM:
+                    out = comp.decompress([q + q for q in pl], st, ctx, rnd)
+                else:  # each of the two peers' payloads decodes on its own
+                    out = comp.decompress(pl, st, ctx, rnd)
+                    out = comp.decompress(pl, st, ctx, rnd)
+                if out is not None:
+                    break
+            if comp.error_feedback:
+                ef.update(x, comp.sent(x, pl, st, ctx))
+
+    return run
+
+
 def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -174,9 +218,11 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     from vcga.compress import WireMeter
 
     teacher, student = build(args.width, args.depth, args.teacher_rank)
-    compute_only = variant == "compute"
+    work = _local_work(variant[len("compute+"):], student, rank, world) if variant.startswith("compute+") else None
+    compute_only = variant == "compute" or work is not None
     # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
-    # every variant's step (its loss is one rank's own training: not compared)
+    # every variant's step (its loss is one rank's own training: not compared); "compute+SPEC": plus
+    # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
     pg = _anchor_group() if variant.startswith("torch-") else None
     ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False,
                                            process_group=pg)
@@ -198,6 +244,8 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
         loss = loss_fn(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if work is not None:
+            work(step)
         opt.step()
         times.append(time.perf_counter() - t0)
     dist.barrier()
@@ -258,7 +306,7 @@ def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: 
     for r in results:
         def b(v: float | None) -> str:
             return "–" if v is None else f"{v / 1e6:.3f} MB"
-        own = r["variant"] == "compute"  # every rank trains alone: loss and identity do not apply
+        own = r["variant"].startswith("compute")  # every rank trains alone: loss and identity do not apply
         lines.append([r["variant"], "–" if own else f"{r['loss']:.5f}", "–" if own else f"{r['loss'] / base['loss']:.3f}",
                       f"{r['step_s'] * 1e3:.0f} ms", f"{r['step_s'] / base['step_s']:.2f}",
                       b(r["link_bytes_per_step"]), b(r["meter_cross_bytes_per_step"]),
