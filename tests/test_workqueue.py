@@ -146,3 +146,34 @@ def test_a_collective_calling_another_one_of_the_queue_runs_it_in_place():
     q.run(outer, [], async_op=False)
     assert order == ["outer", "inner", "outer done"] * 2
     q.close()
+
+
+def test_a_collective_issued_by_a_future_callback_on_the_thread_runs_there_in_order():
+    """torch's powerSGD_hook issues its next all_reduce from the previous one's future callback and
+    waits for it there. The callback runs on the queue's thread; queued behind itself, the new
+    collective would wait for that thread forever (here: the callback gives up after 5 s)."""
+    import time
+
+    q = make()
+    gate = threading.Event()
+    order = []
+    q.run(lambda: gate.wait(10), [], async_op=True)  # holds the thread: the callback is attached first
+    first = q.run(lambda: order.append("first"), [torch.tensor([1.0])], async_op=True)
+    q.run(lambda: order.append("queued after first"), [], async_op=True)
+
+    def callback(fut):
+        inner = q.run(lambda: order.append("from callback"), [torch.tensor([2.0])], async_op=True)
+        if isinstance(inner, QueuedWork):  # queued: it can only run once this callback returns
+            deadline = time.monotonic() + 5
+            while not inner.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        order.append(threading.current_thread().name)
+        return fut.value()
+
+    chained = first.get_future().then(callback)
+    gate.set()
+    chained.wait()
+    assert q.idle(10)
+    # run in place, on the queue's thread, before what was queued after the collective it follows
+    assert order == ["first", "from callback", "vcga-comm test", "queued after first"], order
+    q.close()

@@ -24,7 +24,9 @@ run two collectives in different orders on different ranks and deadlock.
   them (bounded) instead of aborting when the thread comes back from a native call during
   interpreter finalization.
 - A collective that calls another collective of the same queue (all_to_all through
-  all_to_all_single) runs it in place, as part of its own job.
+  all_to_all_single) runs it in place, as part of its own job; so does a collective issued by a
+  future callback that this thread runs (torch's ``powerSGD_hook`` chains its all_reduces that
+  way and waits inside the callback).
 - The thread does not survive a fork; a forked child that uses the queue gets a typed error.
 """
 
@@ -142,6 +144,22 @@ class WorkQueue:
         a synchronous call then waits for it)."""
         if getattr(self._local, "active", False):
             return fn()  # a collective of this queue calling another one: part of the same job
+        if threading.current_thread() is self._thread:
+            # A future's callback, run by this thread as the collective before it completed (torch's
+            # powerSGD_hook issues its next all_reduce there and waits for it): run it now, in place.
+            # Queued, it would wait for this very thread, which waits in the callback. Every rank's
+            # thread gets here right after the same collective, and the thread holds the queue
+            # (``_running``) while callbacks run, so the order is the same on every rank.
+            with self._cv:
+                self._check()
+            self._local.active = True
+            try:
+                return fn()
+            except BaseException as e:
+                self._poison(e)
+                raise
+            finally:
+                self._local.active = False
         with self._cv:
             self._check()
             inline = not async_op and not self._running and not self._jobs
@@ -226,12 +244,12 @@ class WorkQueue:
                     finally:
                         self._local.active = False
             finally:
-                with self._cv:
-                    self._running = False
-                    self._cv.notify_all()
                 try:
-                    work._finish(error)
+                    work._finish(error)  # its callbacks run here, holding the queue (see run())
                 finally:
+                    with self._cv:
+                        self._running = False
+                        self._cv.notify_all()
                     pypg._release()
 
     # -- ending -----------------------------------------------------------------------------------
