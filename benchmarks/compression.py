@@ -11,8 +11,7 @@ steps on the same ranks, in one job:
 - ``vcga:<spec>``: ``vcga.compress.ddp_hook(spec)``, e.g. ``vcga:powersgd:rank=4``;
 - ``torch-fp16``, ``torch-powersgd:<rank>``: torch's ``fp16_compress_hook`` and ``powerSGD_hook``
   (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)``: torch's smallest start
-  with error feedback) on the same ranks -- the anchors (on a group with the bridge synchronous:
-  see ``_anchor_group``);
+  with error feedback) on the same ranks -- the anchors;
 - ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
   every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
   parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
@@ -103,30 +102,6 @@ def loss_fn(out: Any, y: Any) -> Any:
 # -- one rank ------------------------------------------------------------------------------------------
 
 
-_SYNC_GROUP: list[Any] = []
-
-
-def _anchor_group() -> Any:
-    """The group torch's hooks reduce over: every rank, with the bridge synchronous
-    (``bridge_async: false``). torch's ``powerSGD_hook`` issues its next all_reduce from the previous
-    one's future callback and waits on it there; with the asynchronous bridge that callback runs on
-    the group's communication thread, which then waits for itself (a deadlock the bridge does not
-    guard against yet), so the anchors run on a synchronous group (same ranks, same reductions)."""
-    import torch.distributed as dist
-
-    if not _SYNC_GROUP:
-        saved = os.environ.get("VCGA_BRIDGE_ASYNC")
-        os.environ["VCGA_BRIDGE_ASYNC"] = "0"
-        try:
-            _SYNC_GROUP.append(dist.new_group(list(range(dist.get_world_size()))))
-        finally:
-            if saved is None:
-                os.environ.pop("VCGA_BRIDGE_ASYNC", None)
-            else:
-                os.environ["VCGA_BRIDGE_ASYNC"] = saved
-    return _SYNC_GROUP[0]
-
-
 def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     """(state, hook, closer) for a variant; (None, None, None) for exact."""
     import torch.distributed as dist
@@ -136,12 +111,12 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     if variant == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
-        return _anchor_group(), fp16_compress_hook, None
+        return None, fp16_compress_hook, None
     if variant.startswith("torch-powersgd:"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         rank = int(variant.split(":", 1)[1])
-        state = ps.PowerSGDState(process_group=_anchor_group(), matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2)
         return state, ps.powerSGD_hook, None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
@@ -223,9 +198,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
     # every variant's step (its loss is one rank's own training: not compared); "compute+SPEC": plus
     # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
-    pg = _anchor_group() if variant.startswith("torch-") else None
-    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False,
-                                           process_group=pg)
+    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
     meter = WireMeter()
     state, hook, closer = _hook_for("exact" if compute_only else variant, meter)
     if hook is not None:
