@@ -56,8 +56,14 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
             model.spare = nn.Linear(4, 4)  # never used in forward
         ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
         meter = WireMeter()
-        state, hook = ddp_hook(spec.removesuffix("|unused"), meter=meter)
-        ddp.register_comm_hook(state, hook)
+        if spec == "torch-powersgd":  # torch's own hook: it issues all_reduces from future callbacks
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, ps.powerSGD_hook)
+        else:
+            state, hook = ddp_hook(spec.removesuffix("|unused"), meter=meter)
+            ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)
         for _ in range(3):
@@ -68,11 +74,12 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
             opt.step()
         digests = [None] * world
         dist.all_gather_object(digests, _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
-        d = state.describe()
+        d = state.describe() if hasattr(state, "describe") else {"stats": None}
         out["ddp"][spec] = {"identical": len(set(digests)) == 1, "stats": d["stats"], "scope": d.get("scope"),
                             "finite": bool(all(torch.isfinite(p).all() for p in model.parameters())),
                             "cross_sent": meter.total_sent("cross")}
-        state.close()
+        if hasattr(state, "close"):
+            state.close()
     dist.destroy_process_group()
     if rank == 0:
         queue.put(out)
