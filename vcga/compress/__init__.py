@@ -26,7 +26,7 @@ __all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "compressors", "ddp_h
 
 _LAZY = {
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
-    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.engine", "Topology": "vcga.compress.engine",
+    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.exchange", "Topology": "vcga.compress.engine",
     "create_compressor": "vcga.compress.engine", "sent_bytes": "vcga.compress.meter",
     "Layout": "vcga.compress.layout",
     "ErrorFeedback": "vcga.compress.ef", "WireMeter": "vcga.compress.meter",

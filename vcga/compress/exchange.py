@@ -1,0 +1,369 @@
+"""The compressed sum among one set of peers: :class:`Exchange` (the engine's middle step).
+
+One ``Exchange`` serves one peer group: it keeps each tensor's compressor state and error
+feedback (:class:`_Slot`) and sums the peers' contributions compressed -- ``SUM`` compressors
+through the group's all_reduce (one decode of the summed payload), ``GATHER`` ones by gathering
+every peer's payload and decoding them in peer order, or in two phases (all_to_all of chunks,
+server-side compression, all-gather) as 1-bit Adam's compressed allreduce. Every peer decodes the
+same bytes with the same operations, so every peer gets the same bits (:mod:`vcga.compress.engine`
+says where the exchange sits in the whole reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vcga.contract import Combine, CompressContext, Compressor, Support
+from vcga.compress.ef import ErrorFeedback, Scratch
+from vcga.compress.layout import chunks, declared_sent
+from vcga.compress.meter import WireMeter
+from vcga.errors import VcgaError
+
+__all__ = ["Exchange", "mix_seed"]
+
+
+def mix_seed(*parts: int | str) -> int:
+    """A 63-bit seed from integers and strings (splitmix64 over a stable hash): the same on every rank."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        v = p if isinstance(p, int) else int.from_bytes(str(p).encode()[:32].ljust(8, b"\0")[:8], "little") ^ len(str(p))
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _from_bytes(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # clone: a slice of the byte buffer may not be aligned for the payload's dtype
+    return buf.clone().view(like.dtype).reshape(like.shape) if like.numel() else torch.empty_like(like)
+
+
+@dataclass
+class _Slot:
+    """Per-tensor state kept across steps: the compressor's dict and the error-feedback residuals.
+
+    The two-phase exchange adds the compressor's state of each chunk (``chunks``) and, for the
+    chunk this rank serves, the server's state and residual (``server``)."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    ef: ErrorFeedback | None = None
+    chunks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    server: dict[int, tuple[dict[str, Any], ErrorFeedback | None]] = field(default_factory=dict)
+
+
+class Exchange:
+    """Sums tensors over ``peers`` ranks (a process group), compressed, in place.
+
+    :param compressor: the configured compressor.
+    :param group: the process group of the peers (None: nothing to exchange, one peer).
+    :param peers: how many; :param peer: this rank's index among them.
+    :param label: the meter's label for this exchange's bytes.
+    :param meter: a :class:`~vcga.compress.meter.WireMeter`, or None.
+    :param record: keep the last step's error-feedback records (checks read them).
+    :param host_decode: decode on the host (the peers' devices differ: host arithmetic is IEEE on all).
+    """
+
+    def __init__(self, compressor: Compressor, group: Any, peers: int, peer: int, *, seed: int = 0,
+                 label: str = "cross", meter: WireMeter | None = None, record: bool = False,
+                 host_decode: bool = False) -> None:
+        self.c, self.group, self.peers, self.peer = compressor, group, peers, peer
+        self.seed, self.label, self.meter, self.record = seed, label, meter, record
+        self.host_decode = host_decode
+        self.slots: dict[Any, _Slot] = {}
+        self._scratch = Scratch()  # shared by the residuals: they are updated one after another
+        self._metered_at_transport = False
+        self._table = getattr(group, "capabilities", None) if group is not None else None
+
+    # -- collectives (counted here when the transport cannot be) -----------------------------------
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        if self.meter is not None and not self._metered_at_transport:
+            self.meter.count(self.label, kind, nbytes, self.peers)
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        self._count("all_reduce", t.numel() * t.element_size())
+        dist.all_reduce(t, group=self.group)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._count("all_gather", inp.numel())
+        dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        self._count("all_to_all", inp.numel())
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+
+    def _sums_natively(self, dtype: torch.dtype) -> bool:
+        """Can the group sum this payload dtype natively (so the library moves it as it is)?"""
+        from vcga import dtypes as _dtypes
+        from vcga.contract import Collective, ReduceOp
+
+        if self._table is not None:
+            try:
+                cell = self._table.lookup(Collective.ALL_REDUCE, _dtypes.from_torch(dtype), ReduceOp.SUM)
+            except Exception:  # noqa: BLE001 - a dtype VCGA has no name for
+                return False
+            return cell.support is Support.NATIVE
+        return dtype in (torch.float32, torch.float64)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def slot(self, key: Any) -> _Slot:
+        s = self.slots.get(key)
+        if s is None:
+            s = self.slots[key] = _Slot(ef=ErrorFeedback(record=self.record, scratch=self._scratch)
+                                        if self.c.error_feedback else None)
+        return s
+
+    def records(self) -> list[tuple[Any, str, Any]]:
+        """The last step's error-feedback records (``record=True``): (key, "worker" or "server j", record)."""
+        out = []
+        for k, slot in self.slots.items():
+            if slot.ef is not None and slot.ef.last is not None:
+                out.append((k, "worker", slot.ef.last))
+            for j, (_, ef) in slot.server.items():
+                if ef is not None and ef.last is not None:
+                    out.append((k, f"server {j}", ef.last))
+        return out
+
+    def forget(self, keep: Callable[[Any], bool]) -> None:
+        """Drop the state of keys no longer used (DDP rebuilt its buckets)."""
+        for k in [k for k in self.slots if not keep(k)]:
+            del self.slots[k]
+
+    def ctx(self, key: Any, step: int, role: str = "worker") -> CompressContext:
+        return CompressContext(self.peers, self.peer, step, mix_seed(self.seed, repr(key)), role)
+
+    # -- the exchange --------------------------------------------------------------------------------
+
+    def run(self, tensors: Sequence[torch.Tensor], keys: Sequence[Any], step: int) -> None:
+        """Replace each tensor by its sum over the peers (decoded from the compressed payloads)."""
+        if self.peers <= 1 or self.group is None:
+            return
+        xs = []
+        for t, k in zip(tensors, keys):
+            slot = self.slot(k)
+            xs.append(slot.ef.input(t) if slot.ef is not None else t)
+        if self.c.combine is Combine.SUM:
+            outs = self._run_sum(xs, keys, step)
+        elif self.c.server:
+            outs = self._run_two_phase(xs, keys, step)
+        else:
+            outs = self._run_gather(xs, keys, step)
+        for t, o in zip(tensors, outs):
+            t.copy_(o.reshape(t.shape))
+
+    def _decode_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.host_decode else t
+
+    def _run_sum(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
+        c = self.c
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        last_payload: list[list[torch.Tensor]] = [[] for _ in xs]
+        pending = list(range(len(xs)))
+        for rnd in range(c.rounds):
+            if not pending:
+                break
+            payloads = {i: c.compress(xs[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd) for i in pending}
+            for i in pending:
+                last_payload[i] = payloads[i]
+            summed = self._sum_payloads(payloads)
+            for i in pending:
+                got = c.decompress(summed[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd)
+                if got is not None:
+                    out[i] = got
+            pending = [i for i in pending if out[i] is None]
+        if pending:
+            raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "
+                            f"its {c.rounds} round(s)")
+        for i, k in enumerate(keys):
+            slot = self.slot(k)
+            if slot.ef is not None:
+                slot.ef.update(xs[i], c.sent(xs[i], last_payload[i], slot.state, self.ctx(k, step)))
+        return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
+
+    def _sum_payloads(self, payloads: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Each payload tensor summed over the peers, element by element, the same bits on every peer.
+
+        Payload tensors of one dtype travel as one buffer: summed by the library where the group sums
+        that dtype natively (its result is one reduction, copied to every rank), else gathered as bytes
+        and added in peer order here (floats narrower than float32 in float32)."""
+        by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}
+        for i, pl in payloads.items():
+            for j, t in enumerate(pl):
+                by_dtype.setdefault(t.dtype, []).append((i, j))
+        result = {i: [torch.empty(0)] * len(pl) for i, pl in payloads.items()}
+        for dtype, where in by_dtype.items():
+            flat = torch.cat([payloads[i][j].reshape(-1) for i, j in where])
+            if flat.numel() == 0:
+                summed = flat
+            elif self._sums_natively(dtype):
+                self._all_reduce(flat)
+                summed = self._decode_device(flat)
+            else:
+                raw = _as_bytes(flat)
+                rows = torch.empty(self.peers * raw.numel(), dtype=torch.uint8, device=raw.device)
+                self._all_gather(rows, raw)
+                vals = self._decode_device(rows).view(self.peers, -1).view(dtype)
+                acc = torch.float32 if dtype.is_floating_point and torch.finfo(dtype).bits < 32 else dtype
+                summed = vals[0].to(acc)
+                for p in range(1, self.peers):  # left to right in peer order
+                    summed = summed + vals[p].to(acc)
+            off = 0
+            for i, j in where:
+                n = payloads[i][j].numel()
+                result[i][j] = summed[off:off + n].reshape(payloads[i][j].shape)
+                off += n
+        return result
+
+    def _pack(self, payload: list[torch.Tensor]) -> torch.Tensor:
+        parts = [_as_bytes(t) for t in payload]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def _unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, off = [], 0
+        for t in like:
+            n = t.numel() * t.element_size()
+            out.append(_from_bytes(buf[off:off + n], t))
+            off += n
+        return out
+
+    def _run_gather(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
+        c = self.c
+        payloads = [c.compress(x, self.slot(k).state, self.ctx(k, step)) for x, k in zip(xs, keys)]
+        packed = [self._pack(pl) for pl in payloads]
+        sizes = [p.numel() for p in packed]
+        mine = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8)
+        rows = torch.empty(self.peers * mine.numel(), dtype=torch.uint8, device=mine.device)
+        self._all_gather(rows, mine)
+        rows = self._decode_device(rows).view(self.peers, -1)
+        outs = []
+        off = 0
+        for i, (x, k) in enumerate(zip(xs, keys)):
+            slot = self.slot(k)
+            like = [self._decode_device(t) for t in payloads[i]]
+            total = None
+            for p in range(self.peers):  # decode each peer's payload, add in peer order
+                pl = self._unpack(rows[p, off:off + sizes[i]], like)
+                dec = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
+                if p == self.peer and slot.ef is not None:
+                    slot.ef.update(x, dec.to(x.device).reshape(x.shape))
+                total = dec if total is None else total + dec
+            off += sizes[i]
+            outs.append(total.to(x.device))  # type: ignore[union-attr]
+        return outs
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        return chunks(n, self.peers)
+
+    def _run_two_phase(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
+        """1-bit Adam's compressed allreduce, for any element-wise GATHER compressor: worker payloads
+        of chunk j go to peer j (all_to_all); peer j decodes and adds them in peer order, compresses
+        the sum again with its server-side error feedback; the server payloads are all-gathered."""
+        c, P, me = self.c, self.peers, self.peer
+        flat = [x.reshape(-1) for x in xs]
+        bounds = [self._chunks(f.numel()) for f in flat]
+        # phase 1: worker payloads, chunk j of every tensor to peer j
+        work: list[list[list[torch.Tensor]]] = []  # [tensor][chunk] -> payload
+        for f, k, bs in zip(flat, keys, bounds):
+            slot = self.slot(k)
+            work.append([c.compress(f[a:b], slot.chunks.setdefault(j, {}), self.ctx((k, j), step))
+                         if b > a else [] for j, (a, b) in enumerate(bs)])
+        send_parts, in_splits = [], []
+        for j in range(P):
+            part = [self._pack(work[i][j]) for i in range(len(flat))]
+            send_parts.extend(part)
+            in_splits.append(sum(p.numel() for p in part))
+        mine_sizes = [self._pack(work[i][me]).numel() for i in range(len(flat))]
+        dev = flat[0].device if flat else torch.device("cpu")
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=dev)
+        recv = torch.empty(P * sum(mine_sizes), dtype=torch.uint8, device=send.device)
+        self._all_to_all(recv, send, [sum(mine_sizes)] * P, in_splits)
+        recv = self._decode_device(recv).view(P, -1) if recv.numel() else recv.view(P, 0)
+        # worker error feedback: what this rank sent is its own payloads, decoded
+        for i, (x, k) in enumerate(zip(xs, keys)):
+            slot = self.slot(k)
+            if slot.ef is not None:
+                sent = torch.zeros_like(flat[i])
+                for j, (a, b) in enumerate(bounds[i]):
+                    if b > a:
+                        st = slot.chunks[j]
+                        sent[a:b] = c.decompress(work[i][j], st, self.ctx((k, j), step)).reshape(-1).to(sent.device)
+                slot.ef.update(x, sent.reshape(x.shape))
+        # the server: decode and add chunk `me` of every peer, compress the sum again
+        server_payloads, off = [], 0
+        for i, k in enumerate(keys):
+            a, b = bounds[i][me]
+            if b <= a:
+                server_payloads.append([])
+                continue
+            slot = self.slot(k)
+            st, ef = slot.server.setdefault(me, ({}, ErrorFeedback(record=self.record, scratch=self._scratch)
+                                                     if c.error_feedback else None))
+            like = [self._decode_device(t) for t in work[i][me]]
+            total = None
+            wst = slot.chunks[me]  # chunk me's worker state: the peers' payloads have its shape
+            for p in range(P):
+                dec = c.decompress(self._unpack(recv[p, off:off + mine_sizes[i]], like), wst,
+                                   self.ctx((k, me), step)).reshape(-1)
+                total = dec if total is None else total + dec
+            off += mine_sizes[i]
+            y = total.to(flat[i].device)  # type: ignore[union-attr]
+            ys = ef.input(y) if ef is not None else y
+            ctx = self.ctx((k, me), step, "server")
+            pl = c.compress(ys, st, ctx)
+            if ef is not None:
+                ef.update(ys, c.decompress([self._decode_device(t) for t in pl], st, ctx).reshape(-1).to(ys.device))
+            server_payloads.append(pl)
+        # phase 2: all-gather the server payloads (padded to the largest chunk's)
+        width = [[self._pack(work[i][j]).numel() for j in range(P)] for i in range(len(flat))]
+        row = max((sum(w[j] for w in width) for j in range(P)), default=0)
+        mine = torch.cat([self._pack(pl) for pl in server_payloads] +
+                         [torch.zeros(row - sum(w[me] for w in width), dtype=torch.uint8, device=dev)])
+        rows = torch.empty(P * row, dtype=torch.uint8, device=mine.device)
+        self._all_gather(rows, mine)
+        rows = self._decode_device(rows).view(P, -1) if rows.numel() else rows.view(P, 0)
+        outs = []
+        for i, k in enumerate(keys):
+            out = torch.zeros_like(self._decode_device(flat[i]))
+            for j, (a, b) in enumerate(bounds[i]):
+                if b <= a:
+                    continue
+                start = sum(width[q][j] for q in range(i))
+                like = [self._decode_device(t) for t in work[i][j]]
+                pl = self._unpack(rows[j, start:start + width[i][j]], like)
+                st = self.slot(k).chunks[j]  # chunk j's worker state: same chunk, same shape
+                out[a:b] = c.decompress(pl, st, self.ctx((k, j), step, "server")).reshape(-1)
+            outs.append(out.to(flat[i].device))
+        return outs
+
+    # -- what the exchange declares ------------------------------------------------------------------
+
+    def declared_sent(self, shapes: Sequence[tuple[int, ...]], dtype: str) -> float:
+        """Bytes this rank sends for tensors of ``shapes``, from the compressor's declared payload
+        sizes and this exchange's collectives (the meter's factors)."""
+        native = self.c.combine is Combine.SUM and self._payload_summed_natively(dtype)
+        return declared_sent(self.c, shapes, dtype, self.peers, native)
+
+    def _payload_summed_natively(self, dtype: str) -> bool:
+        # the dtype of a SUM compressor's payload is what its compress returns; probe with a tiny tensor
+        from vcga import dtypes as _dtypes
+
+        x = torch.zeros(2, 2, dtype=_dtypes.to_torch(dtype))
+        pl = self.c.compress(x, {}, CompressContext(self.peers, self.peer, 0, 0), 0)
+        return all(self._sums_natively(t.dtype) for t in pl)
+
+
+# ===================================================================================================
+# The reducer: islands, parts, the exchange
+# ===================================================================================================
