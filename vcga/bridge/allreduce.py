@@ -347,8 +347,10 @@ class AllReduceAlgorithms:
             empty = min(empty, timed(lambda: None, True))
             for j, n in enumerate(SIZES):
                 for i, kind in enumerate(kinds):
-                    t = timed(lambda: steps[kind](xs[n]), closing[i])  # noqa: B023 - called at once
-                    took[r, i, j] = max(0.0, t - empty) if closing[i] else t
+                    took[r, i, j] = timed(lambda: steps[kind](xs[n]), closing[i])  # noqa: B023 - called at once
+        # The fastest empty step of all repetitions, taken off once they are all done: a first empty
+        # step slowed by the machine, taken off its own repetition, left nothing of a 2 MiB step.
+        took[:, closing] = (took[:, closing] - empty).clamp_(min=0.0)
         # Per repetition, rows 0..G-1: each vendor group's in-group steps (each rank fills its
         # group's row); row G: the host steps, and whether this rank's set reduces through shared
         # memory (0 if not: a MAX of "not shm" over the group says whether any set goes through gloo).
