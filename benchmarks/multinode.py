@@ -14,10 +14,12 @@ node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start th
    link carry S/2 each way twice), so at best S / rate, each direction at once.
 2. **DDP steps** (median step time, from a barrier to the end of the optimizer step) of a 4.2 M
    parameter MLP (eight 724 x 724 layers, 16.8 MB of fp32 gradients, 4 MiB buckets) and of
-   examples/train_mixed.py's transformer: compute only (the same steps without DDP, every rank at once), the bridge
-   asynchronous (the default), the bridge synchronous (``bridge_async: false``), flat gloo. The
-   bound: max(compute, gradient bytes / link rate). After the timed steps every rank checks that
-   the two bridge runs are bitwise identical (same reduction order), and that the asynchronous
+   examples/train_mixed.py's transformer: compute only (the same steps without DDP, every rank at
+   once), the bridge asynchronous (the default), the bridge synchronous (``bridge_async: false``),
+   flat gloo. The bound: max(compute, gradient bytes / link rate); and, since DDP reduces gradients
+   only while backward runs, max(compute, forward + gradient bytes / link rate) (the forward pass
+   timed alone in the compute-only steps). After the timed steps every rank checks that the two
+   bridge runs are bitwise identical (same reduction order), and that the asynchronous
    bridge's parameters are within the derived bound of flat gloo's (examples/train_mixed.py's
    check, with a recording run of gloo).
 
@@ -134,8 +136,9 @@ def rank_main(args: argparse.Namespace) -> None:
     for name, (make_model, make_batch, loss, ddp_kw) in tasks.items():
         steps = args.ddp_steps
         kw = {"make_model": make_model, "make_batch": make_batch, "loss": loss}
-        compute = _compute_only(make_model, make_batch, loss, steps, flat)
+        compute, forward = _compute_only(make_model, make_batch, loss, steps, flat)
         res: dict[str, Any] = {"compute_s": statistics.median(slowest(compute)[1:]),
+                               "forward_s": statistics.median(slowest(forward)[1:]),
                                "grad_bytes": sum(p.numel() * 4 for p in make_model().parameters())}
         models = {}
         for v, g in (("bridge_async", dist.group.WORLD), ("bridge_sync", sync), ("flat_gloo", flat)):
@@ -161,8 +164,10 @@ def _sum():
     return ReduceOp.SUM
 
 
-def _compute_only(make_model, make_batch, loss, steps: int, flat) -> list[float]:
-    """The same steps without DDP, every rank at once (the CPU is shared as in the DDP runs)."""
+def _compute_only(make_model, make_batch, loss, steps: int, flat) -> tuple[list[float], list[float]]:
+    """The same steps without DDP, every rank at once (the CPU is shared as in the DDP runs): each
+    step's seconds, and those of its forward pass (with the loss) alone. DDP reduces gradients only
+    during backward, so a step takes at least forward + gradient bytes / link rate."""
     import torch
     import torch.distributed as dist
 
@@ -170,16 +175,18 @@ def _compute_only(make_model, make_batch, loss, steps: int, flat) -> list[float]
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank = dist.get_rank()
-    times = []
+    times, forward = [], []
     for step in range(steps):
         x, y = make_batch(rank, step)
         dist.barrier(group=flat)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss(model(x), y).backward()
+        out = loss(model(x), y)
+        forward.append(time.perf_counter() - t0)
+        out.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, forward
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,7 +227,8 @@ def report(res: dict[str, Any], markdown: bool) -> str:
                      f"{m['auto'] / bound:.2f}", r["auto_chose"], *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
                      f"{m['flat'] * 1e3:.0f}", f"{m['flat'] / bound:.2f}"])
     lines.append(table(head, rows, markdown))
-    head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "bridge sync ms",
+    head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "fwd+grad/link ms",
+            "/that", "bridge sync ms",
             "flat gloo ms", "async = sync bits", "async vs gloo: diff/bound"]
     rows = []
     for name, d in res["ddp"].items():
@@ -228,6 +236,8 @@ def report(res: dict[str, Any], markdown: bool) -> str:
         bound = max(d["compute_s"], link_s)
         rows.append([name, f"{d['grad_bytes'] / 1e6:.1f}", f"{d['compute_s'] * 1e3:.0f}", f"{link_s * 1e3:.0f}",
                      f"{d['bridge_async_s'] * 1e3:.0f}", f"{d['bridge_async_s'] / bound:.2f}",
+                     *((f"{(d['forward_s'] + link_s) * 1e3:.0f}",
+                        f"{d['bridge_async_s'] / max(bound, d['forward_s'] + link_s):.2f}") if "forward_s" in d else ("", "")),
                      f"{d['bridge_sync_s'] * 1e3:.0f}", f"{d['flat_gloo_s'] * 1e3:.0f}",
                      "yes" if d["async_vs_sync_bitwise"] else "NO",
                      f"{d['max_diff_over_bound']:.2g}" + ("" if d["within_bound"] else " (OVER)")])
