@@ -198,7 +198,9 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     from vcga.testing.multinode import Cluster, parse_rate
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
-    env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Every group measures its links in this run (not a cache entry from an earlier one): the choice
+    # shown beside the forced algorithms is then the one this run's figures make.
+    env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VCGA_BRIDGE_CALIBRATION="measure")
     argv = [str(Path(__file__).resolve()), "--reps", str(args.reps), "--ddp-steps", str(args.ddp_steps),
             "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes))]
     with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate) as cluster:
