@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_vcga
+from conftest import SESSION_HARNESS_ENV, run_vcga
 from vcga.testing.multinode import Cluster, NodesUnavailable, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +35,13 @@ def make_cluster(**kwargs) -> Cluster:
         if os.environ.get("VCGA_MULTINODE_REQUIRED") == "1":
             raise
         pytest.skip(e.reason)
+
+
+def test_the_ci_switch_reaches_the_tests() -> None:
+    """CI sets VCGA_MULTINODE_REQUIRED=1 so that a machine that cannot build nodes fails these tests
+    instead of skipping them; the autouse fixture that strips VCGA_* from every test must keep it
+    (it once removed it, and the switch did nothing)."""
+    assert os.environ.get("VCGA_MULTINODE_REQUIRED") == SESSION_HARNESS_ENV.get("VCGA_MULTINODE_REQUIRED")
 
 
 def host_state() -> dict:
