@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import vcga  # noqa: F401 - registers backend "vcga"
+import vcga  # registers backend "vcga"
+import vcga.errors
 import vcga.checkpoint as ckpt
 from vcga import fault
 
@@ -145,7 +146,11 @@ def main() -> None:
         final_step, history = train(args, model, module, opt, state, start, attempt)
     except Exception as e:
         # The typed error a lost peer causes here (VcgaCollectiveError, VcgaTimeoutError) and when.
-        event(args.events, every_rank=True, event="failed", attempt=attempt, error=type(e).__name__)
+        # DDP and FSDP wait on torch futures, which hand back a RuntimeError wrapping the error a
+        # failed collective raised: vcga.errors.typed finds the VCGA error behind it.
+        err = vcga.errors.typed(e)
+        event(args.events, every_rank=True, event="failed", attempt=attempt, error=type(err).__name__,
+              message=str(err)[:500])
         raise
     finish(args, model, resumed, start, final_step, history, attempt)
 

@@ -397,3 +397,30 @@ def test_emulation_loop_is_refused_not_followed() -> None:
 
     with pytest.raises(VcgaUnsupportedError, match=f"longer than {MAX_EMULATION_DEPTH} steps"):
         Dispatcher(Loop(), 0, 2).broadcast(torch.ones(4, dtype=torch.int16), 0, dist.BroadcastOptions(), Steps())
+
+
+def test_typed_finds_the_vcga_error_behind_torch_future_wrappers() -> None:
+    """DDP and FSDP wait on torch futures; an error a collective's future carries reaches their
+    caller as a RuntimeError ("Got the following error when running the callback: ..."), one
+    level per then(). vcga.errors.typed gives back the VCGA error itself (the two-node elastic
+    test records it), and leaves other errors alone."""
+    import torch
+
+    from vcga.errors import VcgaCollectiveError, VcgaTimeoutError, typed
+
+    original = VcgaTimeoutError("all_reduce", 10, rank=3, seq=31, detail="bridge: recv timed out")
+    fut = torch.futures.Future()
+    chained = fut.then(lambda f: f.value()).then(lambda f: f.value())
+    fut.set_exception(original)
+    with pytest.raises(RuntimeError) as caught:
+        chained.wait()
+    assert not isinstance(caught.value, VcgaTimeoutError)  # torch's wrapper, not ours
+    assert typed(caught.value) is original
+    direct = VcgaCollectiveError("gloo failed", rank=1)
+    assert typed(direct) is direct
+    other = RuntimeError("something else")
+    assert typed(other) is other
+    try:
+        raise RuntimeError("wrapped") from direct
+    except RuntimeError as e:
+        assert typed(e) is direct

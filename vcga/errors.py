@@ -10,6 +10,9 @@ This module imports nothing heavy: the CLI imports it to turn errors into one-li
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +31,12 @@ __all__ = [
     "VcgaConversionError",
     "VcgaCheckpointError",
     "VcgaDiskFullError",
+    "typed",
 ]
+
+#: The VCGA errors created most recently in this process (weak references), for :func:`typed`.
+_RECENT: deque[weakref.ref[VcgaError]] = deque(maxlen=64)
+_RECENT_LOCK = threading.Lock()
 
 
 class VcgaError(Exception):
@@ -38,8 +46,42 @@ class VcgaError(Exception):
     rank's exception to the other ranks by pickling it, and the default (calling the class with
     the message alone) fails for every error here that takes more than a message."""
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        with _RECENT_LOCK:  # for typed(): torch's futures may hand the caller a wrapper instead
+            _RECENT.append(weakref.ref(self))
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def typed(error: BaseException) -> BaseException:
+    """The VCGA error behind ``error``, else ``error`` itself.
+
+    torch's futures wrap an exception raised in a ``then()`` callback into a plain ``RuntimeError``
+    ("Got the following error when running the callback: VcgaTimeoutError: ..."), and the code
+    that waits on them -- DDP's reducer, FSDP, DDP communication hooks -- hands the caller that
+    wrapper: a collective that failed with a :class:`VcgaTimeoutError` on the asynchronous bridge
+    reaches ``loss.backward()`` as a ``RuntimeError``. Its text still holds the original's; this
+    finds the VCGA error this process created whose message the wrapper (or its causes) carries::
+
+        except Exception as e:
+            err = vcga.errors.typed(e)   # the VcgaTimeoutError itself, when that is what failed
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, VcgaError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    text = str(error)
+    with _RECENT_LOCK:
+        recent = [r() for r in reversed(_RECENT)]
+    for err in recent:
+        if err is not None and f"{type(err).__name__}: {err}" in text:
+            return err
+    return error
 
 
 def _rebuild_error(cls: type[VcgaError], args: tuple[Any, ...], state: dict[str, Any]) -> VcgaError:
