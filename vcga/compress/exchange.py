@@ -87,7 +87,13 @@ class Exchange:
     # -- collectives (counted here when the transport cannot be) -----------------------------------
 
     def _count(self, kind: str, nbytes: int) -> None:
-        if self.meter is not None and not self._metered_at_transport:
+        if self.meter is None:
+            return
+        # What the compressor's payload costs, as handed to the collective (``label:payload``),
+        # apart from what the backend's table turns it into at the transport (a dtype it does not
+        # move natively travels bitcast through one it does, padded to that dtype's width).
+        self.meter.count(self.label + ":payload", kind, nbytes, self.peers)
+        if not self._metered_at_transport:
             self.meter.count(self.label, kind, nbytes, self.peers)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
