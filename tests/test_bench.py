@@ -165,6 +165,11 @@ def test_every_collective_under_torchrun_csv_compare_and_plot(tmp_path):
                           for k, v in x.items()})
     assert not [x for x in vcga_rows if x["op"] == "send_recv" and x["in_place"] == "True"]  # no in-place send_recv
     gloo_a2a = [x for x in rows if x["group"] == "gloo" and x["op"] == "all_to_all" and x["in_place"] == "True"]
-    assert gloo_a2a and all(int(x["wrong"]) > 0 for x in gloo_a2a)  # aliasing corrupts plain gloo's all_to_all
-    assert "plain gloo got" in r.stderr and "Out of bounds values : 0 OK" in r.stderr
+    # Plain gloo's in-place all_to_all reads an input its own writes may already have overwritten.
+    # Whether a run shows it depends on the threads' timing (one run on a quiet machine, under two
+    # pytest workers, came out right), so: its rows are there, and whenever one is wrong the run
+    # says so; VCGA's own rows are right every time (above).
+    assert gloo_a2a and all(int(x["wrong"]) >= 0 for x in gloo_a2a)
+    assert ("plain gloo got" in r.stderr) == any(int(x["wrong"]) > 0 for x in rows if x["group"] == "gloo")
+    assert "Out of bounds values : 0 OK" in r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
