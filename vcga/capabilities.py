@@ -12,7 +12,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -371,14 +371,112 @@ class CapabilityBuilder:
             for key in _all_keys():
                 if key in self._final or (key in cells and cells[key].support is not Support.REFUSED):
                     continue
-                derived = _derive(key, self._cells, self._final)
-                if derived is not None:
-                    reason = cells[key].note if key in cells else ""
-                    note = f"VCGA emulation: {EMULATIONS[_recipe_key(derived)]}"
-                    if reason:
-                        note += f" (library: {reason})"
-                    cells[key] = Cell(Support.EMULATED, via=derived, note=note, derived=True)
+                cell = _derived_cell(key, self._cells, self._final)
+                if cell is not None:
+                    cells[key] = cell
         return CapabilityTable(self.backend, cells)
+
+
+def _derived_cell(key: CellKey, stated: Mapping[CellKey, Cell], final: AbstractSet[CellKey]) -> Cell | None:
+    """The emulated cell :meth:`CapabilityBuilder.build` derives for ``key`` (not stated final, and
+    not stated native or emulated) from the ``stated`` cells, or None when no rule applies."""
+    derived = _derive(key, stated, final)
+    if derived is None:
+        return None
+    refused = stated.get(key)
+    reason = refused.note if refused is not None else ""
+    note = f"VCGA emulation: {EMULATIONS[_recipe_key(derived)]}"
+    if reason:
+        note += f" (library: {reason})"
+    return Cell(Support.EMULATED, via=derived, note=note, derived=True)
+
+
+class LazyCapabilityTable(CapabilityTable):
+    """A :class:`CapabilityTable` whose cells are worked out when first asked for.
+
+    ``stated(key)`` gives the cell a builder would have been told for ``key`` (None: nothing
+    stated); a refused stated cell is non-final, so VCGA's standard emulations are derived on top,
+    exactly as :meth:`CapabilityBuilder.build` derives them -- the same cells, one at a time. Why:
+    a mixed-vendor group's combined table (:func:`vcga.bridge.combined_table`) has some 500 cells,
+    each a function of the vendor groups' tables; working them all out took every rank ~10 ms of
+    CPU at every group creation, where a training job's collectives ask for a handful. Anything
+    that reads the whole table (:meth:`cells`, :meth:`to_json`, :meth:`summary`, comparisons)
+    works it out in full, once. (Core's own: plugins state their tables with the builder, so
+    :mod:`vcga.contract` does not export it.)
+    """
+
+    __slots__ = ("_stated_fn", "_stated", "_memo", "_full")
+
+    def __init__(self, backend: str, stated: Callable[[CellKey], Cell | None]) -> None:
+        self.backend = backend
+        self._default = Cell(Support.REFUSED, note=f"{backend} does not support this combination")
+        self._stated_fn = stated
+        self._stated = _StatedCells(stated)
+        self._memo: dict[CellKey, Cell | None] = {}
+        self._full: dict[CellKey, Cell] | None = None
+
+    def _cell(self, key: CellKey) -> Cell | None:
+        """The cell for ``key`` (a key of :func:`_all_keys`), or None: not stated, nothing derived."""
+        if key in self._memo:
+            return self._memo[key]
+        cell = self._stated.get(key)
+        if cell is None or cell.support is Support.REFUSED:
+            cell = _derived_cell(key, self._stated, frozenset()) or cell
+        self._memo[key] = cell
+        return cell
+
+    def lookup(self, collective: Collective | str, dtype: str, op: ReduceOp | str | None = None) -> Cell:
+        coll = collective if type(collective) is Collective else Collective(collective)
+        rop = (op if type(op) is ReduceOp else ReduceOp(op)) if (op is not None and coll.reduces) else None
+        if dtype not in _ALL_DTYPES or (coll.reduces and rop is None):
+            return self._default
+        return self._cell((coll, dtype, rop)) or self._default
+
+    @property  # type: ignore[override]
+    def _cells(self) -> dict[CellKey, Cell]:  # what the whole-table methods of CapabilityTable read
+        if self._full is None:
+            full = {}
+            for key in _all_keys():
+                cell = self._cell(key)
+                if cell is not None:
+                    full[key] = cell
+            self._full = full
+        return self._full
+
+
+class _StatedCells(Mapping[CellKey, Cell]):
+    """The stated cells of a :class:`LazyCapabilityTable`, each asked of ``stated`` once."""
+
+    def __init__(self, stated: Callable[[CellKey], Cell | None]) -> None:
+        self._fn = stated
+        self._memo: dict[CellKey, Cell | None] = {}
+
+    def get(self, key: CellKey, default: Any = None) -> Any:  # type: ignore[override]
+        if key in self._memo:
+            cell = self._memo[key]
+        else:
+            coll, dt, op = key
+            inside = dt in _ALL_DTYPES and (op is not None) == coll.reduces  # a key of _all_keys()
+            cell = self._memo[key] = self._fn(key) if inside else None
+        return default if cell is None else cell
+
+    def __getitem__(self, key: CellKey) -> Cell:
+        cell = self.get(key)
+        if cell is None:
+            raise KeyError(key)
+        return cell
+
+    def __contains__(self, key: object) -> bool:
+        return self.get(key) is not None  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[CellKey]:
+        return (k for k in _all_keys() if self.get(k) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+_ALL_DTYPES = frozenset(_dtypes.ALL)
 
 
 def _all_keys() -> Iterator[CellKey]:

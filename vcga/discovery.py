@@ -40,7 +40,8 @@ from vcga.errors import VcgaConfigError, VcgaTimeoutError
 if TYPE_CHECKING:
     from vcga.contract import Backend, CapabilityTable
 
-__all__ = ["Layout", "BackendFacts", "discover", "table_digest", "stack_digest", "encode_indices", "decode_indices"]
+__all__ = ["Layout", "BackendFacts", "discover", "table_digest", "table_to_wire", "table_from_wire", "stack_digest",
+           "encode_indices", "decode_indices"]
 
 #: Bumped when the layout record changes meaning.
 LAYOUT_VERSION = 1
@@ -101,21 +102,63 @@ class Layout:
 
 
 def table_digest(table: CapabilityTable) -> str:
-    """A digest of a capability table's content, independent of the order its cells were stated
-    in: two ranks whose tables differ in any cell (support, recipe or note) get different digests.
-    Computed once per table object (a backend's table lives as long as the process)."""
-    key = id(table)
-    hit = _DIGESTS.get(key)
+    """A digest of a capability table's content (:func:`table_to_wire`'s canonical bytes),
+    independent of the order its cells were stated in: two ranks whose tables differ in any cell
+    (support, recipe or note) get different digests. Computed once per table object (a backend's
+    table lives as long as the process)."""
+    return hashlib.sha256(table_to_wire(table)).hexdigest()[:16]
+
+
+#: Bumped when :func:`table_to_wire`'s form changes (it is part of every table digest).
+WIRE_VERSION = 1
+
+
+def table_to_wire(table: CapabilityTable) -> bytes:
+    """A capability table as the bridge publishes it through the store, canonical: the same bytes
+    for the same cells in whatever order they were stated (so :func:`table_digest`
+    is a digest of these bytes). JSON: the backend, each distinct note once, and one row per cell
+    ``[collective, dtype, op or "", support, via or "", note index, derived]``, sorted.
+
+    About 20 KB before compression, made in ~2 ms; :meth:`CapabilityTable.to_json` (what ``vcga
+    info`` shows, with each emulated cell's route) is 120 KB and ~13 ms: on the path of every
+    mixed group's creation, that was time every other rank waited for. Cached per table object."""
+    hit = _WIRE.get(id(table))
     if hit is not None and hit[0] is table:
         return hit[1]
-    rows = sorted((c.value, dt, op.value if op is not None else "", cell.support.value, cell.via or "", cell.note)
-                  for (c, dt, op), cell in table.cells().items())
-    digest = hashlib.sha256(json.dumps([table.backend, rows]).encode()).hexdigest()[:16]
-    _DIGESTS[key] = (table, digest)
-    return digest
+    # the enums are str subclasses: sorted and written as their values
+    cells = sorted((c, dt, op or "", cell.support, cell.via or "", cell.note, cell.derived)
+                   for (c, dt, op), cell in table.cells().items())
+    notes: dict[str, int] = {}
+    rows = [[c, dt, op, sup, via, notes.setdefault(note, len(notes)), 1 if der else 0]
+            for c, dt, op, sup, via, note, der in cells]
+    text = json.dumps([WIRE_VERSION, table.backend, list(notes), rows], separators=(",", ":")).encode()
+    _WIRE[id(table)] = (table, text)
+    return text
 
 
-_DIGESTS: dict[int, tuple[Any, str]] = {}
+_WIRE: dict[int, tuple[CapabilityTable, bytes]] = {}
+
+
+def table_from_wire(backend: str, text: bytes) -> CapabilityTable:
+    """The table :func:`table_to_wire` wrote (named ``backend``). Cells with the same content are
+    one (immutable) :class:`~vcga.contract.Cell` object."""
+    from vcga.capabilities import CapabilityTable, Cell, Collective, ReduceOp, Support
+
+    version, _, notes, rows = json.loads(text)
+    if version != WIRE_VERSION:
+        raise ValueError(f"capability table in wire form {version}, this vcga reads {WIRE_VERSION}")
+    colls = {c.value: c for c in Collective}
+    ops: dict[str, ReduceOp | None] = {o.value: o for o in ReduceOp}
+    ops[""] = None
+    shared: dict[tuple[str, str, int, int], Cell] = {}
+    cells = {}
+    for c, dt, op, sup, via, note, der in rows:
+        k = (sup, via, note, der)
+        cell = shared.get(k)
+        if cell is None:
+            cell = shared[k] = Cell(Support(sup), via=via or None, note=notes[note], derived=bool(der))
+        cells[(colls[c], dt, ops[op])] = cell
+    return CapabilityTable(backend, cells)
 
 
 def stack_digest(backend: Backend) -> str:

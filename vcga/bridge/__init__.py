@@ -58,6 +58,8 @@ from vcga.bridge.plan import (
     reduction_routes,
     table_digest,
     table_from_json,
+    table_from_wire,
+    table_to_wire,
 )
 
 __all__ = [
@@ -75,6 +77,8 @@ __all__ = [
     "plan_for_layout",
     "reduction_routes",
     "table_from_json",
+    "table_from_wire",
+    "table_to_wire",
 ]
 
 #: Names that need torch, and the module that has each (loaded on first access, PEP 562).

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from vcga.bridge.cost import LinkFigures
 from vcga.bridge.group import BridgeGroup
-from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, table_from_json
+from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan
 from vcga.contract import Backend, CapabilityTable
-from vcga.discovery import Layout
+from vcga.discovery import Layout, table_from_wire, table_to_wire
 from vcga.dispatch import Dispatcher
 from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
 from vcga.hostbridge import SharedMemoryBridge, every_rank
@@ -145,11 +145,14 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     if log.isEnabledFor(logging.DEBUG):
         log.debug("vcga bridge plan (rank %d): %s", gr[rank], json.dumps(plan.describe()))
 
-    # 1. Capability tables: the first rank of each backend publishes its table, under its digest;
-    #    every rank reads those of the other backends (discovery checked that the digests agree).
-    tables, digests = _tables(bstore, layout, plan, rank, backend, timeout, gr)
-    name = "bridge(" + ",".join(f"{g.backend}:{g.size}" for g in plan.groups) + ")"
-    table = _combined(name, tables, digests)
+    # 1. Capability tables: the first rank of each backend publishes its table under its digest
+    #    (discovery checked that the digests agree); rank 0 publishes where the link figures come
+    #    from. Both are read after the native groups (below): by then every rank has published.
+    _publish_table(bstore, layout, rank, backend)
+    calibrate = plan.equal_groups and plan.algorithm in ("auto", "bandwidth") and calibration != "off"
+    topo = directory = None
+    if calibrate and rank == 0:
+        directory, topo = _publish_figures(bstore, layout, plan, peers, calibration, figures_cache, shared_memory)
     clock.add("discovery", time.perf_counter() - t_disc, time.process_time() - c_disc)
 
     # 2. This rank's native vendor group; any failure stops every rank with one error.
@@ -179,13 +182,17 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     except Exception as e:
         raise VcgaBackendUnavailable("vcga", f"rank {gr[rank]}: creating the mixed-vendor host bridge (gloo) failed: "
                                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    with clock.phase("discovery"):
+        tables, decided = _read_published(bstore, layout, plan, backend, calibrate)
+        name = "bridge(" + ",".join(f"{g.backend}:{g.size}" for g in plan.groups) + ")"
+        table = combined_table(name, tables)  # its cells are worked out as they are asked for
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
     group.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
-    if plan.equal_groups and plan.algorithm in ("auto", "bandwidth") and calibration != "off":
+    if calibrate:
         with clock.phase("calibration"):
-            _calibrate(group, bstore, backend, layout, calibration, figures_cache, shared_memory, timeout, gr)
+            _calibrate(group, decided, backend, directory, topo)
     if async_ops:
         group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
     closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
@@ -217,28 +224,34 @@ def _lazy_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
                 os.environ["TORCH_GLOO_LAZY_INIT"] = was
 
 
-def _calibrate(group: BridgeGroup, bstore: Any, backend: Backend, layout: Layout | None, mode: str,
-               cache: str | None, shared_memory: bool, timeout: timedelta, gr: Sequence[int]) -> None:
+def _publish_figures(bstore: Any, layout: Layout | None, plan: Plan, peers: Sequence[dict[str, Any]], mode: str,
+                     cache: str | None, shared_memory: bool) -> tuple[Any, Any]:
+    """Rank 0: decide where the group's α–β figures come from and publish it under ``figures``
+    (read by every rank with the capability tables, :func:`_read_published`): the figures its
+    cache holds for this topology (mode "cached", :mod:`vcga.bridge.figcache`), or "measure".
+    Done right after discovery, so no rank waits for it later. Returns the cache directory and the
+    topology (where a measurement is stored)."""
+    from vcga.bridge import figcache
+
+    directory = figcache.cache_dir(cache)
+    topo = figcache.topology(layout, plan, link_classes(plan, peers), "shm" if shared_memory else "gloo")
+    fig = figcache.load(directory, topo) if mode == "cached" else None
+    bstore.set("figures", json.dumps({"figures": fig.to_json()} if fig is not None else {"measure": True}))
+    return directory, topo
+
+
+def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, directory: Any, topo: Any) -> None:
     """Give the group its α–β figures, the same on every rank (collective over the group).
 
-    Rank 0 decides, and every rank does what it decided: rank 0 looks its cache up (mode "cached",
-    :mod:`vcga.bridge.figcache`) and publishes what it found -- the figures, or "measure" -- under
-    ``figures`` in the group's store; every rank reads that one key. Figures found: every rank
-    applies rank 0's (its own cache is never read, so ranks with other caches still agree).
-    Otherwise the group measures (:meth:`BridgeGroup.measure_links`, over the whole group) and rank
-    0 stores the result. Without a cache hit, a rank that cannot name its device makes every rank
-    skip the measurement: "auto" then keeps the plan's rule."""
+    Rank 0 decided (:func:`_publish_figures`) and every rank does what it decided (``decided``:
+    what rank 0 published). Figures found: every rank applies rank 0's (its own cache is never
+    read, so ranks with other caches still agree). Otherwise the group measures
+    (:meth:`BridgeGroup.measure_links`, over the whole group) and rank 0 stores the result. Without
+    a cache hit, a rank that cannot name its device makes every rank skip the measurement: "auto"
+    then keeps the plan's rule."""
     from vcga.bridge import figcache
 
     rank = group.rank
-    topo = directory = None
-    if rank == 0:
-        directory = figcache.cache_dir(cache)
-        topo = figcache.topology(layout, group.plan, group.link_classes, "shm" if shared_memory else "gloo")
-        fig = figcache.load(directory, topo) if mode == "cached" else None
-        bstore.set("figures", json.dumps({"figures": fig.to_json()} if fig is not None else {"measure": True}))
-    _wait(bstore, ["figures"], timeout, "rank 0 never published the bridge's link figures", gr[rank], [gr[0]])
-    decided = json.loads(bstore.get("figures"))
     if "figures" in decided:
         group.apply_figures(LinkFigures.from_json(decided["figures"]))
         assert group.calibration is not None
@@ -248,7 +261,7 @@ def _calibrate(group: BridgeGroup, bstore: Any, backend: Backend, layout: Layout
         device = backend.accelerator().device()
     except Exception as e:  # noqa: BLE001 - an accelerator that cannot name its device: measure nothing
         log.warning("vcga bridge: rank %d cannot name its %s device (%s); the creation-time measurement "
-                    "is skipped on every rank", gr[rank], backend.name, e)
+                    "is skipped on every rank", (group.plan.global_ranks or range(rank + 1))[rank], backend.name, e)
         device = None
     # The measurement is collective: run it only if every rank can (else ranks that can would
     # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
@@ -261,50 +274,42 @@ def _calibrate(group: BridgeGroup, bstore: Any, backend: Backend, layout: Layout
             log.debug("vcga bridge: link figures stored in %s", path)
 
 
-#: Capability tables by digest, and combined tables by their parts' digests: a table is a pure
-#: function of its digest, so a process that creates several groups reads and combines each once.
+#: Capability tables by digest: a table is a pure function of its digest, so a process that
+#: creates several groups reads each once.
 _TABLES: dict[str, CapabilityTable] = {}
-_COMBINED: dict[tuple[str, ...], CapabilityTable] = {}
 
 
-def _tables(bstore: Any, layout: Layout | None, plan: Plan, rank: int, backend: Backend, timeout: timedelta,
-            gr: Sequence[int]) -> tuple[list[CapabilityTable], tuple[str, ...]]:
-    """Every vendor group's capability table and its digest, in plan order.
-
-    The lowest rank of each backend publishes its table (compressed JSON, about 2.5 KB) under
-    ``table/<digest>``; a rank reads only the tables of the other backends, and only those it has
-    not read before in this process. Discovery already checked that every rank of a backend has
-    the same digest."""
+def _publish_table(bstore: Any, layout: Layout | None, rank: int, backend: Backend) -> None:
+    """The lowest rank of each backend publishes its capability table under ``table/<digest>``
+    (:func:`vcga.discovery.table_to_wire`, compressed: about 3 KB; the same bytes its digest is of)."""
     if layout is None:
         raise TypeError("create_bridge_transport needs the layout discovery found (vcga.discovery.discover)")
-    mine = backend.capabilities()
+    i = next(i for i, f in enumerate(layout.backends) if f.name == backend.name)
+    if rank == layout.first_rank_of(i):
+        bstore.set(f"table/{layout.backends[i].digest}", zlib.compress(table_to_wire(backend.capabilities()), 1))
+
+
+def _read_published(bstore: Any, layout: Layout | None, plan: Plan, backend: Backend, figures: bool,
+                    ) -> tuple[list[CapabilityTable], dict[str, Any]]:
+    """Every vendor group's capability table, in plan order, and (``figures``)
+    what rank 0 decided about the link figures: one ``multi_get`` of what this rank has not read
+    before in this process (a table is a pure function of its digest).
+
+    Called after the native groups' outcome is agreed: every rank published what it publishes
+    (:func:`_publish_table`, :func:`_publish_figures`) before it counted itself there, so every
+    key is in the store and nothing here waits."""
+    assert layout is not None
     digests = {f.name: f.digest for f in layout.backends}
-    first = {f.name: layout.first_rank_of(i) for i, f in enumerate(layout.backends)}
-    if rank == first[backend.name]:
-        bstore.set(f"table/{digests[backend.name]}", zlib.compress(json.dumps(mine.to_json()).encode(), 6))
-    out = []
-    for g in plan.groups:
-        if g.backend == backend.name:
-            out.append(mine)
-            continue
-        digest = digests[g.backend]
-        table = _TABLES.get(digest)
-        if table is None:
-            key = f"table/{digest}"
-            _wait(bstore, [key], timeout, f"rank {gr[first[g.backend]]} never published the capability table of "
-                                          f"{g.backend}", gr[rank], [gr[first[g.backend]]])
-            table = _TABLES[digest] = table_from_json(g.backend, json.loads(zlib.decompress(bstore.get(key))))
-        out.append(table)
-    return out, tuple(digests[g.backend] for g in plan.groups)
-
-
-def _combined(name: str, tables: Sequence[CapabilityTable], key: tuple[str, ...]) -> CapabilityTable:
-    """:func:`combined_table`, computed once per combination of tables (``key``: their digests)
-    in this process."""
-    hit = _COMBINED.get(key)
-    if hit is None:
-        hit = _COMBINED[key] = combined_table(name, tables)
-    return hit if hit.backend == name else CapabilityTable(name, hit.cells())
+    wanted = [digests[g.backend] for g in plan.groups if g.backend != backend.name and digests[g.backend] not in _TABLES]
+    wanted = list(dict.fromkeys(wanted))
+    keys = [f"table/{d}" for d in wanted] + (["figures"] if figures else [])
+    values = bstore.multi_get(keys) if keys else []
+    for d, v in zip(wanted, values):
+        name = next(f.name for f in layout.backends if f.digest == d)
+        _TABLES[d] = table_from_wire(name, zlib.decompress(v))
+    decided = json.loads(values[-1]) if figures else {}
+    tables = [backend.capabilities() if g.backend == backend.name else _TABLES[digests[g.backend]] for g in plan.groups]
+    return tables, decided
 
 
 #: A native group not created within this many seconds makes the rank start watching for

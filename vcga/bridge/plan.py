@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vcga import dtypes as _dtypes
-from vcga.contract import Backend, CapabilityTable, Cell, Collective, ReduceOp, Support
-from vcga.discovery import table_digest  # noqa: F401 - re-exported as vcga.bridge.table_digest
+from vcga.capabilities import LazyCapabilityTable
+from vcga.contract import Backend, CapabilityTable, Cell, CellKey, Collective, ReduceOp, Support
+from vcga.discovery import table_digest, table_from_wire, table_to_wire  # noqa: F401 - re-exported by vcga.bridge
 from vcga.errors import VcgaConfigError
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "plan_for_layout",
     "reduction_routes",
     "table_from_json",
+    "table_from_wire",
+    "table_to_wire",
 ]
 
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
@@ -297,7 +300,7 @@ def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
 
 
 def table_from_json(backend: str, rows: Sequence[dict[str, Any]]) -> CapabilityTable:
-    """Rebuild a table from :meth:`CapabilityTable.to_json` rows (as published through the store)."""
+    """Rebuild a table from :meth:`CapabilityTable.to_json` rows."""
     cells = {}
     for row in rows:
         coll = Collective(row["collective"])
@@ -318,23 +321,25 @@ def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTa
     Every other cell is refused with the refusing vendors' reasons, non-final, so the standard
     emulations are derived on top: AVG = SUM then divide, PREMUL_SUM = scale then SUM, fp16/bf16/fp8
     through fp32 (accumulated across vendors in fp32), complex as real pairs.
+
+    The cells are worked out as they are asked for (:class:`~vcga.capabilities.LazyCapabilityTable`:
+    the same cells as a builder's ``build(derive=True)`` of every cell stated this way).
     """
-    b = CapabilityTable.builder(name)
+    tables = list(tables)
     backends = ", ".join(t.backend for t in tables)
     routes: dict[tuple[int, str, ReduceOp], str | None] = {}  # group_route per (table, dtype, op): once, not per collective
-    for coll in Collective:
-        for dt in _dtypes.ALL:
-            ops: Sequence[ReduceOp | None] = list(ReduceOp) if coll.reduces else [None]
-            for op in ops:
-                reason = _bridge_refusal(coll, dt, op, tables, routes)
-                if reason is None:
-                    note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
-                            f"vendors on the host" if coll.reduces or coll is Collective.BROADCAST else
-                            f"host bridge (gloo) across {backends}, as bytes")
-                    b.native([coll], [dt], [op] if op is not None else None, note=note)
-                else:
-                    b.refuse([coll], [dt], [op] if op is not None else None, note=reason, final=False)
-    return b.build(derive=True)
+
+    def stated(key: CellKey) -> Cell:
+        coll, dt, op = key
+        reason = _bridge_refusal(coll, dt, op, tables, routes)
+        if reason is None:
+            note = (f"hierarchical over {backends}: in each vendor group by its own library, across "
+                    f"vendors on the host" if coll.reduces or coll is Collective.BROADCAST else
+                    f"host bridge (gloo) across {backends}, as bytes")
+            return Cell(Support.NATIVE, note=note)
+        return Cell(Support.REFUSED, note=reason)
+
+    return LazyCapabilityTable(name, stated)
 
 
 def group_route(table: CapabilityTable, dt: str, op: ReduceOp) -> str | None:
