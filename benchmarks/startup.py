@@ -165,6 +165,22 @@ def one_start(rank: int, world: int, store: Any, variant: str, timeout: float) -
             "gc_s": sum(gc_s), "gc_n": len(gc_s)}
 
 
+def memory() -> dict[str, int]:
+    """This process's memory in KiB (Linux ``smaps_rollup``): resident, proportional (shared pages
+    divided among the processes that share them) and private (its own: what another rank adds)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("Rss", "Pss", "Private_Clean", "Private_Dirty"):
+                    out[k] = int(v.split()[0])
+    except OSError:  # not Linux: not reported
+        return {}
+    return {"rss": out.get("Rss", 0), "pss": out.get("Pss", 0),
+            "private": out.get("Private_Clean", 0) + out.get("Private_Dirty", 0)}
+
+
 def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> None:
     """One rank of one start: a fresh process (forked from a server that imported torch and vcga,
     as a training script has by the time it calls init_process_group)."""
@@ -202,6 +218,7 @@ def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> Non
     ctl.wait([f"go/{it}"])
     res = one_start(rank, world, store, base(variant), timeout)
     res["connect"] = connect
+    res["mem"] = memory()
     ctl.set(f"res/{it}/{rank}", json.dumps(res))
     # Exit without tearing the group down: the next start is a new world of new processes, and a
     # torn-down group would only add its teardown to the store counts.
@@ -216,8 +233,12 @@ def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> Non
 
 #: What a training script has imported by the time it calls init_process_group; the rank
 #: processes are forked from a server that imported these (a fresh interpreter per rank would
-#: spend seconds of CPU in `import torch` before every start).
-PRELOAD = ["torch", "torch.distributed", "vcga"]
+#: spend seconds of CPU in `import torch` before every start, and hold a copy of torch's pages of
+#: its own: 64 ranks x ~300 MB). Forked, a rank shares the server's pages until it writes them; the
+#: JSON's ``mem`` says what each rank held at the end of its start (rss, pss, private KiB). vcga's
+#: own modules are here too: importing them is what a process pays once, never part of a start.
+PRELOAD = ["torch", "torch.distributed", "vcga", "vcga.process_group", "vcga.discovery", "vcga.bridge.create",
+           "vcga.plugin_manager"]
 
 
 class Driver:
@@ -242,6 +263,8 @@ class Driver:
         self.ctx.set_forkserver_preload(PRELOAD)
         self.procs: list[Any] = []
         self.it = 0
+        #: the machine's MemAvailable (GiB), lowest seen with a world's ranks up (before each start)
+        self.mem_available = float("inf")
 
     def _alive(self) -> None:
         failed = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
@@ -275,11 +298,13 @@ class Driver:
                     raise SystemExit("ranks never got ready")
                 time.sleep(0.005)
             time.sleep(0.2)  # let the forked processes settle: only the start itself is measured
+            self.mem_available = min(self.mem_available, mem_available_gib())
             if self.proxy is not None:
                 self.proxy.reset()
             t_go = time.time()
             self.ctl.set(f"go/{it}", "1")
             ranks = [json.loads(v) for v in self._wait_keys([f"res/{it}/{r}" for r in range(self.world)])]
+            self.mem_available = min(self.mem_available, mem_available_gib())  # every rank still up, after its start
             entry = {"kind": kind, "variant": variant, "t_go": t_go, "ranks": ranks,
                      "total": max(r["t_end"] for r in ranks) - t_go}
             if counted and self.proxy is not None:
@@ -306,12 +331,23 @@ class Driver:
             starts.append(entry)
             if self.args.progress:
                 print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
-        return {"world": self.world, "starts": starts}
+        return {"world": self.world, "starts": starts, "mem_available_gib": self.mem_available}
 
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
         self.cache.cleanup()
+
+
+def mem_available_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
 
 
 def phases_of(rank: dict[str, Any], which: int) -> dict[str, float]:
@@ -334,7 +370,7 @@ def summarize(result: dict[str, Any], variants: tuple[str, ...]) -> dict[str, An
     """Per variant: median total, median ratio to gloo (start by start), mean phase seconds, store load."""
     world = result["world"]
     timed = [s for s in result["starts"] if s["kind"] == "timed"]
-    out: dict[str, Any] = {"world": world, "variants": {}}
+    out: dict[str, Any] = {"world": world, "variants": {}, "mem_available_gib": result.get("mem_available_gib", 0.0)}
     by_v = {v: [s for s in timed if s["variant"] == v] for v in variants}
     for v in variants:
         starts = by_v[v]
@@ -354,6 +390,9 @@ def summarize(result: dict[str, Any], variants: tuple[str, ...]) -> dict[str, An
         row["cpu_per_rank_s"] = statistics.median(
             sum(rk["init"][1] + rk["first"][1] for rk in s["ranks"]) / world for s in starts)
         row["connect_s"] = statistics.median(max(rk["connect"] for rk in s["ranks"]) for s in starts)
+        mems = [rk["mem"] for s in starts for rk in s["ranks"] if rk.get("mem")]
+        if mems:  # MiB per rank, mean over ranks and starts
+            row["mem_mib"] = {k: sum(m[k] for m in mems) / len(mems) / 1024 for k in ("rss", "pss", "private")}
         counted = [s for s in result["starts"] if s["kind"] == "counted" and s["variant"] == v]
         if counted:
             row["store"] = store_load(counted[0], world)
@@ -409,6 +448,13 @@ def render(summaries: list[dict[str, Any]], variants: tuple[str, ...], markdown:
                 ph = s["variants"][v][key]
                 lines.append([str(s["world"]), v, *[f"{ph.get(p, 0) * 1e3:.1f}" for p in used]])
         out += [f"per phase, {what}: mean over ranks of each rank's milliseconds", table(head, lines, markdown), ""]
+    if any("mem_mib" in s["variants"][v] for s in summaries for v in variants):
+        head = ["ranks", "variant", "RSS MiB/rank", "PSS MiB/rank", "private MiB/rank", "machine MemAvailable GiB (lowest seen)"]
+        lines = [[str(s["world"]), v, *[f"{s['variants'][v]['mem_mib'][k]:.0f}" for k in ("rss", "pss", "private")],
+                  f"{s.get('mem_available_gib', 0):.1f}"]
+                 for s in summaries for v in variants if "mem_mib" in s["variants"][v]]
+        out += ["memory of a rank at the end of its start (mean; forked from a server that imported torch: "
+                "PSS counts the shared pages once over all processes)", table(head, lines, markdown), ""]
     if any("store" in s["variants"][v] for s in summaries for v in variants):
         cats = [c for c in CATEGORIES if any(c in s["variants"][v].get("store", {}).get("by_category", {})
                                              for s in summaries for v in variants)]

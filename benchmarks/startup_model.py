@@ -134,7 +134,7 @@ def plot(m: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.4))
     xs = np.geomspace(4, max(TARGETS), 200)
     for (v, e), color in zip(m["variants"].items(), ("C0", "C1", "C2", "C3", "C4")):
         ns = e["ns"]
@@ -148,7 +148,11 @@ def plot(m: dict[str, Any], path: str) -> None:
             ax1.plot(xs, own, ":", color=color, label=f"{v}: vcga's own parts")
         ax2.plot(ns, [r / n for r, n in zip(e["requests"]["measured"], ns)], "o", color=color, label=f"{v}: measured")
         ax2.plot(xs, [evaluate(np.array(e["requests"]["coef"]), x) / x for x in xs], "-", color=color, alpha=0.7)
-    for ax, title in ((ax1, "store requests of one start, in total"), (ax2, "store requests per rank")):
+        ax3.plot(ns, [c * 1e3 for c in e["cpu_per_rank_s"]["measured"]], "o", color=color, label=f"{v}: measured")
+        ax3.plot(xs, [evaluate(np.array(e["cpu_per_rank_s"]["coef"]), x) * 1e3 for x in xs], "-", color=color,
+                 alpha=0.7, label=f"{v}: fitted a + b·n")
+    for ax, title in ((ax1, "store requests of one start, in total"), (ax2, "store requests per rank"),
+                      (ax3, "CPU ms per rank (a start, all phases)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
@@ -156,6 +160,7 @@ def plot(m: dict[str, Any], path: str) -> None:
         for n in TARGETS:
             ax.axvline(n, color="grey", lw=0.5)
     ax1.legend(fontsize=7)
+    ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
