@@ -152,14 +152,7 @@ class WorkQueue:
             # (``_running``) while callbacks run, so the order is the same on every rank.
             with self._cv:
                 self._check()
-            self._local.active = True
-            try:
-                return fn()
-            except BaseException as e:
-                self._poison(e)
-                raise
-            finally:
-                self._local.active = False
+            return self._run_here(fn)
         with self._cv:
             self._check()
             inline = not async_op and not self._running and not self._jobs
@@ -176,6 +169,16 @@ class WorkQueue:
             if not async_op:
                 work.wait()
             return work
+        try:
+            return self._run_here(fn)
+        finally:
+            with self._cv:
+                self._running = False
+                self._cv.notify_all()
+
+    def _run_here(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the calling thread as this queue's current collective; a failure poisons
+        the queue (the ranks no longer agree on the sequence) and is raised to the caller."""
         self._local.active = True
         try:
             return fn()
@@ -184,9 +187,6 @@ class WorkQueue:
             raise
         finally:
             self._local.active = False
-            with self._cv:
-                self._running = False
-                self._cv.notify_all()
 
     def _check(self) -> None:
         if os.getpid() != self._pid:
