@@ -204,44 +204,16 @@ class MindSporeCkptReader(ReaderContext):
     def _frames(self) -> list[_Frame]:
         """Walk the top-level fields: tags and lengths only."""
         frames: list[_Frame] = []
-        pos = 0
-        while pos < self.body_end:
-            head = self._pread(min(20, self.body_end - pos), pos)
-            tag = _varint(head, 0)
-            if tag is None:
-                raise VcgaFormatError(self.path, "truncated protobuf field tag", offset=pos)
-            key, at = tag
-            number, wire = key >> 3, key & 7
-            if wire == 2:
-                ln = _varint(head, at)
-                if ln is None:
-                    raise VcgaFormatError(self.path, "truncated protobuf length", offset=pos + at)
-                length, at = ln
-            elif wire == 0:
-                v = _varint(head, at)
-                if v is None:
-                    raise VcgaFormatError(self.path, "truncated protobuf varint", offset=pos + at)
-                length, at = 0, v[1]
-            elif wire in (1, 5):
-                length = 8 if wire == 1 else 4
-            else:
-                raise VcgaFormatError(self.path, f"invalid protobuf wire type {wire} (field {number}); not a "
-                                                 "MindSpore checkpoint, or a damaged one", offset=pos)
-            end = pos + at + length
-            if end > self.body_end:
-                raise VcgaFormatError(self.path, f"protobuf field {number} claims {length} bytes, only "
-                                                 f"{self.body_end - pos - at} remain; the file is truncated",
-                                      offset=pos)
+        for number, wire, pos, off, n in self._walk(0, self.body_end):
             if number == 0:
                 raise VcgaFormatError(self.path, "protobuf field number 0 is invalid", offset=pos)
             if number in (_FIELD_VALUE, _FIELD_EXTRA) and wire == 2:
-                if length > _MAX_MESSAGE:
-                    raise VcgaFormatError(self.path, f"a Value of {length} bytes is larger than protobuf can parse",
+                if n > _MAX_MESSAGE:
+                    raise VcgaFormatError(self.path, f"a Value of {n} bytes is larger than protobuf can parse",
                                           offset=pos)
-                frames.append(_Frame(number, pos, pos + at, end))
+                frames.append(_Frame(number, pos, off, off + n))
             else:
                 log.warning("%s: skipping unknown top-level protobuf field %d at byte %d", self.path, number, pos)
-            pos = end
         return frames
 
     def _read_string(self, offset: int, length: int, what: str) -> str:
@@ -252,8 +224,9 @@ class MindSporeCkptReader(ReaderContext):
         except UnicodeDecodeError:
             raise VcgaFormatError(self.path, f"{what} is not valid UTF-8", offset=offset) from None
 
-    def _walk(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-        """Fields of the message in [start, end): (number, wire type, payload offset, payload length or value)."""
+    def _walk(self, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """Fields of the message in [start, end): (number, wire type, field offset, payload offset,
+        payload length -- or the value, for a varint)."""
         pos = start
         while pos < end:
             head = self._pread(min(20, end - pos), pos)
@@ -266,32 +239,31 @@ class MindSporeCkptReader(ReaderContext):
                 v = _varint(head, at)
                 if v is None:
                     raise VcgaFormatError(self.path, "truncated protobuf varint", offset=pos + at)
-                yield number, 0, pos + at, v[0]
+                yield number, 0, pos, pos + at, v[0]
                 pos += v[1]
-            elif wire == 2:
+                continue
+            if wire == 2:
                 ln = _varint(head, at)
                 if ln is None:
                     raise VcgaFormatError(self.path, "truncated protobuf length", offset=pos + at)
-                length, at2 = ln
-                if pos + at2 + length > end:
-                    raise VcgaFormatError(self.path, f"protobuf field {number} claims {length} bytes beyond its "
-                                                     "message", offset=pos)
-                yield number, 2, pos + at2, length
-                pos += at2 + length
+                length, at = ln
             elif wire in (1, 5):
-                n = 8 if wire == 1 else 4
-                if pos + at + n > end:
-                    raise VcgaFormatError(self.path, "truncated fixed-width protobuf field", offset=pos)
-                yield number, wire, pos + at, n
-                pos += at + n
+                length = 8 if wire == 1 else 4
             else:
-                raise VcgaFormatError(self.path, f"invalid protobuf wire type {wire}", offset=pos)
+                raise VcgaFormatError(self.path, f"invalid protobuf wire type {wire} (field {number}); not a "
+                                                 "MindSpore checkpoint, or a damaged one", offset=pos)
+            if pos + at + length > end:
+                where = "the file is truncated" if end == self.body_end else "beyond its message"
+                raise VcgaFormatError(self.path, f"protobuf field {number} claims {length} bytes, only "
+                                                 f"{end - pos - at} remain; {where}", offset=pos)
+            yield number, wire, pos, pos + at, length
+            pos += at + length
 
     def _skim(self, fr: _Frame) -> _Skim:
         """Tag, dims, tensor_type and content location of a Value, reading everything but the content."""
         s = _Skim(tag="", kind="")
         has_tag = False
-        for number, wire, off, n in self._walk(fr.payload, fr.end):
+        for number, wire, _, off, n in self._walk(fr.payload, fr.end):
             if number == 1 and wire == 2:
                 s.tag, has_tag = self._read_string(off, n, "tensor name"), True
             elif number in (2, 3) and wire == 2:
@@ -299,7 +271,7 @@ class MindSporeCkptReader(ReaderContext):
                 if number == 3:
                     continue
                 s.dims, s.tensor_type, s.content = [], "", (off, 0)
-                for tn, tw, toff, tlen in self._walk(off, off + n):
+                for tn, tw, _, toff, tlen in self._walk(off, off + n):
                     if len(s.dims) > _MAX_DIMS:  # before a crafted Value turns into millions of ints
                         raise VcgaFormatError(self.path, f"tensor {s.tag!r} has more than {_MAX_DIMS} dims",
                                               offset=toff)
