@@ -36,6 +36,26 @@ def write_all(spec: FormatSpec, path: Path, entries: list[TensorEntry], metadata
             w.write(e)
 
 
+def float32_layers(seed: int, count: int, base: int) -> list[TensorEntry]:
+    """``count`` random float32 "layerI.weight" tensors of ``base + 1000 * i`` elements each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        a = rng.standard_normal(base + 1000 * i).astype(np.float32)
+        out.append(TensorEntry(f"layer{i}.weight", "float32", a.shape, memoryview(a.tobytes()), {}))
+    return out
+
+
+def conversion_sources(d: Path, entries: list[TensorEntry]) -> tuple[Path, dict[str, bytes]]:
+    """``entries`` written to ``d`` as src.safetensors and src.h5 (the two sources the kill tests
+    convert from); returns (d, {name: bytes}) to check destinations against."""
+    from vcga.convert import format_by_name
+
+    for name, fmt in (("src.safetensors", "safetensors"), ("src.h5", "hdf5")):
+        write_all(format_by_name(fmt), d / name, entries, {"origin": "test"})
+    return d, {e.name: bytes(e.data) for e in entries}
+
+
 def special_bytes(dtype: str, n: int, seed: int) -> bytes:
     """``n`` elements of ``dtype`` whose bytes are random, plus hand-picked specials for floats:
     NaN with a payload, -0.0, +-inf, the smallest subnormal (where the dtype has them)."""

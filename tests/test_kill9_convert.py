@@ -30,13 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 import kill_points
-from ckpt_helpers import read_all, write_all
+import pytest
+from ckpt_helpers import conversion_sources, float32_layers, read_all
+
 from vcga.atomic import remove_stale
-from vcga.contract import TensorEntry
 from vcga.convert import format_by_name
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -53,22 +51,9 @@ TARGETS = [  # (target file name, format, extra convert arguments)
 WAIT_S = 120  # a conversion of 1 MiB; generous for a busy machine
 
 
-def _entries() -> list[TensorEntry]:
-    rng = np.random.default_rng(9)
-    out = []
-    for i in range(6):
-        a = rng.standard_normal(16384 + 1000 * i).astype(np.float32)
-        out.append(TensorEntry(f"layer{i}.weight", "float32", a.shape, memoryview(a.tobytes()), {}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sources")
-    entries = _entries()
-    for name, fmt in (("src.safetensors", "safetensors"), ("src.h5", "hdf5")):
-        write_all(format_by_name(fmt), d / name, entries, {"origin": "test"})
-    return d, {e.name: bytes(e.data) for e in entries}
+    return conversion_sources(tmp_path_factory.mktemp("sources"), float32_layers(9, 6, 16384))
 
 
 def _wait(pid: int, flags: int = 0) -> int:

@@ -20,11 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from ckpt_helpers import conversion_sources, float32_layers, read_all
 
-from ckpt_helpers import read_all, write_all
-from vcga.contract import TensorEntry
 from vcga.convert import format_by_name
 
 # The launcher: SIGXFSZ back to its default action (terminate), then the real CLI.
@@ -44,22 +42,10 @@ TARGETS = [  # (target file name, format, extra convert arguments)
 ]
 
 
-def _entries() -> list[TensorEntry]:
-    rng = np.random.default_rng(15)
-    out = []
-    for i in range(8):  # ~1 MiB in all, so that a third of a file is many writes into it
-        a = rng.standard_normal(32768 + 1000 * i).astype(np.float32)
-        out.append(TensorEntry(f"layer{i}.weight", "float32", a.shape, memoryview(a.tobytes()), {}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sources")
-    entries = _entries()
-    for name, fmt in (("src.safetensors", "safetensors"), ("src.h5", "hdf5")):
-        write_all(format_by_name(fmt), d / name, entries, {"origin": "test"})
-    return d, {e.name: bytes(e.data) for e in entries}
+    # ~1 MiB in all, so that a third of a file is many writes into it
+    return conversion_sources(tmp_path_factory.mktemp("sources"), float32_layers(15, 8, 32768))
 
 
 def _convert_forked(src: Path, dst: Path, args: list[str], limit: int | None) -> int:
