@@ -55,9 +55,13 @@ NAME = "safetensors"
 #: this rank, descending, then by name. (safetensors/src/tensor.rs; checked against the installed
 #: library by tests/test_formats_safetensors.py.)
 LIBRARY_DTYPE_ORDER: tuple[str, ...] = (
-    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
-    "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+    "BOOL", "F4", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
+    "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
 )
+#: safetensors' "F4" is one 4-bit value per element; torch's float4_e2m1fn_x2 (VCGA's name) is one
+#: byte holding two, low nibble first, so the header's last dimension is twice torch's -- what
+#: the library's own torch binding writes.
+PACKED_X2 = "float4_e2m1fn_x2"
 _RANK = {name: i for i, name in enumerate(LIBRARY_DTYPE_ORDER)}
 _TO_CANON = {d.safetensors: d.name for d in dtypes.DTYPES.values() if d.safetensors}
 _FROM_CANON = {v: k for k, v in _TO_CANON.items()}
@@ -140,6 +144,11 @@ class SafetensorsReader(ReaderContext):
                 raise VcgaFormatError(self.path, f"tensor {name!r} has safetensors dtype {st!r}, which VCGA does not "
                                       f"support (supported: {', '.join(sorted(_TO_CANON))})", offset=8)
             shape = tuple(info.get("shape", ()))
+            if _TO_CANON[st] == PACKED_X2:
+                if not shape or shape[-1] % 2:
+                    raise VcgaFormatError(self.path, f"tensor {name!r}: F4 data of shape {list(shape)} does not pack "
+                                          f"into bytes along its last dimension, as {PACKED_X2} needs", offset=8)
+                shape = (*shape[:-1], shape[-1] // 2)
             start, end = info.get("data_offsets", (0, -1))
             entry = TensorEntry(name=name, dtype=_TO_CANON[st], shape=shape, data=None,
                                 metadata=per_tensor.get(name, {}))
@@ -181,7 +190,8 @@ def _header_bytes(metadata: Mapping[str, str], layout: Sequence[tuple[str, str, 
     if metadata:
         obj["__metadata__"] = dict(metadata)
     for name, dt, shape, start, end in layout:
-        obj[name] = {"dtype": _FROM_CANON[dt], "shape": list(shape), "data_offsets": [start, end]}
+        dims = list(shape) if dt != PACKED_X2 else [*shape[:-1], shape[-1] * 2]
+        obj[name] = {"dtype": _FROM_CANON[dt], "shape": dims, "data_offsets": [start, end]}
     raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     if len(raw) > MAX_HEADER_SIZE:
@@ -195,6 +205,11 @@ def _check_dtype(entry: TensorEntry) -> None:
         raise VcgaConversionError(
             f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot hold "
             f"(it has {', '.join(sorted(_FROM_CANON))}); cast it first (vcga convert --cast {entry.dtype}=...)",
+            tensor=entry.name, dtype=entry.dtype, target=NAME)
+    if entry.dtype == PACKED_X2 and not entry.shape:
+        raise VcgaConversionError(
+            f"tensor {entry.name!r} is a 0-d {PACKED_X2} (one byte, two fp4 values): safetensors' F4 counts "
+            "values along the last dimension and has no shape for it; reshape it to (1,) first",
             tensor=entry.name, dtype=entry.dtype, target=NAME)
 
 

@@ -179,7 +179,7 @@ class TorchReader(ReaderContext):
             dt = str(t.dtype).removeprefix("torch.")
             if dt not in dtypes.DTYPES:
                 raise VcgaFormatError(self.path, f"tensor {name!r} has dtype {t.dtype}, which VCGA does not support "
-                                      f"(supported: {', '.join(dtypes.ALL)})")
+                                      f"(supported: {', '.join(dtypes.EVERY)})")
             meta: dict[str, str] = {}
             st = t.untyped_storage()
             skey = (st.data_ptr(), st.nbytes()) if st.data_ptr() else ("empty", id(st))
@@ -469,7 +469,7 @@ def _check_entry_dtype(entry: TensorEntry) -> None:
 SPEC = FormatSpec(
     name=NAME,
     extensions=(".pt", ".pth", ".bin"),
-    dtypes=frozenset(dtypes.ALL),
+    dtypes=frozenset(dtypes.EVERY),
     sniff=sniff,
     open_reader=TorchReader,
     open_writer=TorchWriter,

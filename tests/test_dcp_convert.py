@@ -1,8 +1,9 @@
 """vcga convert / vcga inspect on torch.distributed.checkpoint directories written by torch's own
-dcp.save (FileSystemWriter layout): bit-exact for every dtype VCGA holds (bool, the integers, fp16,
-bf16, fp32, fp64, complex64/128, fp8 e4m3fn/e5m2), a typed refusal for the dtypes torch also writes
-that VCGA does not hold yet, and typed errors for damaged directories -- a missing shard, corrupt
-metadata, a pickle with code (never run).
+dcp.save (FileSystemWriter layout): bit-exact for every dtype torch writes (bool, the integers,
+fp16, bf16, fp32, fp64, complex32/64/128, every fp8 flavour, packed fp4) into vendor-bin, and into
+safetensors for every dtype safetensors has (complex32 and complex128 are refused by name), and
+typed errors for damaged directories -- a missing shard, corrupt metadata, a pickle with code
+(never run).
 Sharded tensors (FSDP2 chunks from several ranks) and VCGA's layout: tests/test_checkpoint_world.py."""
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from vcga import dtypes
 from vcga.convert import convert, inspect_checkpoint
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formats import vbin
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
           torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32, torch.float8_e4m3fnuz,
+          torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]
+#: What safetensors has no dtype for.
+NOT_IN_SAFETENSORS = (torch.complex128, torch.complex32)
 
 
 def _name(dt: torch.dtype) -> str:
@@ -64,7 +69,22 @@ def torch_dcp(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    if not t.numel():
+        return b""
+    if t.element_size() in (1, 2, 4, 8):  # an integer view of the same width: copies for every dtype
+        t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _safetensors_file(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, bytes) straight from the file (safetensors 0.8's torch binding
+    cannot load F8_E8M0 or F4, though it writes them)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in header.items()}
 
 
 def test_torch_dcp_directory_converts_bit_exact_for_every_dtype(torch_dcp, tmp_path):
@@ -83,46 +103,51 @@ def test_torch_dcp_directory_converts_bit_exact_for_every_dtype(torch_dcp, tmp_p
             assert _bits(got) == _bits(t), name
         assert json.loads(r.metadata["dcp.objects"]) == {"step": 7, "optim.lr": 0.25, "optim.betas": [0.9, 0.999]}
         assert r.metadata["dcp.layout"] == "torch"
-    # safetensors: every dtype it holds (complex128 is refused by name unless cast).
-    with pytest.raises(VcgaConversionError, match="'t.complex128' has dtype complex128"):
+    # safetensors: every dtype it holds (complex128 and complex32 are refused by name unless cast).
+    with pytest.raises(VcgaConversionError, match=r"'t.complex(128|32)' has dtype complex(128|32)"):
         convert(d, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()
-    held = {k: v for k, v in tensors.items() if v.dtype != torch.complex128}
+    held = {k: v for k, v in tensors.items() if v.dtype not in NOT_IN_SAFETENSORS}
     d2 = tmp_path / "st"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(held, checkpoint_id=str(d2))
     convert(d2, tmp_path / "m.safetensors", verify=True)
-    got = safetensors.torch.load_file(tmp_path / "m.safetensors")
-    assert set(got) == set(held)
+    with safetensors.safe_open(str(tmp_path / "m.safetensors"), framework="numpy") as f:  # the library accepts it
+        assert set(f.keys()) == set(held)
+    on_disk = _safetensors_file(tmp_path / "m.safetensors")
+    loadable = {k for k, v in on_disk.items() if v[0] not in ("F8_E8M0", "F4")}
     for name, t in held.items():
+        st_dtype, shape, data = on_disk[name]
+        want_shape = list(t.shape) if t.dtype != torch.float4_e2m1fn_x2 else [*t.shape[:-1], 2 * t.shape[-1]]
+        assert (st_dtype, shape) == (dtypes.to_safetensors(_name(t.dtype)), want_shape), name
+        assert data == _bits(t), name
+    # and the library's torch binding reads back the same tensors, where it can read the dtype
+    from safetensors.torch import load as st_load
+
+    only = {k: held[k] for k in loadable}
+    d3 = tmp_path / "st3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(only, checkpoint_id=str(d3))
+    convert(d3, tmp_path / "l.safetensors")
+    got = st_load((tmp_path / "l.safetensors").read_bytes())
+    for name, t in only.items():
         assert got[name].dtype == t.dtype and tuple(got[name].shape) == tuple(t.shape), name
         assert _bits(got[name]) == _bits(t), name
+    # complex32 goes to safetensors through an exact cast to complex64
+    c32 = tmp_path / "c32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"z": tensors["t.complex32"]}, checkpoint_id=str(c32))
+    convert(c32, tmp_path / "z.safetensors", casts={"complex32": "complex64"})
+    z = st_load((tmp_path / "z.safetensors").read_bytes())["z"]
+    a, b = z.view(torch.float32), tensors["t.complex32"].to(torch.complex64).view(torch.float32)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])  # NaN payloads aside
     # inspect lists what DCP holds without reading tensor data, and reads it all with --verify.
     rep = inspect_checkpoint(d, verify=True)
     assert rep.format == "dcp" and {r["name"] for r in rep.tensors} == set(tensors)
     assert all(r["status"] == "computed" for r in rep.tensors)
-
-
-#: What torch 2.13's dcp.save also writes and VCGA does not hold yet: vcga/dtypes.py has no entry
-#: (no wire code) for them, though safetensors 0.8 holds all but complex32.
-NOT_HELD = [getattr(torch, n) for n in ("complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-                                        "float4_e2m1fn_x2") if hasattr(torch, n)]
-
-
-def test_dtypes_torch_writes_that_vcga_does_not_hold_yet_are_refused_typed_and_nothing_is_written(tmp_path):
-    for dt in NOT_HELD:
-        d = tmp_path / _name(dt)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # one process; complex32 is "experimental"
-            t = torch.randint(0, 256, (3, 2 * dt.itemsize), dtype=torch.uint8).view(dt)
-            dcp.save({"w": torch.ones(2), "t": t}, checkpoint_id=str(d))
-        for dst in (tmp_path / "o.safetensors", tmp_path / "o.vbin"):
-            with pytest.raises(VcgaFormatError, match=f"tensor 't' has dtype {_name(dt)}, which VCGA does not hold"):
-                convert(d, dst)
-            assert not dst.exists()
-        with pytest.raises(VcgaFormatError, match=f"dtype {_name(dt)}"):
-            inspect_checkpoint(d)
 
 
 def test_the_cli_reads_a_dcp_directory_without_importing_torch(torch_dcp, tmp_path):

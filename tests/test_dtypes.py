@@ -27,7 +27,44 @@ def test_table_covers_the_issue_list():
     assert set(dtypes.ALL) == {
         "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16",
         "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"}
-    assert sorted(d.code for d in dtypes.DTYPES.values()) == list(range(1, 18))
+    assert set(dtypes.STORAGE_ONLY) == {"complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                                        "float4_e2m1fn_x2"}
+    assert dtypes.EVERY == dtypes.ALL + dtypes.STORAGE_ONLY
+    assert sorted(d.code for d in dtypes.DTYPES.values()) == list(range(1, 23))
+
+
+def _torch_dtypes() -> list[torch.dtype]:
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def test_every_dtype_torch_checkpoints_is_in_the_table(tmp_path):
+    """What torch's own dcp.save writes (it writes a tensor's bytes whatever its dtype) must be a
+    dtype VCGA knows: a checkpoint torch wrote must convert. Outside: dtypes torch cannot even
+    allocate or save (sub-byte ints, bits) and the quantized ones (a quantized tensor is its
+    integers plus a scale and zero point, not a dtype of plain values; viewing bytes as qint8
+    makes a tensor without them)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    written = []
+    for i, dt in enumerate(_torch_dtypes()):
+        if str(dt).startswith(("torch.qint", "torch.quint")):
+            continue
+        try:
+            t = torch.zeros(2 * dt.itemsize, dtype=torch.uint8).view(dt)
+        except (RuntimeError, TypeError):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                dcp.save({"t": t}, checkpoint_id=str(tmp_path / str(i)))
+            except (Exception, CheckpointException):  # CheckpointException is a BaseException
+                continue
+        written.append(str(dt).removeprefix("torch."))
+    assert "float8_e8m0fnu" in written and "complex32" in written  # the probe did write odd ones
+    assert set(written) - set(dtypes.EVERY) == set(), "torch writes dtypes VCGA does not know"
 
 
 @pytest.mark.parametrize("name", dtypes.ALL)
@@ -53,15 +90,35 @@ def test_ml_dtypes_provide_the_types_numpy_lacks():
     for name in dtypes.ML_DTYPES:
         assert dtypes.to_numpy(name) == np.dtype(getattr(ml_dtypes, name))
     # ml_dtypes' other fp8 flavours are different encodings, not ours
-    for other in (ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz):
+    for other in (ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3b11fnuz, ml_dtypes.float4_e2m1fn):
         with pytest.raises(dtypes.UnknownDTypeError):
             dtypes.from_numpy(other)
     # and their values agree with torch's float8 types bit for bit
     bits = np.arange(256, dtype=np.uint8)
-    for name in dtypes.FP8:
+    for name in (*dtypes.FP8, "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
         a = bits.view(dtypes.to_numpy(name)).astype(np.float32)
         t = torch.from_numpy(bits.copy()).view(dtypes.to_torch(name)).float().numpy()
         assert np.array_equal(a, t, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", dtypes.STORAGE_ONLY)
+def test_the_storage_only_dtypes_against_torch(name):
+    d = dtypes.get(name)
+    tdt = dtypes.to_torch(name)
+    assert dtypes.from_torch(tdt) == name and dtypes.canonical(tdt) == name and tdt.itemsize == d.itemsize
+    assert tdt.is_complex == (d.kind == "c")
+    assert dtypes.from_code(d.code) == name
+    ndt = dtypes.to_numpy(name)
+    assert ndt.itemsize == d.itemsize
+    if name in dtypes.NUMPY_OPAQUE:  # numpy has no such type: opaque bytes, never mistaken for another
+        assert ndt.kind == "V"
+        with pytest.raises(dtypes.UnknownDTypeError):
+            dtypes.from_numpy(ndt)
+    else:
+        assert dtypes.from_numpy(ndt) == name
+    assert name not in dtypes.ALL  # no capability table lists it: collectives refuse it
+    with pytest.raises(VcgaConversionError, match="mindspore has no dtype"):
+        dtypes.to_mindspore(name)
 
 
 def test_numpy_outsiders_are_refused():
@@ -72,7 +129,7 @@ def test_numpy_outsiders_are_refused():
 
 
 def test_torch_outsiders_are_refused():
-    for bad in (torch.float8_e4m3fnuz, torch.quint8, torch.complex32):
+    for bad in (torch.quint8, torch.bits8, torch.uint4):
         with pytest.raises(dtypes.UnknownDTypeError, match="unknown torch dtype"):
             dtypes.from_torch(bad)
 
@@ -81,13 +138,14 @@ def test_safetensors_spellings_match_the_library(tmp_path):
     """Write one tensor of each dtype with safetensors itself and read the header it wrote."""
     from safetensors.torch import save_file
 
-    for name in dtypes.ALL:
-        t = torch.zeros(2, dtype=dtypes.to_torch(name))
+    for name in dtypes.EVERY:
+        tdt = dtypes.to_torch(name)
+        t = torch.zeros(2 * tdt.itemsize, dtype=torch.uint8).view(tdt)
         path = tmp_path / f"{name}.safetensors"
         if name not in dtypes.SAFETENSORS:
             with pytest.raises(Exception):
                 save_file({"t": t}, str(path))
-            with pytest.raises(VcgaConversionError, match="safetensors has no dtype for complex128"):
+            with pytest.raises(VcgaConversionError, match=f"safetensors has no dtype for {name}"):
                 dtypes.to_safetensors(name)
             continue
         save_file({"t": t}, str(path))
@@ -153,7 +211,7 @@ def test_hdf5_bool_and_the_types_h5py_cannot_write(tmp_path):
             assert ds.id.get_type().get_class() == h5py.h5t.OPAQUE
         with pytest.raises(TypeError, match="Unsupported float type"):
             f.create_dataset("e5m2", data=np.zeros(2, dtype=dtypes.to_numpy("float8_e5m2")))
-    assert dtypes.HDF5 == frozenset(dtypes.ALL)
+    assert dtypes.HDF5 == frozenset(dtypes.EVERY)
 
 
 def test_unknown_names_raise_typed_errors():
@@ -167,5 +225,5 @@ def test_unknown_names_raise_typed_errors():
 
 
 def test_bits_dtype_views_the_same_bytes():
-    for name in dtypes.ALL:
+    for name in dtypes.EVERY:
         assert dtypes.bits_dtype(name).itemsize == dtypes.get(name).itemsize

@@ -26,7 +26,7 @@ def tensors(seed: int = 0) -> list[TensorEntry]:
     """Every dtype (random bit patterns: NaN payloads included), 0-d, empty and page-splitting tensors."""
     rng = np.random.default_rng(seed)
     out = []
-    for i, dt in enumerate(dtypes.ALL):
+    for i, dt in enumerate(dtypes.EVERY):
         shape = [(2, 3), (5,), (1, 2, 2), ()][i % 4]
         n = int(np.prod(shape)) if shape else 1
         size = n * dtypes.get(dt).itemsize
@@ -60,7 +60,7 @@ def as_rows(entries):
 def test_registered_as_plugin_with_every_dtype():
     pm = VcgaPluginManager()
     spec = {f.name: f for f in pm.formats()}["mindrecord"]
-    assert spec.dtypes == frozenset(dtypes.ALL)
+    assert spec.dtypes == frozenset(dtypes.EVERY)
     assert ".mindrecord" in spec.extensions
 
 

@@ -412,7 +412,7 @@ def test_registered_as_a_format_plugin(tmp_path):
     from vcga.plugin_manager import get_plugin_manager
 
     spec = next(s for s in get_plugin_manager().formats() if s.name == "vendor-bin")
-    assert spec.extensions == (".vbin",) and spec.dtypes == frozenset(dtypes.ALL)
+    assert spec.extensions == (".vbin",) and spec.dtypes == frozenset(dtypes.EVERY)
     path = tmp_path / "p.vbin"
     with spec.open_writer(path, shard_size=None) as w:
         assert isinstance(w, FormatWriter)

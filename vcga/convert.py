@@ -104,7 +104,10 @@ def parse_casts(specs: Iterable[str]) -> dict[str, str]:
             raise VcgaConversionError(f"invalid cast {spec!r}; write FROM=TO, e.g. bfloat16=float32")
         for n in (src, dst):
             if n not in dtypes.DTYPES:
-                raise VcgaConversionError(f"invalid cast {spec!r}: unknown dtype {n!r}; known: {', '.join(dtypes.ALL)}")
+                raise VcgaConversionError(f"invalid cast {spec!r}: unknown dtype {n!r}; known: {', '.join(dtypes.EVERY)}")
+        if src == "float4_e2m1fn_x2" or dst in dtypes.NUMPY_OPAQUE:
+            raise VcgaConversionError(f"refusing cast {src} -> {dst}: VCGA casts through numpy, which has no "
+                                      f"{src if src == 'float4_e2m1fn_x2' else dst}; casts from complex32 work")
         if dtypes.get(dst).kind not in _CASTABLE[dtypes.get(src).kind]:
             raise VcgaConversionError(f"refusing cast {src} -> {dst}: it would drop information silently "
                                       "(float/complex to integer, to bool, or complex to real)")
@@ -182,7 +185,7 @@ def check_dtypes(index: Sequence[TensorEntry], target: FormatSpec, casts: Mappin
     for e in index:
         dt = casts.get(e.dtype, e.dtype)
         if dt not in target.dtypes:
-            held = ", ".join(d for d in dtypes.ALL if d in target.dtypes)
+            held = ", ".join(d for d in dtypes.EVERY if d in target.dtypes)
             if dt != e.dtype:
                 msg = (f"tensor {e.name!r}: the cast {e.dtype} -> {dt} gives a dtype {target.name} cannot hold "
                        f"either; it holds: {held}")
@@ -200,7 +203,13 @@ def _cast(entry: TensorEntry, dst: str) -> TensorEntry:
 
     from vcga.formatkit import entry_array
 
-    src = entry_array(entry)
+    if entry.dtype == "complex32":  # numpy has none: its (re, im) fp16 pairs, widened exactly to complex64
+        from vcga.tensors import check_entry
+
+        halves = np.frombuffer(check_entry(entry), dtype="<f2")
+        src = halves.astype("<f4").view("<c8").reshape(entry.shape)
+    else:
+        src = entry_array(entry)
     sk, dk = dtypes.get(entry.dtype).kind, dtypes.get(dst).kind
     out_dt = dtypes.to_numpy(dst)
     if dk in "ui" and sk in "bui" and src.size:

@@ -7,7 +7,8 @@ and HDF5 ``H5T_FLOAT_BFLOAT16LE``.
 
 Each :class:`DType` row carries:
 
-- ``numpy``: the numpy type name; bfloat16 and the fp8 types come from ``ml_dtypes`` (numpy lacks them);
+- ``numpy``: the numpy type name; bfloat16 and the fp8 types come from ``ml_dtypes`` (numpy lacks them),
+  complex32 and packed fp4 have none (opaque ``V4``/``V1`` bytes);
 - ``safetensors``: the header dtype string (safetensors has no complex128);
 - ``mindspore``: ``str(mindspore.<dtype>)``, the spelling of ``mstype`` objects and of the ``tensor_type``
   field of a ``.ckpt`` file (which accepts only :data:`MINDSPORE_CKPT`);
@@ -41,6 +42,9 @@ __all__ = [
     "DType",
     "DTYPES",
     "ALL",
+    "EVERY",
+    "STORAGE_ONLY",
+    "NUMPY_OPAQUE",
     "BOOL",
     "UNSIGNED",
     "SIGNED",
@@ -122,21 +126,41 @@ _TABLE = (
     DType("complex128", 16, "c", "complex128", None, "Complex128", "H5T_COMPLEX_IEEE_F64LE", 15),
     DType("float8_e4m3fn", 1, "f", "float8_e4m3fn", "F8_E4M3", "Float8E4M3FN", "H5T_FLOAT_F8E4M3", 16),
     DType("float8_e5m2", 1, "f", "float8_e5m2", "F8_E5M2", "Float8E5M2", "H5T_FLOAT_F8E5M2", 17),
+    # Storage-only (STORAGE_ONLY): dtypes torch writes in checkpoints that no collective backend
+    # moves. complex32 is torch's ComplexHalf (two fp16); float4_e2m1fn_x2 is one byte holding two
+    # fp4 e2m1 values (low nibble first), torch's shape counting bytes -- safetensors' "F4" counts
+    # the 4-bit values, so its last dimension is twice torch's. numpy has neither: their arrays are
+    # opaque bytes ("V4", "V1").
+    DType("complex32", 4, "c", "V4", None, None, "H5T_COMPLEX_IEEE_F16LE", 18),
+    DType("float8_e4m3fnuz", 1, "f", "float8_e4m3fnuz", "F8_E4M3FNUZ", None, None, 19),
+    DType("float8_e5m2fnuz", 1, "f", "float8_e5m2fnuz", "F8_E5M2FNUZ", None, None, 20),
+    DType("float8_e8m0fnu", 1, "f", "float8_e8m0fnu", "F8_E8M0", None, None, 21),
+    DType("float4_e2m1fn_x2", 1, "f", "V1", "F4", None, None, 22),
 )
 
 DTYPES: dict[str, DType] = {d.name: d for d in _TABLE}
 
-#: Every canonical dtype name, in table order.
-ALL: tuple[str, ...] = tuple(DTYPES)
+#: Dtypes torch 2.13 writes in checkpoints (``dcp.save`` included) that no collective backend
+#: moves: known to every checkpoint format that can hold them, absent from the capability tables.
+STORAGE_ONLY: tuple[str, ...] = ("complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                                 "float4_e2m1fn_x2")
+#: Every canonical dtype name, in table order: what the checkpoint formats speak.
+EVERY: tuple[str, ...] = tuple(DTYPES)
+#: The dtypes of the collective world (capability tables, the bridge, ``vcga verify``): every
+#: dtype but :data:`STORAGE_ONLY`. The kind tuples below are drawn from these.
+ALL: tuple[str, ...] = tuple(n for n in DTYPES if n not in STORAGE_ONLY)
 BOOL: tuple[str, ...] = ("bool",)
-UNSIGNED: tuple[str, ...] = tuple(d.name for d in _TABLE if d.kind == "u")
-SIGNED: tuple[str, ...] = tuple(d.name for d in _TABLE if d.kind == "i")
-INTEGER: tuple[str, ...] = tuple(d.name for d in _TABLE if d.kind in "ui")
+UNSIGNED: tuple[str, ...] = tuple(n for n in ALL if DTYPES[n].kind == "u")
+SIGNED: tuple[str, ...] = tuple(n for n in ALL if DTYPES[n].kind == "i")
+INTEGER: tuple[str, ...] = tuple(n for n in ALL if DTYPES[n].kind in "ui")
 FP8: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
-FLOAT: tuple[str, ...] = tuple(d.name for d in _TABLE if d.kind == "f")
-COMPLEX: tuple[str, ...] = tuple(d.name for d in _TABLE if d.kind == "c")
+FLOAT: tuple[str, ...] = tuple(n for n in ALL if DTYPES[n].kind == "f")
+COMPLEX: tuple[str, ...] = tuple(n for n in ALL if DTYPES[n].kind == "c")
 #: Dtypes whose numpy type comes from ml_dtypes (numpy itself lacks them).
-ML_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+ML_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                              "float8_e8m0fnu")
+#: Dtypes numpy and ml_dtypes both lack: their numpy view is opaque bytes of the element's size.
+NUMPY_OPAQUE: tuple[str, ...] = ("complex32", "float4_e2m1fn_x2")
 
 #: Dtypes each ecosystem can hold exactly (what a format's ``FormatSpec.dtypes`` starts from).
 SAFETENSORS: frozenset[str] = frozenset(d.name for d in _TABLE if d.safetensors)
@@ -147,12 +171,13 @@ MINDSPORE_CKPT: frozenset[str] = frozenset(
     ("bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
      "float16", "bfloat16", "float32", "float64"))
 #: HDF5 holds every dtype: bool has no predefined HDF5 type, h5py writes it as an enum
-#: {FALSE=0, TRUE=1} over H5T_STD_I8LE (so ``DType.hdf5`` is None for bool).
-HDF5: frozenset[str] = frozenset(ALL)
+#: {FALSE=0, TRUE=1} over H5T_STD_I8LE (so ``DType.hdf5`` is None for bool); the fnuz, e8m0 and
+#: fp4 types have none either (VCGA's HDF5 writer labels them as opaque data, docs/convert.md).
+HDF5: frozenset[str] = frozenset(EVERY)
 #: Dtypes h5py 3.16 maps to a real HDF5 type from the numpy dtype alone. h5py writes bfloat16 and
-#: float8_e4m3fn as opaque ``|V2``/``|V1`` data and refuses float8_e5m2, so an HDF5 writer needs a
-#: documented convention for those three.
-H5PY_NATIVE: frozenset[str] = frozenset(d for d in ALL if d not in ML_DTYPES)
+#: float8_e4m3fn as opaque ``|V2``/``|V1`` data and refuses float8_e5m2, and numpy has no complex32
+#: or packed fp4 at all, so an HDF5 writer needs a documented convention for those.
+H5PY_NATIVE: frozenset[str] = frozenset(d for d in EVERY if d not in ML_DTYPES and d not in NUMPY_OPAQUE)
 
 _BY_SAFETENSORS = {d.safetensors: d.name for d in _TABLE if d.safetensors}
 _BY_MINDSPORE = {d.mindspore: d.name for d in _TABLE if d.mindspore}
@@ -169,7 +194,7 @@ class UnknownDTypeError(VcgaError, ValueError):
     def __init__(self, what: Any, ecosystem: str = "") -> None:
         self.what = what
         where = f" {ecosystem}" if ecosystem else ""
-        super().__init__(f"unknown{where} dtype {what!r}; known dtypes: {', '.join(ALL)}")
+        super().__init__(f"unknown{where} dtype {what!r}; known dtypes: {', '.join(EVERY)}")
 
 
 def get(name: str) -> DType:
@@ -244,6 +269,8 @@ def to_numpy(name: str) -> np.dtype:
 def _numpy_dtype(d: DType) -> np.dtype:
     import numpy as np
 
+    if d.name in NUMPY_OPAQUE:
+        return np.dtype(d.numpy)
     if d.name in ML_DTYPES:
         import ml_dtypes
 

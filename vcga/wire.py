@@ -162,7 +162,7 @@ def _parse_fixed(fixed: bytes | memoryview, source: Any, base: int) -> tuple[int
         dtypes.from_code(code)
     except dtypes.UnknownDTypeError:
         raise _fail(source, base, 6, f"unknown dtype code {code}",
-                    f"one of {sorted(dtypes.get(n).code for n in dtypes.ALL)}") from None
+                    f"one of {sorted(dtypes.get(n).code for n in dtypes.EVERY)}") from None
     if ndim > MAX_NDIM:
         raise _fail(source, base, 7, f"{ndim} dimensions", f"at most {MAX_NDIM}")
     want = _header_len(ndim, name_len, meta_len)

@@ -44,7 +44,7 @@ def sniff(path: Any) -> bool:
 SPEC = FormatSpec(
     name=NAME,
     extensions=(".h5", ".hdf5", ".hdf", ".he5"),
-    dtypes=frozenset(dtypes.ALL),
+    dtypes=frozenset(dtypes.EVERY),
     sniff=sniff,
     open_reader=Hdf5Reader,
     open_writer=Hdf5Writer,

@@ -12,7 +12,8 @@ SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: Keras 3's attribute naming the real dtype of an OPAQUE dataset (``ds.attrs["dtype"] = "bfloat16"``).
 DTYPE_ATTR = "dtype"
 #: Dtypes stored as labelled OPAQUE data (HDF5 has no predefined type h5py can map to them).
-OPAQUE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+OPAQUE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                 "float8_e8m0fnu", "float4_e2m1fn_x2")
 #: File-level metadata key holding every non-root group and its attributes (JSON).
 GROUPS_KEY = "hdf5.groups"
 #: Prefix of an attribute value that is not a plain string (followed by JSON; see :func:`encode_attr`).

@@ -399,7 +399,7 @@ class MindRecordReader(ReaderContext):
                 dtype = _dtype_from_name(rec.raw.get("dtype"))
                 if dtype is None:
                     raise VcgaFormatError(path, f"{where}: unknown dtype {rec.raw.get('dtype')!r}",
-                                          expected=f"one of {', '.join(_dtypes.ALL)}")
+                                          expected=f"one of {', '.join(_dtypes.EVERY)}")
             else:
                 dtype = data_field.type
                 if "dtype" in rec.raw and _dtype_from_name(rec.raw["dtype"]) != dtype:

@@ -235,7 +235,7 @@ class _VbinFile:
             what = f"tensor {_short(name)}"
             dtype = t["dtype"]
             if not isinstance(dtype, str) or dtype not in dtypes.DTYPES:
-                raise self._err(f"{what}: unknown dtype {_short(dtype)}", at, f"one of {', '.join(dtypes.ALL)}")
+                raise self._err(f"{what}: unknown dtype {_short(dtype)}", at, f"one of {', '.join(dtypes.EVERY)}")
             shape = t["shape"]
             if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
                     and all(_is_int(d) and 0 <= d <= _MAX_INDEX for d in shape)):

@@ -589,7 +589,7 @@ def _sniff(path: Any) -> bool:
 DCP_SPEC = FormatSpec(
     name=FORMAT_NAME,
     extensions=(),
-    dtypes=frozenset(dtypes.ALL),
+    dtypes=frozenset(dtypes.EVERY),
     sniff=_sniff,
     open_reader=open_reader,
     open_writer=_no_writer,

@@ -37,14 +37,14 @@ def inspect(file: str | None, src_format: str | None, verify: bool, as_json: boo
         specs = available_formats()
         if as_json:
             click.echo(json.dumps([{"name": s.name, "extensions": list(s.extensions),
-                                    "dtypes": [d for d in dtypes.ALL if d in s.dtypes],
+                                    "dtypes": [d for d in dtypes.EVERY if d in s.dtypes],
                                     "description": s.description} for s in specs], indent=2))
             return
         table = Table(title="Checkpoint formats", title_justify="left")
         for col in ("format", "extensions", "dtypes it lacks", "description"):
             table.add_column(col)
         for s in specs:
-            lacks = [d for d in dtypes.ALL if d not in s.dtypes]
+            lacks = [d for d in dtypes.EVERY if d not in s.dtypes]
             table.add_row(s.name, " ".join(s.extensions), ", ".join(lacks) or "-", s.description)
         console.print(table)
         return
