@@ -32,24 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import soak  # noqa: E402 - benchmarks/soak.py: the mix and its checks
 import torch  # noqa: E402 - after the path, before any fork
 import torch.distributed as dist  # noqa: E402
-
-import soak  # noqa: E402 - benchmarks/soak.py: the mix and its checks
+from gloo_threads import gloo_workers  # noqa: E402
 
 SETUP_ENV = {"VCGA_BACKEND", "VCGA_SIM_VENDORS"}
-
-
-def gloo_workers() -> int:
-    """gloo's worker threads in this process (they run works and release what the works held)."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == "pt_gloo_runloop"
-        except OSError:  # the thread ended meanwhile
-            pass
-    return n
 
 
 def rank(r: int, world: int, port: int, setup: str, calls: list, pool: soak.Pool) -> int:

@@ -22,23 +22,12 @@ aborts (SIGABRT) at random. It prints ``gloo workers alive at exit: N`` if any i
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-def gloo_workers() -> int:
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == "pt_gloo_runloop"
-        except OSError:  # the thread ended meanwhile
-            pass
-    return n
+from gloo_threads import gloo_workers
 
 
 def report_workers() -> None:
