@@ -220,22 +220,21 @@ class Compression(Check):
 
     @staticmethod
     def _place(red: Any, key: str, values: list[float], shapes: list[tuple[int, ...]], total: int) -> tuple[int, list[float]] | None:
-        """Where a record's values sit in the flat buffer: keys are repr((bucket key, part, index))."""
+        """Where a record's values sit in the flat buffer: keys are repr((bucket key, part, 0)) for
+        an element-wise compressor (part p starts at the p-th cut), repr((bucket key, part,
+        parameter index, start in the buffer)) for one that needs shapes."""
         import ast
 
         try:
-            _, part, j = ast.literal_eval(key)
+            got = ast.literal_eval(key)
         except (ValueError, SyntaxError):
             return None
-        if red.compressor.elementwise:
-            k = len(red.island) if red.scope == "bridge" and red.layout.equal and len(red.layout.islands) > 1 else 1
-            cuts = red.cuts(total, k, None)
-            return cuts[part], values
-        offsets, o = [], 0
-        for s in shapes:
-            offsets.append(o)
-            o += math.prod(s)
-        return offsets[j], values
+        if not isinstance(got, tuple) or len(got) not in (3, 4):
+            return None
+        if len(got) == 4:
+            return int(got[3]), values
+        k = len(red.island) if red.scope == "bridge" and red.layout.equal and len(red.layout.islands) > 1 else 1
+        return red.cuts(total, k, None)[got[1]], values
 
     def _unbiased(self, ctx: Context, spec: Any, topology: Any, shapes: list[tuple[int, ...]], total: int,
                   label: str) -> Verdict:

@@ -47,6 +47,21 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
             digests: list[Any] = [None] * world
             dist.all_gather_object(digests, _digest(flat))
             out["exact"][f"{comp} {scope} identical"] = len(set(digests)) == 1
+    # 1b. a bucket holding one large matrix (DDP's usual bucket): every island rank compresses
+    #     its share of it (rows of the matrix), none idles while another compresses the whole
+    meter = WireMeter()
+    red = Reducer(parse_spec("powersgd:rank=2"), topology=topo, meter=meter)
+    try:
+        bucket = [(64, 32), (32,)]
+        flat = torch.randn(64 * 32 + 32, generator=torch.Generator().manual_seed(7 + rank))
+        red.all_reduce(flat, bucket, key="one-matrix")
+        mine = {"payload": meter.total_sent("cross:payload"),
+                "plain": 4 * (flat.numel() // max(len(red.island), 1))}
+    finally:
+        red.close()
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    out["one_matrix"] = shares
     # 2. DDP through the hook, every compressor: parameters bitwise identical after the steps
     for spec in specs:
         torch.manual_seed(0)

@@ -26,6 +26,7 @@ peer (:mod:`vcga.compress.exact`), and the results are copied.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import socket
@@ -188,6 +189,7 @@ class Reducer:
                                      label="cross", meter=meter, record=record, host_decode=len(devices) > 1)
             self._attach(self.group, "cross")
         self.step = 0
+        self._cut_cache: dict[Any, tuple[Any, Any, list[int]]] = {}
 
     def _attach(self, group: Any, label: str) -> None:
         if self.meter is None or group is None:
@@ -209,35 +211,99 @@ class Reducer:
 
     @staticmethod
     def cuts(n: int, k: int, offsets: Sequence[int] | None) -> list[int]:
-        """k + 1 cut points of ``n`` elements: equal ranges, or parameter boundaries nearest to them."""
+        """k + 1 cut points of ``n`` elements: equal ranges, or the allowed cut points (``offsets``,
+        sorted) nearest to them."""
         if offsets is None:
             c = -(-n // k) if n else 0
             return [min(i * c, n) for i in range(k + 1)]
         cuts = [0]
         for i in range(1, k):
             target = i * n / k
-            best = min(offsets, key=lambda o: (abs(o - target), o))
+            j = bisect.bisect_left(offsets, target)
+            near = [o for o in offsets[max(j - 1, 0):j + 1]]
+            best = min(near, key=lambda o: (abs(o - target), o)) if near else 0
             cuts.append(max(best, cuts[-1]))
         cuts.append(n)
         return cuts
 
+    @staticmethod
+    def offsets(shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        """Where each parameter starts in the flat buffer."""
+        out, o = [], 0
+        for s in shapes:
+            out.append(o)
+            o += math.prod(s)
+        return out
+
+    @staticmethod
+    def pieces(shapes: Sequence[tuple[int, ...]], offsets: Sequence[int], a: int, b: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The tensors a compressor that needs shapes sees for elements [a, b) of a bucket: (parameter
+        index, start in the bucket, shape) -- whole parameters, or, where a part boundary cuts a
+        matrix, its whole rows in the range as a matrix of their own (PowerSGD compresses it on its
+        own at the spec's rank) and a cut row's elements as a 1-D piece (which travels as it is).
+
+        Parts are equal element ranges, so the reduce-scatter and all-gather inside an island move
+        the bucket without a copy, and every island rank compresses its share: cutting only between
+        parameters would hand the whole of a bucket's one large matrix (DDP's usual bucket) to one
+        rank and make the others pad their parts to its size."""
+        out = []
+        for j, (s, o) in enumerate(zip(shapes, offsets)):
+            n = math.prod(s)
+            lo, hi = max(a, o), min(b, o + n)
+            if hi <= lo:
+                continue
+            if (lo == o and hi == o + n) or len(s) < 2 or not s[0]:
+                out.append((j, lo, tuple(s) if (lo == o and hi == o + n) else (hi - lo,)))
+                continue
+            row = n // s[0]
+            r0 = o + -(-(lo - o) // row) * row  # the first row boundary at or after lo
+            r1 = o + (hi - o) // row * row  # the last at or before hi
+            if r1 <= r0:  # inside one row
+                out.append((j, lo, (hi - lo,)))
+                continue
+            if lo < r0:
+                out.append((j, lo, (r0 - lo,)))
+            out.append((j, r0, ((r1 - r0) // row, *s[1:])))
+            if r1 < hi:
+                out.append((j, r1, (hi - r1,)))
+        return out
+
+    def _layout_of(self, n: int, shapes: Sequence[tuple[int, ...]] | None, k: int) -> tuple[Any, Any, list[int]]:
+        """(shapes, offsets, cuts) of a bucket of ``n`` elements cut into ``k`` parts (cached: DDP
+        hands the same buckets every step)."""
+        key = (n, tuple(shapes) if shapes is not None else None, k)
+        got = self._cut_cache.get(key)
+        if got is None:
+            if self.compressor.elementwise:
+                got = (None, None, self.cuts(n, k, None))
+            else:
+                shapes = list(shapes) if shapes is not None else [(n,)]
+                offsets = self.offsets(shapes)
+                held = sum(math.prod(s) for s in shapes)
+                if held != n:
+                    raise ValueError(f"parameter shapes hold {held} elements, the buffer {n}")
+                got = (shapes, offsets, self.cuts(n, k, None))
+            self._cut_cache[key] = got
+        return got
+
     def _views(self, buf: torch.Tensor, start: int, shapes: Sequence[tuple[int, ...]] | None,
                offsets: Sequence[int] | None, a: int, b: int) -> tuple[list[int], list[torch.Tensor]]:
         """The tensors the compressor sees for elements [a, b) of the bucket, living in ``buf`` at
-        ``start``, with their indices: one flat range, or the parameters (non-empty) in their shapes."""
+        ``start``, with their keys' tails: one flat range ``(0,)``, or the parameters (pieces,
+        :meth:`pieces`) in their shapes, ``(parameter index, start in the bucket)``."""
         if shapes is None or offsets is None:
-            return ([0], [buf[start:start + (b - a)]]) if b > a else ([], [])
+            return ([(0,)], [buf[start:start + (b - a)]]) if b > a else ([], [])
         idx, out = [], []
-        for j, (s, o) in enumerate(zip(shapes, offsets)):
+        for j, o, s in self.pieces(shapes, offsets, a, b):
             n = math.prod(s)
-            if a <= o and o + n <= b and n:
-                idx.append(j)
+            if n:
+                idx.append((j, o))
                 out.append(buf[start + o - a:start + o - a + n].view(s))
         return idx, out
 
     def _exchange(self, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int, key: Any, part: int) -> None:
         idx, views = self._views(buf, 0, shapes, offsets, a, b)
-        self.exchange.run(views, [(key, part, j) for j in idx], self.step)
+        self.exchange.run(views, [(key, part, *j) for j in idx], self.step)
 
     # -- the reduction ---------------------------------------------------------------------------------
 
@@ -249,26 +315,14 @@ class Reducer:
             dist.all_reduce(flat, group=self.group)
             return
         n = flat.numel()
-        need_shapes = not self.compressor.elementwise
-        if need_shapes and shapes is None:
-            shapes = [(n,)]
-        offsets = None
-        if need_shapes:
-            offsets, o = [], 0
-            for s in shapes:  # type: ignore[union-attr]
-                offsets.append(o)
-                o += math.prod(s)
-            if o != n:
-                raise ValueError(f"parameter shapes hold {o} elements, the buffer {n}")
-        else:
-            shapes = None
+        k = len(self.island) if self.scope == "bridge" and len(self.layout.islands) > 1 and self.layout.equal else 1
+        shapes, offsets, cuts = self._layout_of(n, shapes, k)
         if self.scope == "all" or len(self.layout.islands) < 2:
             if self.scope == "bridge":  # one island: nothing crosses a slow hop
                 dist.all_reduce(flat, group=self.group)
                 return
             self._exchange(flat, shapes, offsets, 0, n, key, 0)
             return
-        k = len(self.island)
         if not self.layout.equal:
             if self.island_group is not None:
                 dist.all_reduce(flat, group=self.island_group)
@@ -277,7 +331,7 @@ class Reducer:
             if self.island_group is not None:
                 dist.broadcast(flat, src=self.island[0], group=self.island_group)
             return
-        cuts = self.cuts(n, k, [o for o in offsets] if offsets is not None else None)
+        k = len(self.island)
         width = max(cuts[i + 1] - cuts[i] for i in range(k)) if k else 0
         a, b = cuts[self.local], cuts[self.local + 1]
         if k == 1:
@@ -307,18 +361,11 @@ class Reducer:
         for a buffer of ``n`` elements."""
         local = self.local if local is None else local
         if self.scope == "bridge" and len(self.layout.islands) > 1 and self.layout.equal and len(self.island) > 1:
-            offsets = None
-            if not self.compressor.elementwise:
-                shapes = shapes or [(n,)]
-                offsets, o = [], 0
-                for s in shapes:
-                    offsets.append(o)
-                    o += math.prod(s)
-            cuts = self.cuts(n, len(self.island), offsets)
+            shapes_, offsets, cuts = self._layout_of(n, shapes, len(self.island))
             a, b = cuts[local], cuts[local + 1]
             if offsets is None:
                 return self.exchange.declared_sent([(b - a,)] if b > a else [], dtype)
-            return self.exchange.declared_sent([s for s, o in zip(shapes, offsets) if a <= o < b], dtype)  # type: ignore[arg-type]
+            return self.exchange.declared_sent([s for _, _, s in self.pieces(shapes_, offsets, a, b)], dtype)
         if self.scope == "bridge" and len(self.layout.islands) > 1 and not self.layout.equal and local != 0:
             return 0.0
         if self.compressor.elementwise:
