@@ -318,6 +318,18 @@ class QSGD(Compressor):
 # -- PowerSGD ------------------------------------------------------------------------------------------
 
 
+def _buffer(state: dict[str, Any], name: str, q: torch.Tensor, rows: int) -> torch.Tensor:
+    """A rows x len(q) buffer kept in ``state`` across steps (a fresh 4 MiB matrix per call costs
+    the allocator and the page faults as much as filling it)."""
+    import torch
+
+    shape = (rows, q.shape[0])
+    buf = state.get(name)
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != q.dtype or buf.device != q.device:
+        buf = state[name] = torch.empty(shape, dtype=q.dtype, device=q.device)
+    return buf
+
+
 class PowerSGD(Compressor):
     """Rank-r power iteration per matrix with warm start and error feedback (Vogels et al. 2019).
 
@@ -387,7 +399,8 @@ class PowerSGD(Compressor):
         q = payload[0]
         if self.warm:
             state["q"] = q.clone()
-        return outer_sum(state["p"], q)
+        # the decoded matrix is read once by the driver before the next call: reuse its buffer
+        return outer_sum(state["p"], q, out=_buffer(state, "decoded", q, state["p"].shape[0]))
 
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:
@@ -396,7 +409,8 @@ class PowerSGD(Compressor):
         if self._plan(tuple(x.shape)) is None:
             return x
         p = state["p"]  # decode where the others decode (the host when devices differ)
-        return outer_sum(p, state["q_own"].to(p.device)).to(x.device)
+        q = state["q_own"].to(p.device)
+        return outer_sum(p, q, out=_buffer(state, "sent", q, p.shape[0])).to(x.device)
 
 
 # -- registration ----------------------------------------------------------------------------------------
