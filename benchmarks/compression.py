@@ -150,22 +150,36 @@ def _local_work(spec_text: str, model: Any, rank: int, world: int) -> Any:
     """The compression work one rank does per step under scope ``bridge`` on two islands of
     ``world // 2`` ranks, without any communication: error feedback in and out, both rounds of
     compress and decode (payloads summed by doubling), and what was sent, on this rank's share of
-    the parameters (every ``world // 2``-th matrix from its local index). An equal-work floor:
-    the step can be no faster than compute plus this."""
-    from vcga.compress import parse_spec
+    the parameters (its rows of every matrix, or its range of every tensor, as the reducer cuts
+    them). An equal-work floor: the step can be no faster than compute plus this."""
+    from vcga.compress import Reducer, parse_spec
     from vcga.compress.ef import ErrorFeedback
     from vcga.compress.engine import create_compressor
     from vcga.contract import Combine, CompressContext
 
     comp = create_compressor(parse_spec(spec_text))
     k = max(world // 2, 1)
-    params = [p for i, p in enumerate(model.parameters()) if i % k == rank % k]
+    local = rank % k
+    # this rank's share as the reducer cuts it: a compressor that needs shapes gets its rows of
+    # every matrix (Reducer.pieces), an element-wise one its range of every parameter
+    params = []
+    for p in model.parameters():
+        n, shape = p.numel(), tuple(p.shape)
+        if comp.elementwise:
+            cuts = Reducer.cuts(n, k, None)
+            params.append((p, None, cuts[local], cuts[local + 1]))
+        else:
+            cuts = Reducer.cuts(n, k, None)
+            for _, start, s in Reducer.pieces([shape], [0], cuts[local], cuts[local + 1]):
+                params.append((p, s, start, start + math.prod(s)))
+    params = [q for q in params if q[3] > q[2]]
     efs = [ErrorFeedback() for _ in params]
     states: list[dict[str, Any]] = [{} for _ in params]
 
     def run(step: int) -> None:
-        for p, ef, st in zip(params, efs, states):
-            g = p.grad
+        for (p, shape, a, b), ef, st in zip(params, efs, states):
+            g = p.grad.reshape(-1)[a:b]
+            g = g.view(shape) if shape is not None else g
             x = ef.input(g) if comp.error_feedback else g
             ctx = CompressContext(2, 0, step, 0)
             out, pl = None, []
