@@ -10,8 +10,8 @@ Scope ``bridge`` (``docs/compression.md`` has the pictures):
 1. **Islands** are the ranks that share a backend *and* a node (published by every rank at
    creation): inside one, links are the vendor's own (NVLink, HCCS, shared memory); between them
    runs the slow hop (the host bridge between vendors, Ethernet between nodes).
-2. Islands of equal size k: the buffer is cut into k parts (element ranges; whole parameters for a
-   compressor that needs shapes); a **reduce-scatter inside each island** (exact, the vendor's
+2. Islands of equal size k: the buffer is cut into k equal parts (element ranges; a compressor
+   that needs shapes sees the parameters in its part, or their rows: :meth:`Reducer.pieces`); a **reduce-scatter inside each island** (exact, the vendor's
    library) leaves part i, summed over the island, on local rank i; the **local ranks i of all
    islands** (the shard peers) sum it across islands *compressed*; an **all-gather inside each
    island** copies the parts back. Every island link carries its share; the slow hop carries each
