@@ -190,6 +190,26 @@ class Reducer:
             self._attach(self.group, "cross")
         self.step = 0
         self._cut_cache: dict[Any, tuple[Any, Any, list[int]]] = {}
+        self._rows: dict[Any, torch.Tensor] = {}  # the island all_to_all's receive buffer, per size
+        self._a2a: dict[torch.dtype, bool] = {}
+
+    def _island_all_to_all(self, dtype: torch.dtype) -> bool:
+        """Does the island move ``dtype`` with all_to_all natively (its table says so; a group
+        without a table, plain gloo, does)?"""
+        got = self._a2a.get(dtype)
+        if got is None:
+            table = getattr(self.island_group, "capabilities", None)
+            got = True
+            if table is not None:
+                from vcga import dtypes as _dtypes
+                from vcga.contract import Collective, Support
+
+                try:
+                    got = table.lookup(Collective.ALL_TO_ALL, _dtypes.from_torch(dtype)).support is Support.NATIVE
+                except Exception:  # noqa: BLE001 - a table that cannot answer: the library's reduce-scatter
+                    got = False
+            self._a2a[dtype] = got
+        return got
 
     def _attach(self, group: Any, label: str) -> None:
         if self.meter is None or group is None:
@@ -345,7 +365,7 @@ class Reducer:
             for i in range(k):
                 send[i * width:i * width + cuts[i + 1] - cuts[i]] = flat[cuts[i]:cuts[i + 1]]
         part = flat.new_empty(width)
-        dist.reduce_scatter_tensor(part, send, group=self.island_group)  # exact, inside the island
+        self._island_reduce_scatter(part, send, k)  # exact, inside the island
         self._exchange(part, shapes, offsets, a, b, key, self.local)
         if direct:
             dist.all_gather_into_tensor(flat, part, group=self.island_group)
@@ -354,6 +374,26 @@ class Reducer:
             dist.all_gather_into_tensor(rows, part, group=self.island_group)
             for i in range(k):
                 flat[cuts[i]:cuts[i + 1]] = rows[i * width:i * width + cuts[i + 1] - cuts[i]]
+
+    def _island_reduce_scatter(self, part: torch.Tensor, send: torch.Tensor, k: int) -> None:
+        """``part`` = this rank's chunk of ``send`` summed over the island, the same bits wherever
+        it is read (each chunk is summed once, on its owner; the all-gather copies it).
+
+        On the host (CPU tensors: gloo, or a vendor stand-in over it) as an all_to_all and a sum
+        of the k rows in island-rank order: gloo's reduce_scatter costs 2.5x its all_reduce of
+        the same bytes (4 MiB on 2 ranks here: 7.5 ms against 2.8 ms; the all_to_all 1.7 ms). A
+        device library's own reduce-scatter (NCCL, HCCL) is used as it is."""
+        if part.device.type != "cpu" or not self._island_all_to_all(part.dtype):
+            dist.reduce_scatter_tensor(part, send, group=self.island_group)
+            return
+        rows = self._rows.get((send.numel(), send.dtype))
+        if rows is None:
+            rows = self._rows[(send.numel(), send.dtype)] = torch.empty_like(send)
+        dist.all_to_all_single(rows, send, group=self.island_group)
+        r = rows.view(k, -1)
+        torch.add(r[0], r[1], out=part)
+        for i in range(2, k):  # left to right in island-rank order
+            part.add_(r[i])
 
     def declared_cross_sent(self, n: int, shapes: Sequence[tuple[int, ...]] | None, dtype: str,
                             local: int | None = None) -> float:
