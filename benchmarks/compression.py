@@ -19,7 +19,9 @@ steps on the same ranks, in one job:
 
 Reported per variant: the loss on a fixed held-out batch after the last step (the same on every
 rank: the check that every rank holds bitwise identical parameters runs too, over the store), its
-ratio to ``exact``'s, the median step time and its ratio to ``exact``'s, and bytes across the slow
+ratio to ``exact``'s, the median step time and its ratio to ``exact``'s, the CPU time per step of all
+ranks together (every thread of every rank's process: on a shared machine, a figure that others'
+load does not inflate the way it inflates wall time), and bytes across the slow
 hop per step: counted at the transport by ``vcga.compress.WireMeter`` for vcga's hooks, and -- in
 ``nodes`` mode -- at the network interface between the namespace nodes for every variant.
 
@@ -227,6 +229,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
             meter.reset()
             dist.barrier()
             link0 = _link_bytes()
+            cpu0 = time.process_time()
         t0 = time.perf_counter()
         loss = loss_fn(ddp(x), y)
         opt.zero_grad(set_to_none=True)
@@ -235,6 +238,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
             work(step)
         opt.step()
         times.append(time.perf_counter() - t0)
+    cpu1 = time.process_time()  # every thread of this rank: training, hook, library, bridge
     dist.barrier()
     link1 = _link_bytes()
     timed = max(args.steps - args.warmup, 1)
@@ -249,12 +253,15 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     cross = torch.tensor([meter.total_sent("cross") / timed], dtype=torch.float64)
     dist.all_reduce(cross)  # every rank's bytes across the hop
+    cpu = torch.tensor([(cpu1 - cpu0) / timed], dtype=torch.float64)
+    dist.all_reduce(cpu)  # CPU seconds per step, all ranks together
     lb = torch.tensor([(link1 - link0) / timed if link0 >= 0 else -1.0], dtype=torch.float64)
     dist.all_reduce(lb, op=dist.ReduceOp.MAX)
     if closer is not None:
         closer()
     grad_bytes = sum(p.numel() * p.element_size() for p in student.parameters())
     return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med),
+            "cpu_s": float(cpu),
             "grad_bytes": grad_bytes,
             "meter_cross_bytes_per_step": float(cross) if variant.startswith("vcga:") else None,
             # tx+rx of one node's link = bytes crossing it in both directions
@@ -296,9 +303,10 @@ def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: 
         own = r["variant"].startswith("compute")  # every rank trains alone: loss and identity do not apply
         lines.append([r["variant"], "–" if own else f"{r['loss']:.5f}", "–" if own else f"{r['loss'] / base['loss']:.3f}",
                       f"{r['step_s'] * 1e3:.0f} ms", f"{r['step_s'] / base['step_s']:.2f}",
+                      f"{r['cpu_s'] * 1e3:.0f} ms" if "cpu_s" in r else "–",
                       b(r["link_bytes_per_step"]), b(r["meter_cross_bytes_per_step"]),
                       "–" if own else ("yes" if r["identical"] else "NO")])
-    head = ["variant", "loss", "loss / exact", "step", "step / exact", "link bytes/step", "metered cross/step",
+    head = ["variant", "loss", "loss / exact", "step", "step / exact", "CPU/step", "link bytes/step", "metered cross/step",
             "ranks identical"]
     out = title + "\n" + table(head, lines, markdown)
     comp = next((r for r in results if r["variant"] == "compute"), None)
