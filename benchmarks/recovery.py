@@ -146,15 +146,50 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
             "ratio_paired": paired, "samples": rows}
 
 
-def part_stall(work: Path, mib: float, reps: int, steps_ms: float) -> dict:
+CONFIGS = ("background/process", "background/thread", "blocking/process", "blocking/thread")
+
+
+def make_training(mib: float, seed: int = 1) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Parameters and an Adam whose state (the weights and both moments, 12 bytes per element)
+    is about ``mib`` MiB, with fixed gradients so that every ``opt.step()`` changes all of it."""
+    g = torch.Generator().manual_seed(seed)
+    n_total = int(mib * MiB) // 12
+    params = []
+    while n_total > 0:
+        n = min(1 << 20, n_total)
+        p = torch.nn.Parameter(torch.randn(n, generator=g))
+        p.grad = torch.randn(n, generator=g) * 1e-3
+        params.append(p)
+        n_total -= n
+    opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
+    opt.step()  # creates both moments
+    return params, opt
+
+
+def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tuple[str, ...] = CONFIGS) -> dict:
+    """Each configuration (staging/writer) of async_save against a synchronous save of the same
+    state, repetitions interleaved. A step is matmul work then ``opt.step()`` (Adam over the saved
+    state): the optimizer's step is what waits for a background staging copy, so the stall counts it."""
     torch.set_num_threads(1)
-    state = make_state(mib, seed=1)
+    params, opt = make_training(mib)
     a = torch.randn(384, 384)
 
-    def step() -> None:
+    def state() -> dict:
+        return {"model": {f"p{i}": p.detach() for i, p in enumerate(params)}, "optim": opt.state_dict()}
+
+    def compute() -> None:
         b = a
         for _ in range(reps_per_step):
             b = torch.tanh(b @ a)
+
+    waited = [0.0]
+
+    def step() -> None:
+        compute()
+        t = time.perf_counter()
+        ckpt.wait_staged()  # what opt.step()'s hook would wait for, timed here (then it waits for nothing)
+        waited[0] += time.perf_counter() - t
+        opt.step()
 
     def steps(n: int) -> float:
         t = time.perf_counter()
@@ -165,50 +200,61 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float) -> dict:
     reps_per_step = 1
     while steps(1) < steps_ms / 1000:  # size the step to about steps_ms
         reps_per_step *= 2
-    sync, stalls, blocked, overlap_steps, window, control = [], [], [], [], [], []
+    rows: dict[str, dict[str, list]] = {c: {k: [] for k in ("sync", "stall", "blocked", "waited", "window", "control",
+                                                                  "steps")}
+                                        for c in configs}
+    first: dict[str, dict] = {}
     n_prev = 10
-    for rep in range(reps + 1):  # the first async save allocates its staging buffers: reported apart
-        root = work / f"stall-{rep}"
-        t = time.perf_counter()
-        ckpt.save(state, root, step=0, keep_last=1)
-        sync_s = time.perf_counter() - t
-        # The anchor of the stall: the same loop with no save in flight, measured right before and
-        # right after the save's window (a fixed baseline from the start of the run would count
-        # every drift of a shared machine's load, step after step, as stall).
-        before = steps(n_prev) / n_prev
-        t = time.perf_counter()
-        fut = ckpt.async_save(state, root, step=1, keep_last=1)
-        call = time.perf_counter() - t
-        n = 0
-        while not fut.done():
-            step()
-            n += 1
-        with_save = time.perf_counter() - t  # the call and every step that overlapped the write
-        fut.result()
-        after = steps(max(n, 1)) / max(n, 1)
-        per_step = (before + after) / 2
-        stall = with_save - n * per_step  # what the save cost the loop: blocked + slower steps
-        n_prev = max(n, 1)
-        if rep == 0:
-            first = {"sync_s": sync_s, "blocked_s": call, "stall_s": stall}
-        else:
-            sync.append(sync_s)
-            blocked.append(call)
-            stalls.append(stall)
-            overlap_steps.append(n)
-            window.append(with_save)
-            control.append(n * per_step)
-        shutil.rmtree(root)
-    med_sync, med_stall = statistics.median(sync), statistics.median(stalls)
-    ratios = [s / y for s, y in zip(stalls, sync)]
-    return {"mib": _nbytes(state) / MiB, "reps": reps, "step_s": statistics.median(c / max(n, 1) for c, n in
-                                                                                   zip(control, overlap_steps)),
-            "sync_save_s": med_sync, "async_blocked_s": statistics.median(blocked), "async_stall_s": med_stall,
-            "stall_over_sync": statistics.median(ratios),
-            "blocked_over_sync": statistics.median(b / y for b, y in zip(blocked, sync)),
-            "steps_during_write": statistics.median(overlap_steps),
-            "first_async": first, "samples": {"sync": sync, "stall": stalls, "blocked": blocked,
-                                              "window": window, "control": control, "steps": overlap_steps}}
+    for rep in range(reps + 1):  # the first async save of each configuration starts its writer
+        for config in (configs if rep % 2 == 0 else configs[::-1]):  # and allocates its buffers
+            staging, writer = config.split("/")
+            root = work / f"stall-{rep}-{staging}-{writer}"
+            t = time.perf_counter()
+            ckpt.save(state(), root, step=0, keep_last=1)
+            sync_s = time.perf_counter() - t
+            # The anchor of the stall: the same loop with no save in flight, measured right before
+            # and right after the save's window (a fixed baseline from the start of the run would
+            # count every drift of a shared machine's load, step after step, as stall).
+            before = steps(n_prev) / n_prev
+            waited[0] = 0.0
+            t = time.perf_counter()
+            fut = ckpt.async_save(state(), root, step=1, keep_last=1, staging=staging, writer=writer)
+            call = time.perf_counter() - t
+            n = 0
+            while not fut.done():
+                step()
+                n += 1
+            with_save = time.perf_counter() - t  # the call and every step that overlapped the save
+            wait_s = waited[0]
+            fut.result()
+            n_prev = min(max(n, 1), 10)  # the anchors' length: enough steps to average, bounded
+            after = steps(n_prev) / n_prev
+            per_step = (before + after) / 2
+            stall = with_save - n * per_step  # what the save cost the loop: blocked, waited, slower steps
+            if rep == 0:
+                first[config] = {"sync_s": sync_s, "blocked_s": call, "stall_s": stall}
+            else:
+                r = rows[config]
+                for k, v in (("sync", sync_s), ("blocked", call), ("stall", stall), ("steps", n), ("waited", wait_s),
+                             ("window", with_save), ("control", n * per_step)):
+                    r[k].append(v)
+            shutil.rmtree(root)
+    out: dict = {"mib": _nbytes(state()) / MiB, "reps": reps, "first_async": first, "configs": {}}
+    for config, r in rows.items():
+        out["configs"][config] = {
+            "step_s": statistics.median(c / max(n, 1) for c, n in zip(r["control"], r["steps"])),
+            "sync_save_s": statistics.median(r["sync"]), "async_blocked_s": statistics.median(r["blocked"]),
+            "async_stall_s": statistics.median(r["stall"]),
+            "stall_over_sync": statistics.median(s / y for s, y in zip(r["stall"], r["sync"])),
+            "blocked_over_sync": statistics.median(b / y for b, y in zip(r["blocked"], r["sync"])),
+            "async_waited_s": statistics.median(r["waited"]),
+            # The part of the stall timed directly (the call, and the optimizer step waiting for the
+            # copy): the rest is the steps' slowdown, read off against the anchor steps.
+            "blocked_and_waited_over_sync": statistics.median((b + w) / y for b, w, y in
+                                                              zip(r["blocked"], r["waited"], r["sync"])),
+            "window_s": statistics.median(r["window"]),
+            "steps_during_save": statistics.median(r["steps"]), "samples": r}
+    return out
 
 
 def _launch(work: Path, name: str, backend: str, vendors: str, fault: str) -> dict:
@@ -263,6 +309,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--recovery-reps", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=50.0, help="training step length for the stall part")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="async_save staging/writer configurations for the stall part, comma-separated")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory on disk)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
@@ -274,9 +322,10 @@ def main() -> None:
             out["io"] = part_io(work, args.mib, args.reps)
             print(json.dumps({"io": {k: v for k, v in out["io"].items() if k != "samples"}}, indent=1), flush=True)
         if args.part in ("stall", "all"):
-            out["stall"] = part_stall(work, args.mib, args.reps, args.step_ms)
-            print(json.dumps({"stall": {k: v for k, v in out["stall"].items() if k != "samples"}}, indent=1),
-                  flush=True)
+            out["stall"] = part_stall(work, args.mib, args.reps, args.step_ms, tuple(args.configs.split(",")))
+            print(json.dumps({"stall": {**out["stall"], "configs": {
+                c: {k: v for k, v in r.items() if k != "samples"} for c, r in out["stall"]["configs"].items()}}},
+                indent=1), flush=True)
         if args.part in ("recovery", "all"):
             out["recovery"] = part_recovery(work, args.recovery_reps)
             print(json.dumps({"recovery": {k: ({kk: vv for kk, vv in v.items() if kk != "runs"}

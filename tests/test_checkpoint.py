@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,24 +160,26 @@ def test_resaving_a_step_replaces_it_and_checkpoints_of_an_abandoned_timeline_go
     _assert_state_equal(state, _state(40))
 
 
-def test_async_save_returns_a_future_and_a_failure_surfaces_in_the_next_save(tmp_path):
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_async_save_returns_a_future_and_a_failure_surfaces_in_the_next_save(tmp_path, writer):
     root = tmp_path / "ck"
     state = _state(5)
-    fut = ckpt.async_save(state, root, step=5)
-    state["model"]["w"].add_(1.0)  # training goes on: the save holds its own copy
-    assert fut.result(timeout=60) == root / "step-5"
+    fut = ckpt.async_save(state, root, step=5, writer=writer)
+    ckpt.wait_staged()
+    state["model"]["w"].add_(1.0)  # training goes on once the copy is made: the save holds its own
+    assert fut.result(timeout=120) == root / "step-5"
     got = _fresh()
     assert ckpt.load_latest(got, root) == 5
     _assert_state_equal(got, _state(5))
 
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    fut = ckpt.async_save(_state(6), blocked / "ck", step=6)
+    fut = ckpt.async_save(_state(6), blocked / "ck", step=6, writer=writer)
     with pytest.raises(VcgaCheckpointError, match="step 6"):
-        fut.result(timeout=60)
+        fut.result(timeout=120)
     ckpt.save(_state(7), root, step=7)  # seen on the future: the next save goes ahead
 
-    ckpt.async_save(_state(8), blocked / "ck", step=8)  # nobody looks at this future...
+    ckpt.async_save(_state(8), blocked / "ck", step=8, writer=writer)  # nobody looks at this future...
     with pytest.raises(VcgaCheckpointError, match=r"previous async save \(step 8\) failed"):
         ckpt.save(_state(9), root, step=9)  # ...so the next save raises it
     ckpt.save(_state(9), root, step=9)
@@ -200,14 +203,16 @@ def test_async_save_stages_each_tensor_with_one_copy_and_new_buffers_when_the_la
 
     root = tmp_path / "ck"
     state = _state(1)
-    ckpt.async_save(state, root, step=1).result(timeout=60)  # cold: allocates the buffers
+    # staging="blocking": the copies run in the calling thread, where the (thread-local) counting
+    # mode sees them; the background stager runs the same code.
+    ckpt.async_save(state, root, step=1, staging="blocking").result(timeout=120)  # cold: allocates the buffers
     n_tensors = 5  # model.w, .b, .mask, .big and optim.step
     for step in (2, 3):
         state["model"]["w"].add_(1.0)
         with CountCopies() as counter:
-            fut = ckpt.async_save(state, root, step=step)
+            fut = ckpt.async_save(state, root, step=step, staging="blocking")
         assert counter.copies == n_tensors, counter.copies
-        fut.result(timeout=60)
+        fut.result(timeout=120)
         got = _fresh()
         assert ckpt.load_latest(got, root) == step
         assert torch.equal(got["model"]["w"], state["model"]["w"])
@@ -215,12 +220,111 @@ def test_async_save_stages_each_tensor_with_one_copy_and_new_buffers_when_the_la
     # buffers, and the checkpoint holds what was passed.
     state["model"]["w"] = state["model"]["w"].double()
     state["model"]["big"] = state["model"]["big"][:1].clone()
-    ckpt.async_save(state, root, step=4).result(timeout=60)
+    ckpt.async_save(state, root, step=4, staging="blocking").result(timeout=120)
     got = _fresh()
     got["model"]["w"], got["model"]["big"] = torch.zeros(64, 33, dtype=torch.float64), torch.zeros(1)
     assert ckpt.load_latest(got, root) == 4
     assert got["model"]["w"].dtype == torch.float64 and torch.equal(got["model"]["w"], state["model"]["w"])
     assert torch.equal(got["model"]["big"], state["model"]["big"])
+
+
+def _hold_staging(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make the background stager wait for ``go`` before copying (``started`` says it is there):
+    the test decides what happens while a copy is in flight, with no timing involved."""
+    from vcga.checkpoint import staging
+
+    started, go = threading.Event(), threading.Event()
+    real = staging._Stager.stage
+
+    def stage(self, *args, **kwargs):
+        started.set()
+        assert go.wait(60), "the test never released the staging copy"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging._Stager, "stage", stage)
+    return started, go
+
+
+def test_async_save_returns_before_the_copy_and_optimizer_step_waits_for_it(tmp_path, monkeypatch):
+    """staging='background': async_save returns while the copy is still to be made; every
+    optimizer's step() waits for it (a global step pre-hook), so the checkpoint holds the state of
+    the call, not a later or torn one."""
+    p = torch.nn.Parameter(torch.arange(1000, dtype=torch.float32))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.ones(1000)
+    started, go = _hold_staging(monkeypatch)
+    fut = ckpt.async_save({"p": p.detach()}, tmp_path / "ck", step=1)  # returns with the copy held
+    assert started.wait(60) and not fut.done()
+    stepped = threading.Event()
+    t = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    t.start()
+    t.join(0.5)
+    assert not stepped.is_set(), "optimizer.step() ran while the state was being copied"
+    go.set()
+    t.join(60)
+    assert stepped.is_set() and torch.equal(p.detach(), torch.arange(1000, dtype=torch.float32) - 1)
+    assert fut.result(timeout=120) == tmp_path / "ck" / "step-1"
+    got = {"p": torch.zeros(1000)}
+    assert ckpt.load_latest(got, tmp_path / "ck") == 1
+    assert torch.equal(got["p"], torch.arange(1000, dtype=torch.float32))  # the state of the call
+
+
+def test_a_change_outside_optimizer_step_during_the_copy_fails_the_save_and_publishes_nothing(tmp_path,
+                                                                                              monkeypatch):
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+    state = _state(2)
+    started, go = _hold_staging(monkeypatch)
+    fut = ckpt.async_save(state, root, step=2)
+    assert started.wait(60)
+    state["model"]["big"].mul_(2)  # e.g. a BatchNorm forward updating its running stats, unguarded
+    go.set()
+    with pytest.raises(VcgaCheckpointError, match=r"changed in place while async_save was copying it.*wait_staged"):
+        fut.result(timeout=120)
+    assert ckpt.latest_step(root) == 1 and sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]
+    # after wait_staged(), changes are the training's business: the save keeps its copy
+    fut = ckpt.async_save(state, root, step=3)
+    ckpt.wait_staged()
+    state["model"]["big"].mul_(2)
+    fut.result(timeout=120)
+    got = _fresh()
+    assert ckpt.load_latest(got, root) == 3
+    assert torch.equal(got["model"]["big"], state["model"]["big"] / 2)
+
+
+def test_the_writer_process_reads_the_staged_tensors_from_shared_memory_and_is_restarted_when_dead(tmp_path,
+                                                                                                monkeypatch):
+    """writer='process': every tensor reaches the writer as an (offset, length) in the shared arena
+    -- no bytes through the socket but DCP's small pickled values -- and a writer that died
+    between saves is replaced by the next save."""
+    import signal
+
+    from vcga.checkpoint import api
+    from vcga.checkpoint.shard_writer import ShardWriterProcess
+
+    sources = []
+    real = ShardWriterProcess.write
+
+    def spy(self, path, metadata, items):
+        sources.extend((name, src[0]) for name, _, _, _, src in items)
+        return real(self, path, metadata, items)
+
+    monkeypatch.setattr(ShardWriterProcess, "write", spy)
+    root = tmp_path / "ck"
+    ckpt.async_save(_state(1), root, step=1).result(timeout=120)
+    tensors = {"model.w", "model.b", "model.mask", "model.big", "optim.step"}
+    assert {n for n, kind in sources if kind == "arena"} == tensors
+    assert all(kind == "bytes" for n, kind in sources if n not in tensors)  # lr, betas, epoch: DCP's pickles
+    old = api._ASYNC.writer
+    with open(f"/proc/{old.proc.pid}/maps") as maps:  # the writer is a lean process: no torch in it
+        assert "libtorch" not in maps.read()
+    os.kill(old.proc.pid, signal.SIGKILL)
+    old.proc.wait(60)
+    ckpt.async_save(_state(2), root, step=2).result(timeout=120)
+    assert api._ASYNC.writer is not old and api._ASYNC.writer.alive()
+    got = _fresh()
+    assert ckpt.load_latest(got, root) == 2
+    _assert_state_equal(got, _state(2))
 
 
 class _Evil:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["save", "async_save", "load_latest", "wait", "latest_step", "SaveFuture"]
+__all__ = ["save", "async_save", "load_latest", "wait", "wait_staged", "latest_step", "SaveFuture"]
 
 
 def __getattr__(name: str) -> Any:  # the verbs import torch: load them on first use

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from vcga import fault
 from vcga.errors import VcgaCheckpointError, VcgaError
 
-from .staging import _Stager
+from .shard_writer import ShardWriterProcess
+from .staging import _Stager, changed, snapshot, versions
 from .storage import (
     SafeLoadPlanner,
     VcgaStorageReader,
@@ -32,7 +33,7 @@ from .storage import (
     step_dir,
 )
 
-__all__ = ["save", "async_save", "load_latest", "wait", "latest_step", "SaveFuture"]
+__all__ = ["save", "async_save", "load_latest", "wait", "wait_staged", "latest_step", "SaveFuture"]
 
 log = logging.getLogger("vcga.checkpoint")
 
@@ -87,9 +88,9 @@ def _to_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _save_now(state_dict: Mapping[str, Any], root: Path, step: int, keep_last: int | None,
-              group: dist.ProcessGroup | None, no_dist: bool, planner: Any) -> Path:
+              group: dist.ProcessGroup | None, no_dist: bool, planner: Any, **writer_hooks: Any) -> Path:
     writer = VcgaStorageWriter(root, step, keep_last=keep_last,
-                               on_rank_written=lambda: fault.point("save", step))
+                               on_rank_written=lambda: fault.point("save", step), **writer_hooks)
     try:
         with _quiet(no_dist):
             dcp.save(dict(state_dict), storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
@@ -161,15 +162,27 @@ class SaveFuture:
         return exc
 
 
+_STAGING = ("background", "blocking")
+_WRITERS = ("process", "thread")
+
+
 class _AsyncSaver:
     """At most one save in flight per process; its failure is kept until someone sees it."""
 
     def __init__(self) -> None:
         self.pending: SaveFuture | None = None
         self.thread: threading.Thread | None = None
+        self.staged = threading.Event()
+        self.staged.set()
         self.groups: dict[Any, dist.ProcessGroup] = {}
         self.stager = _Stager()
-        self.lock = threading.Lock()
+        self.writer: ShardWriterProcess | None = None
+        self.hooked = False
+
+    def wait_staged(self) -> None:
+        # No timeout needed: the stager's thread sets the event whatever happens (finally), and
+        # a copy to host memory does not wait on any peer.
+        self.staged.wait()
 
     def drain(self) -> None:
         """Wait for the save in flight; raise its failure unless its future already showed it."""
@@ -209,19 +222,94 @@ class _AsyncSaver:
             self.groups[key] = grp
         return grp
 
-    def start(self, staged: dict[str, Any], root: Path, step: int, keep_last: int | None,
-              group: dist.ProcessGroup | None, no_dist: bool, planner: Any) -> SaveFuture:
+    def _writer_process(self) -> ShardWriterProcess:
+        """The writer child, (re)started when missing or dead, told about the current arena."""
+        if self.writer is not None and not self.writer.alive():
+            self.writer.close()
+            self.writer = None
+        if self.writer is None:
+            self.writer = ShardWriterProcess()
+        arena = self.stager.arena
+        for old in self.stager.retired:
+            self.writer.drop_arena(old.id)
+            old.close()
+        self.stager.retired.clear()
+        if arena is not None and arena.id not in self.writer.arenas:
+            self.writer.send_arena(arena.id, arena.fd, arena.size)
+        return self.writer
+
+    def _shard_writer(self) -> Any:
+        """The VcgaStorageWriter hook that hands this rank's shard to the writer process: every
+        tensor lying in the arena goes as (offset, length); anything else (DCP's pickled values, a
+        tensor the planner made) as bytes."""
+        proc = self._writer_process()
+        arena = self.stager.arena
+
+        def write(path: Path, metadata: dict[str, str], entries: list[Any]) -> dict[str, tuple[str, int]]:
+            import numpy as np
+
+            items = []
+            for e in entries:
+                where = None
+                if arena is not None and e.nbytes:
+                    addr = np.frombuffer(e.data, dtype=np.uint8).ctypes.data
+                    offset = addr - arena.base
+                    if 0 <= offset and offset + e.nbytes <= arena.size:
+                        where = ("arena", arena.id, offset, e.nbytes)
+                items.append((e.name, e.dtype, e.shape, dict(e.metadata), where or ("bytes", bytes(e.data))))
+            return proc.write(path, metadata, items)
+
+        return write
+
+    def start(self, state: dict[str, Any], root: Path, step: int, keep_last: int | None,
+              group: dist.ProcessGroup | None, no_dist: bool, planner: Any, *, staging: str,
+              writer: str) -> SaveFuture:
         fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
+        shared = writer == "process"
+        staged: dict[str, Any] | None = None
+        recorded: list[Any] = []
+        after = None
+        if staging == "blocking":
+            staged = self.stager.stage(state, shared=shared)
+        else:
+            recorded = versions(state)
+            after = _training_stream_event(state)
+            self.staged.clear()
+            self._hook_optimizers()
 
         def run() -> None:
-            # Below the training threads in the CPU scheduler's eyes (Linux threads are tasks:
-            # this renices only this one): where cores are short, training keeps them.
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
-            except (OSError, AttributeError):
-                pass
-            try:
-                fut.set_result(_save_now(staged, root, step, keep_last, group, no_dist, planner))
+                copy = staged
+                stale: list[str] = []
+                if copy is None:
+                    # At the training's priority: its next optimizer step waits for this copy.
+                    try:
+                        copy = self.stager.stage(state, shared=shared, after=after)
+                    finally:
+                        self.staged.set()
+                    i = changed(recorded)
+                    if i is not None:
+                        stale.append(f"a tensor of the state ({_describe_tensor(recorded[i][0])}) was changed in "
+                                     "place while async_save was copying it, so the copy may mix two steps. "
+                                     "optimizer.step() waits for the copy by itself; call "
+                                     "vcga.checkpoint.wait_staged() before any other in-place change (a "
+                                     "BatchNorm forward, an EMA update), or pass staging='blocking'")
+
+                def refuse_stale() -> None:
+                    if stale:
+                        raise VcgaCheckpointError(stale[0], step=step)
+
+                # Then below the training threads in the CPU scheduler's eyes (Linux threads are
+                # tasks: this renices only this one; the writer process renices itself): where
+                # cores are short, training keeps them. Never back up: that needs privilege.
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+                except (OSError, AttributeError):
+                    pass
+                hooks: dict[str, Any] = {"before_write": refuse_stale}
+                if shared:
+                    hooks["shard_writer"] = self._shard_writer()
+                fut.set_result(_save_now(copy, root, step, keep_last, group, no_dist, planner, **hooks))
             except BaseException as e:  # noqa: BLE001 - it belongs to the future
                 log.error("async save of step %d failed: %s", step, e)
                 fut.set_exception(e)
@@ -232,15 +320,57 @@ class _AsyncSaver:
         self.thread.start()
         return self.pending
 
+    def _hook_optimizers(self) -> None:
+        """Every optimizer's step() waits for the staging copy in flight: it is what changes the
+        state in a training loop, and forward and backward (which do not) overlap the copy."""
+        if not self.hooked:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self.wait_staged())
+            self.hooked = True
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
+def _training_stream_event(state: dict[str, Any]) -> Any:
+    """On an accelerator: an event on the training's current stream, for the staging stream to
+    wait on (the copies must see every kernel queued before async_save). None on the host."""
+    from .staging import _device_type
+
+    dev = _device_type(state)
+    if dev is None:
+        return None
+    ev = torch.Event(device=dev)
+    ev.record(torch.accelerator.current_stream())
+    return ev
+
 
 _ASYNC = _AsyncSaver()
 
 
 def async_save(state_dict: Mapping[str, Any], root: str | os.PathLike[str], *, step: int,
                keep_last: int | None = 2, process_group: dist.ProcessGroup | None = None,
-               planner: Any = None) -> SaveFuture:
-    """Like :func:`save`, but returns once the state is copied to host memory; a background thread
-    writes and publishes it while training goes on. Collective (every rank calls it).
+               planner: Any = None, staging: str = "background", writer: str = "process") -> SaveFuture:
+    """Like :func:`save`, but returns at once; the state is copied to host memory and written in
+    the background while training goes on. Collective (every rank calls it).
+
+    ``staging="background"`` (default): the copy runs in a background thread too. Until it is done
+    the state must not change: every ``optimizer.step()`` waits for it by itself (a global
+    optimizer step pre-hook), forward and backward overlap it. Any other in-place change of the
+    state must call :func:`wait_staged` first; one seen while the copy ran fails the save
+    (``VcgaCheckpointError``; nothing is published). ``staging="blocking"``: the call returns once
+    the copy is done.
+
+    ``writer="process"`` (default): the shard is hashed, written and fsynced by a helper process
+    (started at the first call, reading the staged tensors from shared memory), so the writing
+    never holds this process's GIL; ``"thread"``: by the background thread itself.
 
     At most one save is in flight: a second call first waits for the first (and raises its error
     if it failed and its future was never asked). Call :func:`wait` before destroying the process
@@ -248,12 +378,23 @@ def async_save(state_dict: Mapping[str, Any], root: str | os.PathLike[str], *, s
 
     :returns: a :class:`SaveFuture`; ``result()`` gives the checkpoint directory or raises.
     """
+    if staging not in _STAGING:
+        raise ValueError(f"staging must be one of {', '.join(_STAGING)}, got {staging!r}")
+    if writer not in _WRITERS:
+        raise ValueError(f"writer must be one of {', '.join(_WRITERS)}, got {writer!r}")
     _ASYNC.drain()
     step = _check_step(step)
     group, no_dist = _group_and_dist(process_group)
     bg_group = None if no_dist else _ASYNC.group_for(group)
-    staged = _ASYNC.stager.stage(_to_state_dict(state_dict))
-    return _ASYNC.start(staged, Path(root), step, keep_last, bg_group, no_dist, planner)
+    state = snapshot(_to_state_dict(state_dict))
+    return _ASYNC.start(state, Path(root), step, keep_last, bg_group, no_dist, planner, staging=staging,
+                        writer=writer)
+
+
+def wait_staged() -> None:
+    """Wait until the async save in flight has copied the state (at once when none is copying).
+    After it, the state may change: the save holds its own copy."""
+    _ASYNC.wait_staged()
 
 
 def wait() -> Path | None:
@@ -268,6 +409,7 @@ def _wait_at_exit() -> None:
         wait()
     except Exception as e:  # noqa: BLE001 - nobody is left to raise to; say it
         log.error("the last async checkpoint save failed: %s", e)
+    _ASYNC.close()
 
 
 atexit.register(_wait_at_exit)

@@ -65,6 +65,7 @@ from .dcpmeta import (
     load_metadata,
     metadata_checksum,
 )
+from .shard_writer import write_shard
 
 __all__ = ["VcgaStorageWriter", "VcgaStorageReader", "SafeLoadPlanner", "LATEST_FILE", "step_dir",
            "read_latest", "complete_steps"]
@@ -119,11 +120,20 @@ class VcgaStorageWriter(StorageWriter):
     :param keep_last: checkpoints to keep after publishing this one (None: keep all).
     :param on_rank_written: called on every rank once its shard is durable, before the checkpoint is
         published (where :mod:`vcga.fault` injects "a rank killed during save").
+    :param shard_writer: writes this rank's entries as one vendor-bin file and returns each
+        tensor's (checksum, nbytes) -- :func:`~vcga.checkpoint.shard_writer.write_shard` in this
+        process by default; async_save's writer process otherwise.
+    :param before_write: called before this rank writes anything; what it raises fails the save
+        on every rank (async_save: the state changed while it was being staged).
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, *, keep_last: int | None = 2,
-                 on_rank_written: Callable[[], None] | None = None) -> None:
+                 on_rank_written: Callable[[], None] | None = None,
+                 shard_writer: Callable[[Path, dict[str, str], list[TensorEntry]], dict[str, tuple[str, int]]]
+                 | None = None, before_write: Callable[[], None] | None = None) -> None:
         super().__init__()
+        self.shard_writer = shard_writer
+        self.before_write = before_write
         self.root = Path(root)
         self.step = step
         self.keep_last = keep_last
@@ -156,28 +166,28 @@ class VcgaStorageWriter(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.before_write is not None:
+            self.before_write()  # raising here fails the save on every rank (DCP gathers it)
         target: _RankFile = plan.storage_data
         path = self.root / target.directory / target.file
         names: list[tuple[Any, str]] = []
         if plan.items:
-            spec = _data_format()
-            with spec.open_writer(path, metadata={"vcga.checkpoint.step": str(self.step),
-                                                  "vcga.checkpoint.rank": str(self.rank)}) as writer:
-                for item in plan.items:
-                    name = _item_name(item.index)
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        buf = data.getbuffer()
-                        writer.write(TensorEntry(name, "uint8", (buf.nbytes,), buf, {"dcp.type": "bytes"}))
-                    else:
-                        # A device tensor comes to the host through its vendor plugin; a
-                        # non-contiguous one is packed once. Contiguous host memory is not copied.
-                        writer.write(tensors.from_torch(name, data.detach()))
-                    names.append((item, name))
-            # The file is fsynced and in place. Its index holds each tensor's checksum: read it
-            # back (the index only, no tensor bytes) so .metadata can pin them.
-            with spec.open_reader(path, verify=False) as reader:
-                stored = {e.name: (e.checksum, e.nbytes) for e in reader.index()}
+            entries = []
+            for item in plan.items:
+                name = _item_name(item.index)
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = data.getbuffer()
+                    entries.append(TensorEntry(name, "uint8", (buf.nbytes,), buf, {"dcp.type": "bytes"}))
+                else:
+                    # A device tensor comes to the host through its vendor plugin; a
+                    # non-contiguous one is packed once. Contiguous host memory is not copied.
+                    entries.append(tensors.from_torch(name, data.detach()))
+                names.append((item, name))
+            metadata = {"vcga.checkpoint.step": str(self.step), "vcga.checkpoint.rank": str(self.rank)}
+            # The file is fsynced and in place. Its index holds each tensor's checksum, read back
+            # (the index only, no tensor bytes) so .metadata can pin them.
+            stored = (self.shard_writer or write_shard)(path, metadata, entries)
         results = []
         for item, name in names:
             checksum, nbytes = stored[name]
