@@ -385,3 +385,24 @@ def test_vcga_errors_survive_pickling_as_dcp_gathers_them_across_ranks():
                 VcgaCheckpointError("save failed", step=3, failures={1: "OSError: disk full"})):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__
+
+
+def test_a_failed_background_copy_fails_the_save_through_dcp_and_publishes_nothing(tmp_path, monkeypatch):
+    """A failure in the background thread before DCP starts (the copy, the writer process) is
+    raised inside the save's write step, so DCP fails it on every rank rather than leaving the
+    other ranks waiting in its collectives; nothing is published."""
+    from vcga.checkpoint import staging
+
+    root = tmp_path / "ck"
+    ckpt.save(_state(1), root, step=1)
+
+    def broken(self, *args, **kwargs):
+        raise MemoryError("no host memory for the staging buffers")
+
+    monkeypatch.setattr(staging._Stager, "stage", broken)
+    fut = ckpt.async_save(_state(2), root, step=2)
+    ckpt.wait_staged()  # released even though the copy failed: no optimizer step waits forever
+    with pytest.raises(VcgaCheckpointError, match="rank 0: VcgaCheckpointError: copying the state to host memory "
+                                                  "failed: MemoryError"):
+        fut.result(timeout=120)
+    assert ckpt.latest_step(root) == 1 and sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]

@@ -283,12 +283,17 @@ class _AsyncSaver:
                 stale: list[str] = []
                 if copy is None:
                     # At the training's priority: its next optimizer step waits for this copy.
+                    # A failure here is this rank's alone: it must fail the save inside DCP, on
+                    # every rank (before_write), not leave the others waiting in its collectives.
                     try:
                         copy = self.stager.stage(state, shared=shared, after=after)
+                    except Exception as e:  # noqa: BLE001 - reported through before_write
+                        stale.append(f"copying the state to host memory failed: {type(e).__name__}: {e}")
+                        copy = state  # DCP still plans (metadata only); nothing is written
                     finally:
                         self.staged.set()
                     i = changed(recorded)
-                    if i is not None:
+                    if i is not None and not stale:
                         stale.append(f"a tensor of the state ({_describe_tensor(recorded[i][0])}) was changed in "
                                      "place while async_save was copying it, so the copy may mix two steps. "
                                      "optimizer.step() waits for the copy by itself; call "
@@ -308,7 +313,10 @@ class _AsyncSaver:
                     pass
                 hooks: dict[str, Any] = {"before_write": refuse_stale}
                 if shared:
-                    hooks["shard_writer"] = self._shard_writer()
+                    try:
+                        hooks["shard_writer"] = self._shard_writer()
+                    except Exception as e:  # noqa: BLE001 - reported through before_write, as above
+                        stale.append(f"starting the checkpoint writer process failed: {type(e).__name__}: {e}")
                 fut.set_result(_save_now(copy, root, step, keep_last, group, no_dist, planner, **hooks))
             except BaseException as e:  # noqa: BLE001 - it belongs to the future
                 log.error("async save of step %d failed: %s", step, e)
@@ -405,8 +413,11 @@ def wait() -> Path | None:
 
 
 def _wait_at_exit() -> None:
+    pending = _ASYNC.pending
     try:
-        wait()
+        _ASYNC.drain()  # raises only a failure nobody has seen
+        if pending is not None and not pending.observed:
+            pending._fut.result()
     except Exception as e:  # noqa: BLE001 - nobody is left to raise to; say it
         log.error("the last async checkpoint save failed: %s", e)
     _ASYNC.close()
