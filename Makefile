@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 verify: $(STAMP)
 	$(VENV)/bin/vcga verify
