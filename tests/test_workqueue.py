@@ -44,6 +44,25 @@ def test_async_calls_return_at_once_and_run_in_issue_order_on_one_thread():
     q.close()
 
 
+def test_wait_returns_after_the_future_is_done_and_its_callbacks_ran():
+    """torch's order (gloo's finishWorkGloo: future completed, then the work finished): a work is
+    not completed while its future's callbacks run, so whoever returns from wait() finds the future
+    done and may chain ``.then()`` on it that runs at once -- torchft's managed works rely on it
+    (its integration test healed to different weights when this was the other way round)."""
+    q = make()
+    gate = threading.Event()
+    w = q.run(lambda: gate.wait(10), [torch.tensor([1])], async_op=True)
+    seen = []
+    w.get_future().add_done_callback(lambda f: seen.append(("completed during callback", w.is_completed())))
+    gate.set()
+    assert w.wait()
+    assert seen == [("completed during callback", False)] and w.get_future().done()
+    chained = []
+    w.get_future().then(lambda f: chained.append(f.value()[0].item()))
+    assert chained == [1]  # done already: the callback ran in place
+    q.close()
+
+
 def test_a_synchronous_call_runs_inline_when_idle_and_behind_queued_work_otherwise():
     q = make()
     where = []

@@ -69,12 +69,18 @@ class QueuedWork(dist._Work):
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._event.set()
+        # The future first, then the work, as torch's gloo does (finishWorkGloo: the future is
+        # completed, then finish()): once wait() returns, get_future() is done and every callback
+        # hung on it has run. Callers rely on it: torchft chains its callbacks with .then() on the
+        # future right after wait(), and a closure of its loop is only right if each runs at once.
         # Callbacks hung on the future (PyWork's, DDP's) run here, in this thread.
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        try:
+            if error is None:
+                self._future.set_result(self._result)
+            else:
+                self._future.set_exception(error)
+        finally:
+            self._event.set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         limit = pypg.timeout_given(timeout)
