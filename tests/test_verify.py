@@ -258,11 +258,21 @@ def test_verify_on_gloo_writes_a_report_that_follows_the_schema_and_junit_xml(tm
         jsonschema.validate(data, schema)
 
 
-def test_junit_marks_failures_for_a_junit_parser(tmp_path: Path):
+@pytest.fixture(scope="module")
+def broken_sum(tmp_path_factory: pytest.TempPathFactory):
+    """One `vcga verify` run on broken-sum that two tests read: its JUnit XML and its table."""
+    tmp = tmp_path_factory.mktemp("broken-sum")
+    junit = tmp / "broken.xml"
+    r = run_vcga("verify", "--profile", TINY, "--backend", "broken-sum", "--check", "exact-reduce",
+                 "--check", "collectives", "--junit", str(junit),
+                 env={**_env("broken_backends"), "TMPDIR": str(tmp)}, timeout=240)  # its rank logs: tmp
+    return r, junit
+
+
+def test_junit_marks_failures_for_a_junit_parser(broken_sum):
     from junitparser import Failure, JUnitXml
 
-    junit = tmp_path / "broken.xml"
-    r = _verify("--backend", "broken-sum", "--check", "exact-reduce", "--junit", str(junit))
+    r, junit = broken_sum
     assert r.returncode == 1, r.stdout + r.stderr
     xml = JUnitXml.fromfile(str(junit))
     failed = [c for s in xml for c in s if any(isinstance(res, Failure) for res in c.result)]
@@ -275,8 +285,8 @@ def test_junit_marks_failures_for_a_junit_parser(tmp_path: Path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_a_wrong_sum_in_one_dtype_fails_exact_reduce_on_that_dtype_only():
-    r = _verify("--backend", "broken-sum", "--check", "exact-reduce", "--check", "collectives")
+def test_a_wrong_sum_in_one_dtype_fails_exact_reduce_on_that_dtype_only(broken_sum):
+    r, _ = broken_sum
     assert r.returncode == 1, r.stdout + r.stderr
     fails = _failures(r.stdout)
     assert fails and all(f.startswith("FAIL exact-reduce") and "float16" in f for f in fails), fails
