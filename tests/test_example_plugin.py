@@ -45,8 +45,14 @@ def _env(site, **extra):
     return env
 
 
-def test_installed_example_plugin_appears_in_info(site_dir):
-    r = run_vcga("info", "--json", env=_env(site_dir))
+@pytest.fixture(scope="module")
+def info_json(site_dir):
+    """`vcga info --json` with the example and the broken distribution installed: two tests read it."""
+    return run_vcga("info", "--json", env=_env(site_dir))
+
+
+def test_installed_example_plugin_appears_in_info(info_json):
+    r = info_json
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     plugins = {p["name"]: p for p in data["plugins"]}
@@ -57,8 +63,9 @@ def test_installed_example_plugin_appears_in_info(site_dir):
     assert acme["capabilities"]["all_reduce_native_ops"] == ["SUM", "MIN", "MAX"]
 
 
-def test_broken_plugin_is_shown_with_its_error_and_the_rest_works(site_dir):
-    r = run_vcga("info", "--json", env=_env(site_dir))
+def test_broken_plugin_is_shown_with_its_error_and_the_rest_works(site_dir, info_json):
+    r = info_json
+    assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     broken = {p["name"]: p for p in data["plugins"]}["broken"]
     assert broken["status"] == "failed"
