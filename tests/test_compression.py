@@ -111,6 +111,34 @@ def test_error_feedback_is_exact_where_a_plain_residual_is_not():
     assert naive_fails == 4
 
 
+def test_error_feedback_in_blocks_gives_the_bits_of_whole_tensor_passes():
+    """The residual works in cache-sized blocks on the host: every element must go through the
+    same operations as in one pass over the whole tensor (written out here with two_sum), across
+    block edges and a ragged last block, record on and off."""
+    from vcga.compress import ef as ef_mod
+
+    n = 2 * ef_mod.BLOCK + 123
+    for record in (False, True):
+        ef = ErrorFeedback(record=record)
+        hi = lo = carry = None
+        for step in range(3):
+            g = _adversarial(n, 40 + step).reshape(-1, 1)  # 2-D: the blocks run over its flat view
+            x = ef.input(g)
+            if hi is None:
+                want_x, carry = g.clone(), torch.zeros_like(g)
+            else:
+                s1, e1 = two_sum(g, hi)
+                want_x, e2 = two_sum(s1, lo)
+                carry = e1 + e2
+            assert torch.equal(x, want_x)
+            sent = _adversarial(n, 200 + step).reshape(g.shape)
+            ef.update(x, sent)
+            hi, lo = two_sum(want_x, -sent)
+            if step:
+                lo = lo + carry
+            assert torch.equal(ef.hi, hi) and torch.equal(ef.lo, lo), (record, step)
+
+
 def test_error_feedback_conserves_across_steps_to_second_order():
     """Σ sent + residual == Σ g up to the rounding of the low parts (order u² per step), while a
     single fp32 residual drifts by order u per step."""
