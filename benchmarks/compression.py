@@ -363,6 +363,7 @@ def main() -> None:
 
 def run_nodes(args: argparse.Namespace) -> None:
     """2 namespace nodes x 2 ranks, nccl ranks on node 0 and hccl ranks on node 1, link at ``--rate``."""
+    import shutil
     import tempfile
     import threading
 
@@ -393,13 +394,16 @@ def run_nodes(args: argparse.Namespace) -> None:
     t = threading.Thread(target=go)  # the cluster's holders die with the thread that made them
     t.start()
     t.join()
-    if "error" in result:
-        raise SystemExit(result["error"])
-    bad = [r for r in result["nodes"] if r.returncode != 0]
-    if bad:
-        raise SystemExit("a node failed:\n" + bad[0].output[-4000:])
-    with open(os.path.join(out, "r.json")) as f:
-        results = json.load(f)
+    try:
+        if "error" in result:
+            raise SystemExit(result["error"])
+        bad = [r for r in result["nodes"] if r.returncode != 0]
+        if bad:
+            raise SystemExit("a node failed:\n" + bad[0].output[-4000:])
+        with open(os.path.join(out, "r.json")) as f:
+            results = json.load(f)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     title = (f"2 nodes x 2 ranks (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
              f"depth {args.depth}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps "
              f"({args.warmup} untimed)")
