@@ -10,12 +10,15 @@ Three parts (``--part io|stall|recovery``, all by default):
   an fsync, so both read the disk -- or the hypervisor's cache on a VM) and warm. VCGA's load
   verifies every checksum and padding byte of what it reads; torch's verifies nothing.
 - **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
-  the same state: the loop's time from the call until the background write is done (the call
-  blocks while it stages the state to host memory, then steps run alongside the write) less the
-  same number of steps with no save in flight, measured right before and right after (the mean
-  of the two). Reported as the median of the per-repetition ratios stall / sync save; the
-  staging copy alone (``blocked_over_sync``) is the floor of that ratio on a host without an
-  accelerator. The training step is a fixed single-threaded matmul workload on one core.
+  the same state, for each configuration ``staging/writer`` (``--configs``; default all four:
+  background or blocking staging, writer process or thread), repetitions interleaved. A step is
+  fixed single-threaded matmul work, then ``opt.step()`` of an Adam whose state (weights and both
+  moments) is the state saved -- the optimizer step is what must wait for a background copy. The
+  stall is the loop's time from the call until the save is done (the call, the wait for the copy,
+  every step that ran alongside the write) less the same number of steps with no save in flight,
+  measured right before and right after (the mean of the two, at most 10 steps each). Reported as
+  the median of the per-repetition ratios stall / sync save, with the part timed directly (the
+  call and the wait for the copy: ``blocked_and_waited_over_sync``) beside it.
 - **recovery** -- ``examples/train_elastic.py`` under torchrun with one rank SIGKILLed mid-step
   (``VCGA_FAULT``), on backend vcga with two simulated vendors and, as the anchor, on torch's own
   gloo backend: time from the kill to the first peer's error (detection), from the new workers'
@@ -294,7 +297,8 @@ def part_recovery(work: Path, reps: int) -> dict:
             rows[who].append(_launch(work, f"{who}-{rep}", who, "nccl:2,hccl:2", "kill:rank=1:step=7:at=mid"))
     out = {}
     for who, runs in rows.items():
-        med = {k: statistics.median(r[k] for r in runs if r[k] is not None)
+        # detect_s is None in a launch where no peer recorded its error before torchrun stopped it
+        med = {k: (statistics.median(v) if (v := [r[k] for r in runs if r[k] is not None]) else None)
                for k in ("detect_s", "restart_to_first_step_s", "kill_to_first_step_s", "steps_lost")}
         out[who] = {**med, "errors": sorted({x for r in runs for x in r["errors"]}), "runs": runs}
     out["ratio_vcga_over_gloo"] = {k: out["vcga"][k] / out["gloo"][k] for k in

@@ -175,7 +175,9 @@ class _AsyncSaver:
         self.staged = threading.Event()
         self.staged.set()
         self.groups: dict[Any, dist.ProcessGroup] = {}
-        self.stager = _Stager()
+        # One stager per writer kind (plain buffers, or the writer process's shared arena), so a
+        # job that uses both keeps both warm instead of reallocating at every switch.
+        self.stagers = {False: _Stager(), True: _Stager()}
         self.writer: ShardWriterProcess | None = None
         self.hooked = False
 
@@ -229,11 +231,12 @@ class _AsyncSaver:
             self.writer = None
         if self.writer is None:
             self.writer = ShardWriterProcess()
-        arena = self.stager.arena
-        for old in self.stager.retired:
+        stager = self.stagers[True]
+        arena = stager.arena
+        for old in stager.retired:
             self.writer.drop_arena(old.id)
             old.close()
-        self.stager.retired.clear()
+        stager.retired.clear()
         if arena is not None and arena.id not in self.writer.arenas:
             self.writer.send_arena(arena.id, arena.fd, arena.size)
         return self.writer
@@ -243,7 +246,7 @@ class _AsyncSaver:
         tensor lying in the arena goes as (offset, length); anything else (DCP's pickled values, a
         tensor the planner made) as bytes."""
         proc = self._writer_process()
-        arena = self.stager.arena
+        arena = self.stagers[True].arena
 
         def write(path: Path, metadata: dict[str, str], entries: list[Any]) -> dict[str, tuple[str, int]]:
             import numpy as np
@@ -270,7 +273,7 @@ class _AsyncSaver:
         recorded: list[Any] = []
         after = None
         if staging == "blocking":
-            staged = self.stager.stage(state, shared=shared)
+            staged = self.stagers[shared].stage(state, shared=shared)
         else:
             recorded = versions(state)
             after = _training_stream_event(state)
@@ -286,7 +289,7 @@ class _AsyncSaver:
                     # A failure here is this rank's alone: it must fail the save inside DCP, on
                     # every rank (before_write), not leave the others waiting in its collectives.
                     try:
-                        copy = self.stager.stage(state, shared=shared, after=after)
+                        copy = self.stagers[shared].stage(state, shared=shared, after=after)
                     except Exception as e:  # noqa: BLE001 - reported through before_write
                         stale.append(f"copying the state to host memory failed: {type(e).__name__}: {e}")
                         copy = state  # DCP still plans (metadata only); nothing is written
