@@ -12,7 +12,7 @@ Three parts (``--part io|stall|recovery``, all by default):
 - **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
   the same state, for each configuration ``staging/writer`` (``--configs``; default all four:
   background or blocking staging, writer process or thread), repetitions interleaved. A step is
-  fixed single-threaded matmul work, then ``opt.step()`` of an Adam whose state (weights and both
+  fixed single-threaded matmul work of about ``--step-ms`` (forward and backward), then ``opt.step()`` of an Adam whose state (weights and both
   moments) is the state saved -- the optimizer step is what must wait for a background copy. The
   stall is the loop's time from the call until the save is done (the call, the wait for the copy,
   every step that ran alongside the write) less the same number of steps with no save in flight,
@@ -200,8 +200,15 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tupl
             step()
         return time.perf_counter() - t
 
+    def compute_s() -> float:
+        t = time.perf_counter()
+        compute()
+        return time.perf_counter() - t
+
     reps_per_step = 1
-    while steps(1) < steps_ms / 1000:  # size the step to about steps_ms
+    # Forward and backward (the matmul work) last about steps_ms, then the optimizer step: the
+    # share of a real step that a background copy can overlap.
+    while compute_s() < steps_ms / 1000:
         reps_per_step *= 2
     rows: dict[str, dict[str, list]] = {c: {k: [] for k in ("sync", "stall", "blocked", "waited", "window", "control",
                                                                   "steps")}
