@@ -356,8 +356,7 @@ def phases_of(rank: dict[str, Any], which: int) -> dict[str, float]:
     out = dict.fromkeys(PHASES, 0.0)
     inside = lazy = 0.0
     for name, v in rank["startup"].items():
-        base = name.removesuffix(" (first use)")  # a part of the phase that ran inside the first collective
-        out[base] = out.get(base, 0.0) + v[key]
+        out[name] = out.get(name, 0.0) + v[key]
         if v.get("lazy"):
             lazy += v[key]
         else:

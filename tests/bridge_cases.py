@@ -168,27 +168,23 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
     # and through rings of its send/recv (every rank of a vendor group must use the same method);
     # the shard peers (all on this host) reduce through shared memory, except in the "-gloo" groups
     exchanges = {}
-    opened: dict[str, list[bool]] = {}
     for label, alg, method, shm in [(a, a, None, True) for a in ALGORITHMS] + [
             ("bandwidth-collective", "bandwidth", "collective", True), ("bandwidth-p2p", "bandwidth", "p2p", True),
             ("leader-gloo", "leader", None, False), ("bandwidth-p2p-gloo", "bandwidth", "p2p", False)]:
         g = dist.new_group(backend="vcga", pg_options=VcgaOptions(
             config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
         exchanges[label] = g.transport.describe()["shard_exchange"]
-        opened[label] = [g.transport.group.shm is not None]  # the shared segment opens on first use, not here
         if method is not None:
             g.transport.group.group_method = method
         methods[label] = g.transport.group.group_method
         out["failures"] += numerics(g, check, rank, size, label)
         out["failures"] += reduce_scatters(g, rank, size, label)
         counts[label] = {**g.transport.group.counts, "hierarchical_rs": g.transport.group.hierarchical_reduce_scatters}
-        opened[label].append(g.transport.group.shm is not None)
         if label == "bandwidth":
             out["calibration"] = g.transport.describe()["calibration"]
     out["counts"] = counts
     out["methods"] = methods
     out["exchanges"] = exchanges
-    out["shm_opened"] = opened
     plan = world.transport.describe()["plan"]
     plans = [None] * size
     dist.all_gather_object(plans, json.dumps(plan, sort_keys=True), group=check)

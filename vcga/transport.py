@@ -80,9 +80,8 @@ class StartupClock:
     "discovery" (publishing and reading what every rank runs), "native groups" (the vendor
     library's own group), "bridge sub-groups" (the shard peers' gloo groups and their shared
     memory), "whole-group gloo" (the bridge's group over every rank), "calibration" (the bridge's
-    link figures: measured, or read from the cache). A part that runs later, inside the first
-    collective that needs it (the shard peers' shared memory), is its phase's ``"<phase> (first
-    use)"`` entry, marked ``"lazy"``. Wall seconds in :attr:`seconds`, this
+    link figures: measured, or read from the cache). A phase that runs later, on the first
+    collective that needs it, adds to its entry then. Wall seconds in :attr:`seconds`, this
     process's CPU seconds (all its threads) in :attr:`cpu_seconds`; benchmarks/startup.py reports
     both (docs/benchmarks.md).
     """
@@ -90,8 +89,6 @@ class StartupClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
-        #: phases that ran later, inside a collective (``"... (first use)"``)
-        self.lazy: set[str] = set()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -101,16 +98,12 @@ class StartupClock:
         finally:
             self.add(name, time.perf_counter() - t0, time.process_time() - c0)
 
-    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0, lazy: bool = False) -> None:
-        """``lazy``: this ran inside a collective, after creation (the entry says ``"lazy": true``)."""
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
-        if lazy:
-            self.lazy.add(name)
 
-    def to_json(self) -> dict[str, dict[str, Any]]:
-        return {name: {"s": s, "cpu_s": self.cpu_seconds.get(name, 0.0), **({"lazy": True} if name in self.lazy else {})}
-                for name, s in self.seconds.items()}
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {name: {"s": s, "cpu_s": self.cpu_seconds.get(name, 0.0)} for name, s in self.seconds.items()}
 
 
 class Transport(abc.ABC):

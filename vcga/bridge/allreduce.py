@@ -82,7 +82,6 @@ class AllReduceAlgorithms:
     shard: Any
     world: Any
     shm: SharedMemoryBridge | None
-    _shm_now: Callable[[], SharedMemoryBridge | None]
     tables: list[CapabilityTable]
     _routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]]
     counts: dict[str, int]
@@ -109,10 +108,9 @@ class AllReduceAlgorithms:
         """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
         peers = len(self.plan.shard_peers(self.local_rank))
         h = _host(t)
-        shm = self._shm_now()
-        if shm is not None:
+        if self.shm is not None:
             # Same node: through the shared segment, every dtype and op (combine_rows in peer order).
-            shm.all_reduce(h, op)
+            self.shm.all_reduce(h, op)
         elif peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
             # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
             # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
@@ -190,7 +188,7 @@ class AllReduceAlgorithms:
     def _bridge_start(self, t: torch.Tensor, op: ReduceOp) -> Any:
         """Start reducing ``t`` across the shard peers; a work to wait for, or None when done already
         (dtypes gloo does not reduce, device tensors, and shared memory go the synchronous way)."""
-        if (self._shm_now() is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
+        if (self.shm is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
                 and len(self.plan.shard_peers(self.local_rank)) > 1):
             o = dist.AllreduceOptions()
             o.reduceOp = getattr(dist.ReduceOp, op.value)
@@ -363,7 +361,7 @@ class AllReduceAlgorithms:
         table = torch.zeros(reps, g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
         table[:, self.vgroup.index, :k_n] = took[:, :k_n]
         table[:, g_n, k_n:len(kinds)] = took[:, k_n:]
-        table[:, g_n, len(kinds)] = 0.0 if self._shm_now() is not None else 1.0
+        table[:, g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
         o = dist.AllreduceOptions()
         o.reduceOp = dist.ReduceOp.MAX
         self.world.allreduce([table], o).wait()

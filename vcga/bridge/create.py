@@ -12,7 +12,6 @@ import os
 import threading
 import time
 import zlib
-from functools import partial
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -68,7 +67,7 @@ class BridgeTransport(Transport):
         only in its destructor (see :meth:`vcga.transport.NativeTransport.close`)."""
         if isinstance(self.group, BridgeGroup) and self.group.queue is not None:
             self.group.queue.close()  # fails what is still queued; the thread ends
-        for pg in [*_segment(self.group), *self._closables]:
+        for pg in self._closables:
             shut_down(pg)
         self._closables = []
         group, self.group = self.group, ClosedGroup(self.backend_name)
@@ -80,7 +79,7 @@ class BridgeTransport(Transport):
         queue = self.group.queue if isinstance(self.group, BridgeGroup) else None
         if queue is not None:
             queue.close(wait_s=0)  # fails what is still queued; never waits for its thread here
-        closables, self._closables = [*_segment(self.group), *self._closables], []
+        closables, self._closables = self._closables, []
         box, self.group = [self.group], ClosedGroup(self.backend_name, "aborted")
         for i in range(len(closables)):  # no loop variable left holding a group (see release_later)
             abort_now(closables[i])
@@ -164,23 +163,18 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
 
     # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo. Both
     #    connect lazily (see _lazy_gloo): creating them is a constant number of store requests per
-    #    rank and waits for nobody; the first collective that uses a pair of ranks connects it. The
-    #    shard peers' shared segment (all of them on one node) is opened the same way, by the first
-    #    exchange that needs it (_open_shm): a job whose first collectives run the leader algorithm
-    #    opens only the leaders', and no segment's 16 MiB is reserved before it is used.
+    #    rank and waits for nobody; the first collective that uses a pair of ranks connects it.
     try:
-        shard, shm_pending = None, None
+        shard, shm = None, None
         with clock.phase("bridge sub-groups"):
             if local == 0 or plan.equal_groups:
                 peers_i = plan.shard_peers(local)
                 if len(peers_i) > 1:
                     shard = _lazy_gloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store), peers_i.index(rank),
                                        len(peers_i), timeout)
-                    # the same on every peer of the set (the layout's nodes): a set across nodes
-                    # never tries; on one node every peer tries, and they agree in open()
-                    if all(peers[r].get("node") == peers[rank].get("node") for r in peers_i):
-                        shm_pending = partial(_open_shm, shard, shared_memory, timeout.total_seconds(),
-                                              [f"rank {gr[r]}" for r in peers_i], clock)
+                    same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
+                    shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
+                                                  names=[f"rank {gr[r]}" for r in peers_i])
         with clock.phase("whole-group gloo"):
             world = _lazy_gloo(dist.PrefixStore("vcga/bridge/world", store), rank, size, timeout)
     except VcgaError:
@@ -193,8 +187,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         name = "bridge(" + ",".join(f"{g.backend}:{g.size}" for g in plan.groups) + ")"
         table = combined_table(name, tables)  # its cells are worked out as they are asked for
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
-    group = BridgeGroup(plan, rank, inner, shard, world, tables)
-    group.shm_pending, group.shm_wanted = shm_pending, shared_memory
+    group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
     group.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if calibrate:
@@ -202,27 +195,11 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
             _calibrate(group, decided, backend, directory, topo)
     if async_ops:
         group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
-    closables = [native, *([shard] if shard is not None else []), world]  # (and the segment, if opened: _segment)
+    closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
     transport = BridgeTransport(plan, rank, backend, table, group, closables, timeout)
     transport.startup = clock
     transport.layout = layout
     return transport
-
-
-def _open_shm(shard: Any, wanted: bool, timeout_s: float, names: list[str], clock: StartupClock) -> Any:
-    """Open the shard peers' shared segment (:meth:`SharedMemoryBridge.open`, collective over the
-    set), on the first exchange that needs it; its time counts in "bridge sub-groups"."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    try:
-        return SharedMemoryBridge.open(shard, wanted, timeout_s, names=names)
-    finally:
-        clock.add("bridge sub-groups (first use)", time.perf_counter() - t0, time.process_time() - c0, lazy=True)
-
-
-def _segment(group: Any) -> list[Any]:
-    """The shared segment a bridge opened since its creation (closed with its groups), if any."""
-    shm = group.shm if isinstance(group, BridgeGroup) else None
-    return [shm] if shm is not None else []
 
 
 _LAZY_LOCK = threading.Lock()

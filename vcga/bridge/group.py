@@ -102,12 +102,6 @@ class BridgeGroup(AllReduceAlgorithms):
         self.vgroup = plan.group_of(rank)
         self.local_rank = self.vgroup.ranks.index(rank)
         self.inner, self.shard, self.world, self.shm = inner, shard, world, shm
-        #: opens this rank's shard peers' shared segment (collective over them), or None: opened
-        #: already, or never wanted. Creation leaves it here; the first exchange that needs it calls
-        #: it (:meth:`_shm_now`), on every peer of the set at the same collective.
-        self.shm_pending: Callable[[], SharedMemoryBridge | None] | None = None
-        #: whether this rank asks for the shared segment when it opens (its config, bridge_shm)
-        self.shm_wanted = False
         #: how often each algorithm ran (tests and benchmarks read it)
         self.counts = {a: 0 for a in ALGORITHMS}
         #: reduce_scatter hierarchically where the bandwidth algorithm would run (see _reduce_scatter);
@@ -140,22 +134,8 @@ class BridgeGroup(AllReduceAlgorithms):
 
     @property
     def shard_exchange(self) -> str | None:
-        """How this rank's shard peers reduce on the host: "shared memory" (open, or to be opened by
-        the first exchange that needs it; if it cannot be, then and from then on "gloo"), "gloo",
-        or None (it has none). Asking never opens anything."""
-        if self.shm is not None or (self.shm_pending is not None and self.shm_wanted):
-            return "shared memory"
-        return "gloo" if self.shard is not None else None
-
-    def _shm_now(self) -> SharedMemoryBridge | None:
-        """The shard peers' shared segment, opened now if it is still pending. Called only where
-        every shard peer of this rank's set is in the same collective (the exchanges, and
-        :meth:`measure_links`, which every rank runs), so every peer opens it at the same point."""
-        opener = self.shm_pending
-        if opener is not None:
-            self.shm_pending = None
-            self.shm = opener()
-        return self.shm
+        """How this rank's shard peers reduce on the host: "shared memory", "gloo", or None (it has none)."""
+        return "shared memory" if self.shm is not None else "gloo" if self.shard is not None else None
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
@@ -227,11 +207,10 @@ class BridgeGroup(AllReduceAlgorithms):
                 mine, list(buf.view(k, -1).unbind(0)), op, None, None, s))
         rows = _host(mine).view(len(groups), c)
         g = self.vgroup.index
-        shm = self._shm_now()
-        if shm is not None:
+        if self.shm is not None:
             flat = out.view(-1)
             h = _host(flat)
-            shm.reduce_scatter(rows, op, h)
+            self.shm.reduce_scatter(rows, op, h)
             _put(flat, h)
         else:
             self._bridge_reduce(rows, op)
