@@ -46,36 +46,25 @@ def _flag(v: str) -> bool:
     raise ValueError("0 or 1")
 
 
-def _int_range(lo: int, hi: int) -> Any:
-    def parse(v: str) -> int:
+def _checked(cast: Any, ok: Any, what: str) -> Any:
+    """An option parser: ``cast(v)`` if it parses and ``ok`` accepts it, else ValueError(``what``)."""
+    def parse(v: str) -> Any:
         try:
-            i = int(v)
+            x = cast(v)
         except ValueError:
-            raise ValueError(f"an integer from {lo} to {hi}") from None
-        if not lo <= i <= hi:
-            raise ValueError(f"an integer from {lo} to {hi}")
-        return i
+            raise ValueError(what) from None
+        if not ok(x):
+            raise ValueError(what)
+        return x
     return parse
 
 
-def _ratio(v: str) -> float:
-    try:
-        f = float(v)
-    except ValueError:
-        raise ValueError("a number in (0, 1]") from None
-    if not 0 < f <= 1:
-        raise ValueError("a number in (0, 1]")
-    return f
+def _int_range(lo: int, hi: int) -> Any:
+    return _checked(int, lambda i: lo <= i <= hi, f"an integer from {lo} to {hi}")
 
 
-def _pos_float(v: str) -> float:
-    try:
-        f = float(v)
-    except ValueError:
-        raise ValueError("a number >= 0") from None
-    if not (f >= 0 and math.isfinite(f)):
-        raise ValueError("a number >= 0")
-    return f
+_ratio = _checked(float, lambda f: 0 < f <= 1, "a number in (0, 1]")
+_pos_float = _checked(float, lambda f: f >= 0 and math.isfinite(f), "a number >= 0")
 
 
 def _choice(*names: str) -> Any:
