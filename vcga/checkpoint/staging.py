@@ -178,15 +178,8 @@ def _layout(obj: Any) -> Any:
 
 
 def _device_type(state_dict: Any) -> str | None:
-    stack = [state_dict]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, Mapping):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            if local.device.type not in ("cpu", "meta"):
-                return local.device.type
+    """The accelerator the state dict's buffers live on, or None when all are on the host."""
+    for t in _buffers(state_dict):
+        if t.device.type not in ("cpu", "meta"):
+            return t.device.type
     return None
