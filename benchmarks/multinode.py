@@ -21,7 +21,15 @@ node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start th
    timed alone in the compute-only steps). After the timed steps every rank checks that the two
    bridge runs are bitwise identical (same reduction order), and that the asynchronous
    bridge's parameters are within the derived bound of flat gloo's (examples/train_mixed.py's
-   check, with a recording run of gloo).
+   check, with a recording run of gloo); the driver exits non-zero when any of these fails. Each
+   step's CPU seconds (every thread of every rank, compute and communication) are measured too:
+   spread evenly over the machine's cores they are the **equal-work bound** of the step as done
+   (with the gradients' frames on the link, whichever is longer) -- where the ranks share fewer
+   cores than they have threads, max(compute, link) can sit below what the cores can do.
+
+The link bound is also given **framed**: tbf counts whole frames against the rate, so S bytes of
+TCP payload occupy S / mss * (mtu + 14) bytes of it (``_link_facts``); and the bytes each node
+actually put on its interface per call (``node sent / size``) show what the algorithm sent.
 
 Usage (as root)::
 
@@ -110,23 +118,35 @@ def rank_main(args: argparse.Namespace) -> None:
         return t.tolist()
 
     # 1. all_reduce
+    # The bytes each node puts on the link per call: its interface's counter (one reader per node:
+    # local rank 0; the node's other rank adds 0), around the call, between two barriers so that
+    # no other call's bytes fall in. Frames as tbf counts them (Ethernet header on).
+    local0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    out["link"] = _link_facts() if rank == 0 else {}
     variants = ["auto", *ALGORITHMS, "flat"]
     rows = []
     for mib in args.sizes:
         x = torch.ones(mib * MIB // 4)
         times: dict[str, list[float]] = {v: [] for v in variants}
+        sent: dict[str, list[float]] = {v: [] for v in variants}
         for rep in range(args.reps + 1):
             for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
                 dist.barrier(group=flat)
+                b0 = _tx_bytes() if local0 else 0
                 t0 = time.perf_counter()
                 dist.all_reduce(x, group=groups[v])
                 times[v].append(time.perf_counter() - t0)
+                dist.barrier(group=flat)
+                sent[v].append(float(_tx_bytes() - b0) if local0 else 0.0)
                 x.fill_(1.0)
-        med = {}
+        med, wire = {}, {}
         for v in variants:
             med[v] = statistics.median(slowest(times[v][1:]))  # the first repetition warms up
+            wire[v] = statistics.median(slowest(sent[v][1:]))  # the node that sent most
         chosen = dist.group.WORLD.transport.group.algorithm(x, _sum())
-        rows.append({"bytes": mib * MIB, "median_s": med, "auto_chose": chosen})
+        segs = dist.group.WORLD.transport.group._segment_count(mib * MIB) if chosen == "bandwidth" else 1
+        rows.append({"bytes": mib * MIB, "median_s": med, "auto_chose": chosen, "segments": segs,
+                     "node_sent_bytes": wire})
     out["all_reduce"] = rows
 
     # 2. DDP steps
@@ -136,15 +156,18 @@ def rank_main(args: argparse.Namespace) -> None:
     for name, (make_model, make_batch, loss, ddp_kw) in tasks.items():
         steps = args.ddp_steps
         kw = {"make_model": make_model, "make_batch": make_batch, "loss": loss}
-        compute, forward = _compute_only(make_model, make_batch, loss, steps, flat)
+        compute, forward, cpu = _compute_only(make_model, make_batch, loss, steps, flat)
         res: dict[str, Any] = {"compute_s": statistics.median(slowest(compute)[1:]),
                                "forward_s": statistics.median(slowest(forward)[1:]),
+                               "compute_cpu_s": _total(statistics.median(cpu[1:]), flat),
                                "grad_bytes": sum(p.numel() * 4 for p in make_model().parameters())}
         models = {}
         for v, g in (("bridge_async", dist.group.WORLD), ("bridge_sync", sync), ("flat_gloo", flat)):
             ts: list[float] = []
-            models[v], _ = tm.train(g, steps, 0.01, 0.9, times=ts, **kw, **ddp_kw)
+            cs: list[float] = []
+            models[v], _ = tm.train(g, steps, 0.01, 0.9, times=ts, cpu_times=cs, **kw, **ddp_kw)
             res[v + "_s"] = statistics.median(slowest(ts)[1:])
+            res[v + "_cpu_s"] = _total(statistics.median(cs[1:]), flat)
         ref, abs_sums = tm.train(flat, steps, 0.01, 0.9, record_abs=flat, **kw, **ddp_kw)
         check = tm.compare(models["bridge_async"], ref, abs_sums, 0.01, 0.9, flat)
         res["async_vs_sync_bitwise"] = tm.digest(models["bridge_async"]) == tm.digest(models["bridge_sync"])
@@ -158,6 +181,30 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _total(value: float, flat) -> float:
+    """``value`` summed over every rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=flat)
+    return float(t.item())
+
+
+def _tx_bytes(dev: str = "eth0") -> int:
+    """Bytes this node's link interface has sent (the node's own /sys, remounted by the harness)."""
+    return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+
+
+def _link_facts(dev: str = "eth0") -> dict[str, Any]:
+    """What a TCP byte costs on the link: tbf counts whole frames (Ethernet header + IPv4 + TCP
+    headers, TCP options) against the rate, so S bytes of payload take ceil(S / mss) frames of
+    mtu + 14 bytes. mss = mtu - 40 (IPv4, TCP) - 12 when TCP timestamps are on (Linux's default)."""
+    mtu = int(Path(f"/sys/class/net/{dev}/mtu").read_text())
+    ts = Path("/proc/sys/net/ipv4/tcp_timestamps").read_text().strip() != "0"
+    return {"mtu": mtu, "tcp_timestamps": ts, "mss": mtu - 40 - (12 if ts else 0), "frame": mtu + 14}
+
+
 def _sum():
     from vcga.contract import ReduceOp
 
@@ -166,7 +213,7 @@ def _sum():
 
 def _compute_only(make_model, make_batch, loss, steps: int, flat) -> tuple[list[float], list[float]]:
     """The same steps without DDP, every rank at once (the CPU is shared as in the DDP runs): each
-    step's seconds, and those of its forward pass (with the loss) alone. DDP reduces gradients only
+    step's seconds, those of its forward pass (with the loss) alone, and its CPU seconds. DDP reduces gradients only
     during backward, so a step takes at least forward + gradient bytes / link rate."""
     import torch
     import torch.distributed as dist
@@ -175,10 +222,11 @@ def _compute_only(make_model, make_batch, loss, steps: int, flat) -> tuple[list[
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank = dist.get_rank()
-    times, forward = [], []
+    times, forward, cpu = [], [], []
     for step in range(steps):
         x, y = make_batch(rank, step)
         dist.barrier(group=flat)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad()
         out = loss(model(x), y)
@@ -186,7 +234,8 @@ def _compute_only(make_model, make_batch, loss, steps: int, flat) -> tuple[list[
         out.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return times, forward
+        cpu.append(time.process_time() - c0)
+    return times, forward, cpu
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -212,34 +261,54 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                f"{r.output[-3000:]}" for r in results))
         out = json.loads(Path(tmp, "result.json").read_text())
     out["rate"], out["rate_bps"] = rate, parse_rate(rate)
+    out["cores"] = len(os.sched_getaffinity(0))  # the nodes' ranks all run on this machine's cores
     return out
+
+
+def _framed(nbytes: float, link: dict[str, Any]) -> float:
+    """Bytes on the wire (as tbf counts them) that carry ``nbytes`` of TCP payload in full frames."""
+    return nbytes / link["mss"] * link["frame"] if link else float(nbytes)
 
 
 def report(res: dict[str, Any], markdown: bool) -> str:
     from _ranks import table
 
-    link = res["rate_bps"] / 8  # bytes/s each way
-    lines = [f"link {res['rate']} (both ends tbf), 2 nodes x 2 ranks (sim-nccl | sim-hccl), medians"]
-    head = ["size", "link bound ms", "bridge auto ms", "/bound", "auto chose", "leader ms", "bandwidth ms",
-            "replicated ms", "flat gloo ms", "/bound"]
+    rate = res["rate_bps"] / 8  # bytes/s each way
+    link = res.get("link") or {}
+    cores = res.get("cores", 0)
+    lines = [f"link {res['rate']} (both ends tbf, mtu {link.get('mtu', '?')}, tcp mss {link.get('mss', '?')}), "
+             f"2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians"]
+    head = ["size", "link bound ms", "framed bound ms", "bridge auto ms", "/bound", "/framed", "auto chose",
+            "node sent / size", "leader ms", "bandwidth ms", "replicated ms", "flat gloo ms", "/bound"]
     rows = []
     for r in res["all_reduce"]:
-        m, bound = r["median_s"], r["bytes"] / link
-        rows.append([f"{r['bytes'] >> 20} MiB", f"{bound * 1e3:.0f}", f"{m['auto'] * 1e3:.0f}",
-                     f"{m['auto'] / bound:.2f}", r["auto_chose"], *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
+        m, bound = r["median_s"], r["bytes"] / rate
+        framed = _framed(r["bytes"], link) / rate
+        sent = r.get("node_sent_bytes", {}).get("auto")
+        chose = r["auto_chose"] + (f" x{r['segments']}" if r.get("segments", 1) > 1 else "")
+        rows.append([f"{r['bytes'] >> 20} MiB", f"{bound * 1e3:.0f}", f"{framed * 1e3:.0f}", f"{m['auto'] * 1e3:.0f}",
+                     f"{m['auto'] / bound:.2f}", f"{m['auto'] / framed:.2f}", chose,
+                     f"{sent / r['bytes']:.3f}" if sent else "", *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
                      f"{m['flat'] * 1e3:.0f}", f"{m['flat'] / bound:.2f}"])
     lines.append(table(head, rows, markdown))
     head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "fwd+grad/link ms",
-            "/that", "bridge sync ms",
-            "flat gloo ms", "async = sync bits", "async vs gloo: diff/bound"]
+            "/that", "CPU ms/step compute | async | sync | gloo", "equal-work bound ms", "async /equal-work",
+            "bridge sync ms", "flat gloo ms", "async = sync bits", "async vs gloo: diff/bound"]
     rows = []
     for name, d in res["ddp"].items():
-        link_s = d["grad_bytes"] / link
+        link_s = d["grad_bytes"] / rate
         bound = max(d["compute_s"], link_s)
+        cpu = [d.get(k) for k in ("compute_cpu_s", "bridge_async_cpu_s", "bridge_sync_cpu_s", "flat_gloo_cpu_s")]
+        # The equal-work bound: the step's work as the async bridge did it -- every rank's CPU
+        # seconds (compute and communication) spread evenly over the machine's cores -- or the
+        # gradients' frames on the link, whichever is longer.
+        equal = max(cpu[1] / cores, _framed(d["grad_bytes"], link) / rate) if cores and cpu[1] else None
         rows.append([name, f"{d['grad_bytes'] / 1e6:.1f}", f"{d['compute_s'] * 1e3:.0f}", f"{link_s * 1e3:.0f}",
                      f"{d['bridge_async_s'] * 1e3:.0f}", f"{d['bridge_async_s'] / bound:.2f}",
                      *((f"{(d['forward_s'] + link_s) * 1e3:.0f}",
                         f"{d['bridge_async_s'] / max(bound, d['forward_s'] + link_s):.2f}") if "forward_s" in d else ("", "")),
+                     " | ".join(f"{c * 1e3:.0f}" if c is not None else "?" for c in cpu),
+                     f"{equal * 1e3:.0f}" if equal else "", f"{d['bridge_async_s'] / equal:.2f}" if equal else "",
                      f"{d['bridge_sync_s'] * 1e3:.0f}", f"{d['flat_gloo_s'] * 1e3:.0f}",
                      "yes" if d["async_vs_sync_bitwise"] else "NO",
                      f"{d['max_diff_over_bound']:.2g}" + ("" if d["within_bound"] else " (OVER)")])
@@ -272,6 +341,13 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.figures:
         Path(args.figures).write_text(json.dumps(results[0]["calibration"], indent=1))
+    wrong = [f"{res['rate']} {name}: {what}" for res in results for name, d in res["ddp"].items()
+             for what, ok in (("async and sync bridge parameters differ", d["async_vs_sync_bitwise"]),
+                              ("ranks' parameters differ", d["identical_on_every_rank"]),
+                              ("async bridge outside the derived bound of flat gloo", d["within_bound"]),
+                              ("flat gloo differs from its recording run", d["flat_equals_recorded_ref"])) if not ok]
+    if wrong:
+        raise SystemExit("parameter checks failed:\n  " + "\n  ".join(wrong))
 
 
 if __name__ == "__main__":

@@ -75,13 +75,15 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train(group: dist.ProcessGroup, steps: int, lr: float, momentum: float,
           record_abs: dist.ProcessGroup | None = None, make_model=TinyTransformer, make_batch=batch,
-          loss=loss_of, times: list[float] | None = None, **ddp_kwargs) -> tuple[nn.Module, list[dict[str, list[torch.Tensor]]]]:
+          loss=loss_of, times: list[float] | None = None, cpu_times: list[float] | None = None,
+          **ddp_kwargs) -> tuple[nn.Module, list[dict[str, list[torch.Tensor]]]]:
     """DDP training over ``group``; with ``record_abs`` also record Σᵢ|gᵢ|/n of every parameter at
     every step (one extra all_reduce over ``record_abs`` in a comm hook that otherwise does what
     DDP's default hook does: divide by n, all_reduce SUM over ``group``). ``make_model``,
     ``make_batch(rank, step)``, ``loss`` and DDP's keyword arguments default to this example's
     (benchmarks/multinode.py trains other models with the same checks); ``times`` receives each
-    step's seconds, measured from a barrier over ``group`` to the end of the optimizer step."""
+    step's seconds, measured from a barrier over ``group`` to the end of the optimizer step, and
+    ``cpu_times`` (with ``times``) the CPU seconds this process (every thread) spent in that span."""
     torch.manual_seed(0)  # identical initial weights on every rank and in both runs
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **ddp_kwargs)
@@ -109,12 +111,15 @@ def train(group: dist.ProcessGroup, steps: int, lr: float, momentum: float,
         x, y = make_batch(rank, step)
         if times is not None:
             dist.barrier(group=group)
+            c0 = time.process_time()
             t0 = time.perf_counter()
         opt.zero_grad()
         loss(ddp(x), y).backward()
         opt.step()
         if times is not None:
             times.append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times.append(time.process_time() - c0)
         if record_abs is not None:
             params = list(model.parameters())
             abs_sums.append({"g": [step_abs[id(p)] for p in params],

@@ -289,7 +289,7 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     # per element in each step, so any segmentation gives the same bits)
     piped = dist.new_group(backend="vcga", pg_options=VcgaOptions(
         config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False)))
-    slow = LinkFigures(groups=[{k: AlphaBeta(1e-4, 2e9) for k in GROUP_KINDS}] * 2,
+    slow = LinkFigures(groups=[{k: AlphaBeta(1e-4, 5e8) for k in GROUP_KINDS}] * 2,
                        bridge={"leaders": AlphaBeta(5e-4, 1.25e8), "all_sets": AlphaBeta(5e-4, 6.25e7)},
                        classes={}, exchange="gloo", group_size=2, equal_groups=True,
                        min_segment_bytes=256 << 10, max_segments=16)

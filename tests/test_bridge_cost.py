@@ -8,7 +8,17 @@ import math
 
 import pytest
 
-from vcga.bridge.cost import SIZES, AlphaBeta, LinkFigures, bandwidth_time, choose, fit, predict, segments
+from vcga.bridge.cost import (
+    SIZES,
+    AlphaBeta,
+    LinkFigures,
+    bandwidth_time,
+    choose,
+    fit,
+    predict,
+    segment_cost,
+    segments,
+)
 from vcga.bridge.plan import MODEL_MAX_SEGMENTS, MODEL_MIN_SEGMENT_BYTES
 
 MB = 1e6
@@ -45,17 +55,28 @@ def test_a_slow_link_with_a_fixed_cost_makes_small_messages_go_through_the_leade
     assert p["replicated"] > 1.9 * p["bandwidth"]  # every set sends all N bytes over the shared link
 
 
-def test_the_pipeline_depth_is_the_predicted_fastest():
+def test_the_pipeline_depth_is_the_predicted_fastest_counting_what_segments_cost():
     """A DDP bucket of 4 MiB over the slow link: cut into segments so that its in-group steps hide
-    behind the exchange (one segment would add them in full); a fast link with a large fixed cost
-    per step keeps one segment."""
+    behind the exchange (one segment would add them in full) -- but only as far as a further
+    doubling saves more than the fixed cost (α) its extra segments add on the CPU; a fast link with
+    a large fixed cost per step keeps one segment."""
     slow = figures(bridge_all=AlphaBeta(500e-6, 62.5 * MB), bridge_one=AlphaBeta(500e-6, 125 * MB),
                    in_group=AlphaBeta(300e-6, 500 * MB))
     n = 4 << 20
     m = segments(slow, n)
+    assert segment_cost(slow) == pytest.approx(300e-6 + 500e-6)
+
+    def cost(c: int) -> float:
+        return bandwidth_time(slow, n, c) + (c - 1) * segment_cost(slow)
+
     assert 1 < m <= MODEL_MAX_SEGMENTS and n / m >= MODEL_MIN_SEGMENT_BYTES
-    assert bandwidth_time(slow, n, m) == min(bandwidth_time(slow, n, c) for c in (1, 2, 4, 8, 16))
-    assert bandwidth_time(slow, n, m) < 0.9 * bandwidth_time(slow, n, 1)
+    assert cost(m) == min(cost(c) for c in (1, 2, 4, 8, 16))
+    assert bandwidth_time(slow, n, m) < 0.95 * bandwidth_time(slow, n, 1)
+    # the wall-time prediction alone would cut deeper, for less than the segments cost
+    deepest = min((1, 2, 4, 8, 16), key=lambda c: bandwidth_time(slow, n, c))
+    assert deepest > m and bandwidth_time(slow, n, m) - bandwidth_time(slow, n, deepest) < (deepest - m) * segment_cost(slow)
+    # a large message still goes in many segments: there the overlap saves far more than they cost
+    assert segments(slow, 64 << 20) >= 8
     fast = figures(bridge_all=AlphaBeta(2e-3, 5000 * MB), bridge_one=AlphaBeta(2e-3, 5000 * MB),
                    in_group=AlphaBeta(2e-3, 5000 * MB))
     assert segments(fast, n) == 1

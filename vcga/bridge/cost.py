@@ -24,9 +24,12 @@ in-group step, since every group must finish it):
   all-gather of one segment (the cheaper method), ``b = all_sets(S/k)``: one segment ``r + b``;
   pipelined through gloo (a segment crosses while the next is reduce-scattered and the previous
   all-gathered) ``max(r + m·b, m·r + b)``: whichever of the link and the in-group steps is busier
-  sets the pace; through shared memory (synchronous) ``m·(r + b)``. ``m`` itself is chosen the same way (:func:`segments`): the count with the
-  smallest prediction, so a slow link gets its in-group steps hidden even for a DDP bucket of a
-  few MiB, and a fast one is not cut into pieces that cost more α than they hide.
+  sets the pace; through shared memory (synchronous) ``m·(r + b)``. ``m`` itself (:func:`segments`)
+  is the count with the smallest prediction plus the fixed cost (α) every further segment adds on
+  the CPU, which the cores pay in full when they also run the compute (DDP's backward): a slow link
+  gets the in-group steps of a large message hidden, a DDP bucket of a few MiB is cut only where
+  that saves more than the segments cost, and a fast link is not cut into pieces that cost more α
+  than they hide.
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
 """
@@ -39,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "bandwidth_time", "FIGURES_VERSION", "SIZES",
+__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "segment_cost", "bandwidth_time", "FIGURES_VERSION", "SIZES",
            "GROUP_KINDS", "BRIDGE_KINDS"]
 
 #: Bumped when the figures' meaning changes (a cache keyed on it drops older entries).
@@ -88,14 +91,30 @@ def bandwidth_time(fig: LinkFigures, nbytes: int, m: int) -> float:
     return max(r + m * b, m * r + b)
 
 
+def segment_cost(fig: LinkFigures) -> float:
+    """Seconds of fixed cost one more pipeline segment adds on the ranks' CPUs: its in-group
+    reduce-scatter + all-gather's α (the slowest vendor group's, in the method it uses) and its
+    exchange's α."""
+    r = max(g["rsag_" + fig.group_method(i)].alpha_s for i, g in enumerate(fig.groups))
+    return r + fig.bridge["all_sets"].alpha_s
+
+
 def segments(fig: LinkFigures, nbytes: int) -> int:
-    """How many pipeline segments make the bandwidth algorithm fastest on ``nbytes``: the count (a
+    """How many pipeline segments make the bandwidth algorithm cheapest on ``nbytes``: the count (a
     power of two up to ``fig.max_segments``, segments of at least ``fig.min_segment_bytes``) with the
-    smallest prediction -- more segments overlap more of the in-group steps with the exchange, and
-    each costs its steps' α once more. Ties: fewer segments."""
+    smallest prediction plus the fixed cost the segments add, ``(m - 1) * segment_cost``.
+
+    More segments overlap more of the in-group steps with the exchange; each also costs its steps'
+    fixed cost once more, and that cost is CPU work (Python, syscalls, thread wake-ups of the host
+    bridge) which the pipeline hides in wall time only when the cores are otherwise idle. Under
+    DDP they are not: backward runs on the same cores while its buckets are reduced, so every
+    segment's fixed cost is paid in full. Measured on two nodes at 1 Gbit/s (docs/benchmarks.md):
+    16 segments per 4 MiB bucket cost 0.69 CPU-s per DDP step against 0.38 with one, for a
+    prediction 2 % faster than four. Ties: fewer segments."""
+    extra = segment_cost(fig)
     best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
     while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:
-        t = bandwidth_time(fig, nbytes, m)
+        t = bandwidth_time(fig, nbytes, m) + (m - 1) * extra
         if t < best_t:
             best, best_t = m, t
         m *= 2
