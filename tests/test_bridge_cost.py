@@ -61,10 +61,10 @@ def test_the_pipeline_depth_is_the_predicted_fastest_counting_what_segments_cost
     doubling saves more than the fixed cost (α) its extra segments add on the CPU; a fast link with
     a large fixed cost per step keeps one segment."""
     slow = figures(bridge_all=AlphaBeta(500e-6, 62.5 * MB), bridge_one=AlphaBeta(500e-6, 125 * MB),
-                   in_group=AlphaBeta(300e-6, 500 * MB))
+                   in_group=AlphaBeta(1e-3, 500 * MB))
     n = 4 << 20
     m = segments(slow, n)
-    assert segment_cost(slow) == pytest.approx(300e-6 + 500e-6)
+    assert segment_cost(slow) == pytest.approx(1e-3)
 
     def cost(c: int) -> float:
         return bandwidth_time(slow, n, c) + (c - 1) * segment_cost(slow)

@@ -92,11 +92,11 @@ def bandwidth_time(fig: LinkFigures, nbytes: int, m: int) -> float:
 
 
 def segment_cost(fig: LinkFigures) -> float:
-    """Seconds of fixed cost one more pipeline segment adds on the ranks' CPUs: its in-group
-    reduce-scatter + all-gather's α (the slowest vendor group's, in the method it uses) and its
-    exchange's α."""
-    r = max(g["rsag_" + fig.group_method(i)].alpha_s for i, g in enumerate(fig.groups))
-    return r + fig.bridge["all_sets"].alpha_s
+    """Seconds of fixed cost one more pipeline segment adds on the ranks' CPUs beyond what
+    :func:`bandwidth_time` counts: its in-group reduce-scatter + all-gather's α (the slowest vendor
+    group's, in the method it uses), which the pipeline hides in wall time when the link is the
+    busier resource. (The exchange's α is in the link's term already, once per segment.)"""
+    return max(g["rsag_" + fig.group_method(i)].alpha_s for i, g in enumerate(fig.groups))
 
 
 def segments(fig: LinkFigures, nbytes: int) -> int:
@@ -108,9 +108,9 @@ def segments(fig: LinkFigures, nbytes: int) -> int:
     fixed cost once more, and that cost is CPU work (Python, syscalls, thread wake-ups of the host
     bridge) which the pipeline hides in wall time only when the cores are otherwise idle. Under
     DDP they are not: backward runs on the same cores while its buckets are reduced, so every
-    segment's fixed cost is paid in full. Measured on two nodes at 1 Gbit/s (docs/benchmarks.md):
-    16 segments per 4 MiB bucket cost 0.69 CPU-s per DDP step against 0.38 with one, for a
-    prediction 2 % faster than four. Ties: fewer segments."""
+    segment's fixed cost is paid in full (two nodes at 1 Gbit/s, docs/benchmarks.md: 16 segments
+    per 4 MiB bucket took 0.69 CPU-s per DDP step of the four ranks, one segment 0.38, for a
+    predicted gain of 2 %). Ties: fewer segments."""
     extra = segment_cost(fig)
     best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
     while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:
