@@ -110,6 +110,10 @@ def rank_main(args: argparse.Namespace) -> None:
     for alg in ALGORITHMS:
         groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm=alg)))
     sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_async=False)))
+    segmented = {}
+    for m in args.ddp_segments:
+        segmented[m] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm="bandwidth")))
+        segmented[m].transport.group.fixed_segments = m
     out: dict[str, Any] = {"world": world, "calibration": dist.group.WORLD.transport.describe()["calibration"]}
 
     def slowest(values: list[float]) -> list[float]:
@@ -175,6 +179,14 @@ def rank_main(args: argparse.Namespace) -> None:
         res["max_diff_over_bound"] = check["max_diff_over_bound"]
         res["within_bound"] = check["within_bound"]
         res["flat_equals_recorded_ref"] = tm.digest(models["flat_gloo"]) == tm.digest(ref)
+        # The same steps with every bucket cut in a fixed number of pipeline segments (the figures'
+        # choice aside): what the segments cost in CPU and time; same reduction order, same bits.
+        for m, g in (segmented.items() if name == "mlp" else ()):
+            ts, cs = [], []
+            model, _ = tm.train(g, steps, 0.01, 0.9, times=ts, cpu_times=cs, **kw, **ddp_kw)
+            res.setdefault("segments", {})[m] = {"s": statistics.median(slowest(ts)[1:]),
+                                                 "cpu_s": _total(statistics.median(cs[1:]), flat),
+                                                 "bitwise": tm.digest(model) == tm.digest(models["bridge_sync"])}
         out["ddp"][name] = res
     if rank == 0:
         Path(args.as_rank, "result.json").write_text(json.dumps(out))
@@ -251,7 +263,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     # shown beside the forced algorithms is then the one this run's figures make.
     env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VCGA_BRIDGE_CALIBRATION="measure")
     argv = [str(Path(__file__).resolve()), "--reps", str(args.reps), "--ddp-steps", str(args.ddp_steps),
-            "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes))]
+            "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes)),
+            "--ddp-segments", ",".join(map(str, args.ddp_segments))]
     with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate) as cluster:
         launch = cluster.torchrun([*argv, "--as-rank", tmp], 2, env=env,
                                   node_env=[{"VCGA_BACKEND": "sim-nccl"}, {"VCGA_BACKEND": "sim-hccl"}])
@@ -313,6 +326,12 @@ def report(res: dict[str, Any], markdown: bool) -> str:
                      "yes" if d["async_vs_sync_bitwise"] else "NO",
                      f"{d['max_diff_over_bound']:.2g}" + ("" if d["within_bound"] else " (OVER)")])
     lines.append(table(head, rows, markdown))
+    seg = [(name, m, v) for name, d in res["ddp"].items() for m, v in d.get("segments", {}).items()]
+    if seg:
+        lines.append(table(["model", "segments per bucket", "async bridge ms", "CPU ms/step (all ranks)",
+                            "same bits as sync"],
+                           [[name, str(m), f"{v['s'] * 1e3:.0f}", f"{v['cpu_s'] * 1e3:.0f}", "yes" if v["bitwise"] else "NO"]
+                            for name, m, v in seg], markdown))
     return "\n\n".join(lines)
 
 
@@ -323,6 +342,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ddp-steps", type=int, default=12)
     ap.add_argument("--batch", type=int, default=128, help="MLP batch per rank")
+    ap.add_argument("--ddp-segments", default="", help="also the MLP's DDP steps (async bridge) with every bucket "
+                                                      "cut in each of these numbers of pipeline segments, e.g. 1,16")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="write every figure here")
@@ -331,6 +352,7 @@ def main() -> None:
     ap.add_argument("--as-rank", help=argparse.SUPPRESS)  # set by the driver for the ranks under torchrun
     args = ap.parse_args()
     args.sizes = [int(s) for s in str(args.sizes).split(",")]
+    args.ddp_segments = [int(s) for s in str(args.ddp_segments).split(",") if s]
     if args.as_rank:
         rank_main(args)
         return
@@ -345,7 +367,9 @@ def main() -> None:
              for what, ok in (("async and sync bridge parameters differ", d["async_vs_sync_bitwise"]),
                               ("ranks' parameters differ", d["identical_on_every_rank"]),
                               ("async bridge outside the derived bound of flat gloo", d["within_bound"]),
-                              ("flat gloo differs from its recording run", d["flat_equals_recorded_ref"])) if not ok]
+                              ("flat gloo differs from its recording run", d["flat_equals_recorded_ref"]),
+                              *((f"{m} segments per bucket differ from sync", v["bitwise"])
+                                for m, v in d.get("segments", {}).items())) if not ok]
     if wrong:
         raise SystemExit("parameter checks failed:\n  " + "\n  ".join(wrong))
 

@@ -87,6 +87,7 @@ class AllReduceAlgorithms:
     counts: dict[str, int]
     group_method: str
     max_segments: int
+    fixed_segments: int | None
     _segment_counts: dict[int, int]
     _padded: dict[int, tuple[torch.Tensor, torch.Tensor]]
     auto_large: str
@@ -396,7 +397,10 @@ class AllReduceAlgorithms:
 
     def _segment_count(self, nbytes: int) -> int:
         """Pipeline segments of a bandwidth all_reduce of ``nbytes``: what the figures predict fastest
-        (:func:`~vcga.bridge.cost.segments`), or without figures one per 8 MiB (at most 8)."""
+        (:func:`~vcga.bridge.cost.segments`), or without figures one per 8 MiB (at most 8), or
+        :attr:`fixed_segments` where set."""
+        if self.fixed_segments is not None:
+            return self.fixed_segments
         if self.figures is None:
             return max(1, min(PIPELINE_MAX_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES))
         m = self._segment_counts.get(nbytes)

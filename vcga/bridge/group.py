@@ -116,6 +116,9 @@ class BridgeGroup(AllReduceAlgorithms):
         self.group_method = "collective"
         #: pipeline segments at most (1: no pipelining); the same on every rank of the group
         self.max_segments = MODEL_MAX_SEGMENTS
+        #: every pipelined all_reduce in exactly this many segments instead of the figures' choice
+        #: (benchmarks compare; None: chosen); the same on every rank of the group
+        self.fixed_segments: int | None = None
         self._segment_counts: dict[int, int] = {}
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
         #: what "auto" runs from BANDWIDTH_MIN_BYTES on when nothing was measured (the plan's rule)
