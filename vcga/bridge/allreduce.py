@@ -182,7 +182,7 @@ class AllReduceAlgorithms:
         every rank holds, so every vendor group cuts the same boundaries (shard peers must bridge
         the same elements)."""
         n = flat.numel()
-        count = min(self.max_segments, self._segment_count(n * flat.element_size()))
+        count = max(1, min(self.max_segments, self._segment_count(n * flat.element_size()), n))
         edges = [n * j // count for j in range(count + 1)]
         return [flat[edges[j]:edges[j + 1]] for j in range(count)]
 
