@@ -188,12 +188,15 @@ def predict(fig: LinkFigures, nbytes: int) -> dict[str, float]:
 
 
 def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str) -> dict[str, dict[str, Any]]:
-    """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s"}}`` (what
+    """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s", "segments"}}``
+    (segments: the bandwidth algorithm's pipeline depth, where it is a choice; what
     ``describe()["calibration"]["choice"]`` and ``vcga info --plan --figures`` show)."""
     out = {}
     for n in sizes:
         alg, predicted = choose(fig, n)
         out[label(n)] = {"algorithm": alg, "predicted_s": predicted}
+        if "bandwidth" in predicted:
+            out[label(n)]["segments"] = segments(fig, n)  # the bandwidth algorithm's pipeline depth
     return out
 
 

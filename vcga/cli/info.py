@@ -381,9 +381,10 @@ def _render_links(data: dict[str, Any]) -> list[str]:
                      + "; ".join(f"{k} {ab(v)}" for k, v in steps.items()))
     lines.append(f"  between vendor groups ({classes.get('bridge', '?')}): "
                  + "; ".join(f"{k} {ab(v)}" for k, v in fig["bridge"].items()))
-    lines.append("all_reduce algorithm these figures choose (predicted ms of each)")
+    lines.append("all_reduce algorithm these figures choose (predicted ms of each; bandwidth in x pipeline segments)")
     for size, c in f["choice"].items():
-        pred = ", ".join(f"{a} {t * 1e3:.2f}" for a, t in c["predicted_s"].items())
+        pred = ", ".join(f"{a} {t * 1e3:.2f}" + (f" x{c['segments']}" if a == "bandwidth" and "segments" in c else "")
+                         for a, t in c["predicted_s"].items())
         lines.append(f"  {size:>7}  {c['algorithm']:<10}  ({pred})")
     return lines
 
