@@ -29,7 +29,8 @@ node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start th
 
 The link bound is also given **framed**: tbf counts whole frames against the rate, so S bytes of
 TCP payload occupy S / mss * (mtu + 14) bytes of it (``_link_facts``); and the bytes each node
-actually put on its interface per call (``node sent / size``) show what the algorithm sent.
+actually handed its interface per call (``node sent / size``: the interface counts a GSO packet of
+up to 64 KiB once, with one set of headers) show what the algorithm sent.
 
 Usage (as root)::
 
@@ -292,7 +293,7 @@ def report(res: dict[str, Any], markdown: bool) -> str:
     lines = [f"link {res['rate']} (both ends tbf, mtu {link.get('mtu', '?')}, tcp mss {link.get('mss', '?')}), "
              f"2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians"]
     head = ["size", "link bound ms", "framed bound ms", "bridge auto ms", "/bound", "/framed", "auto chose",
-            "node sent / size", "leader ms", "bandwidth ms", "replicated ms", "flat gloo ms", "/bound"]
+            "node sent / size (interface)", "leader ms", "bandwidth ms", "replicated ms", "flat gloo ms", "/bound"]
     rows = []
     for r in res["all_reduce"]:
         m, bound = r["median_s"], r["bytes"] / rate
