@@ -393,13 +393,17 @@ class PowerSGD(Compressor):
 
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:
-        from vcga.compress.exact import outer_sum
+        import torch
 
         if self._plan(tuple(x.shape)) is None:
             return x
-        p = state["p"]  # decode where the others decode (the host when devices differ)
-        q = state["q_own"].to(p.device)
-        return outer_sum(p, q, out=_buffer(state, "sent", q, p.shape[0])).to(x.device)
+        # P̂ Q_ownᵀ by the library's matmul, on this rank's device: unlike the decoded sum, what this
+        # rank sent is its own bookkeeping -- no other rank reads it, so it need not have the same
+        # bits everywhere; error feedback keeps x - sent exactly for whatever bits it has (one
+        # matmul instead of r element-wise products and additions)
+        q = state["q_own"]
+        p = state["p"].to(q.device)
+        return torch.mm(p, q.t(), out=_buffer(state, "sent", q, p.shape[0])).reshape(x.shape)
 
 
 # -- registration ----------------------------------------------------------------------------------------

@@ -120,23 +120,36 @@ def test_error_feedback_in_blocks_gives_the_bits_of_whole_tensor_passes():
     n = 2 * ef_mod.BLOCK + 123
     for record in (False, True):
         ef = ErrorFeedback(record=record)
-        hi = lo = carry = None
+        hi = lo = None
         for step in range(3):
             g = _adversarial(n, 40 + step).reshape(-1, 1)  # 2-D: the blocks run over its flat view
             x = ef.input(g)
             if hi is None:
-                want_x, carry = g.clone(), torch.zeros_like(g)
+                want_x, pending = g.clone(), None
             else:
-                s1, e1 = two_sum(g, hi)
-                want_x, e2 = two_sum(s1, lo)
-                carry = e1 + e2
+                want_x, e1 = two_sum(g, hi)
+                pending = lo + e1  # the low part joins the next residual, not this input
             assert torch.equal(x, want_x)
             sent = _adversarial(n, 200 + step).reshape(g.shape)
             ef.update(x, sent)
             hi, lo = two_sum(want_x, -sent)
-            if step:
-                lo = lo + carry
+            if record:
+                assert torch.equal(ef.last.hi, hi) and torch.equal(ef.last.lo, lo), (record, step)
+            if pending is not None:
+                lo = lo + pending
             assert torch.equal(ef.hi, hi) and torch.equal(ef.lo, lo), (record, step)
+
+
+def test_two_diff_is_two_sum_of_the_negation():
+    """two_diff_ (a − b without forming −b) has the bits of two_sum(a, −b), so it is error free."""
+    from vcga.compress.exact import two_diff_
+
+    a, b = _adversarial(3000, 3), _adversarial(3000, 4)
+    s, e, t = torch.empty_like(a), torch.empty_like(a), torch.empty_like(a)
+    two_diff_(a, b, s, e, t)
+    ws, we = two_sum(a, -b)
+    assert torch.equal(s, ws) and torch.equal(e, we)
+    assert _rational_identity(b, s, e, a)  # b + s + e == a
 
 
 def test_error_feedback_conserves_across_steps_to_second_order():
@@ -242,7 +255,15 @@ def test_powersgd_sent_is_the_projection_of_this_ranks_matrix():
     out = c.decompress(q, st, ctx, 1)
     p = st["p"]
     assert torch.allclose(out, p @ (p.t() @ m), atol=1e-4)
-    assert torch.equal(c.sent(m, q, st, ctx), out)
+    # what this rank sent is P̂ Q_ownᵀ by the library's matmul (its own bookkeeping, read by no other
+    # rank): the same products as the decoded sum (one peer: Q_own is the sum), added in another
+    # order -- each within γ_r Σ_k |p_ik q_jk| of the exact value (Higham, Thm 3.1), so within twice
+    # that of each other
+    sent = c.sent(m, q, st, ctx)
+    u = 2.0 ** -24
+    gamma = 3 * u / (1 - 3 * u)
+    assert sent.shape == m.shape
+    assert bool(((sent - out).abs() <= 2 * gamma * (p.abs() @ q[0].abs().t())).all())
     assert c.decompress(c.compress(torch.randn(9), {}, ctx, 0), {"compressed": False}, ctx, 0) is not None
 
 

@@ -9,13 +9,19 @@ bookkeeping leaks exactly where compression is coarse.
 :class:`ErrorFeedback` keeps the residual as an unevaluated pair ``hi + lo`` built with Knuth's
 TwoSum (:func:`vcga.compress.exact.two_sum`), which is exact:
 
-- ``input(g)``: ``x = fl(g + hi + lo)``, with both rounding errors captured exactly (``e``);
-- ``update(x, sent)``: ``x − sent == h + l`` exactly; ``hi, lo = h, fl(l + e)``.
+- ``input(g)``: ``x = fl(g + hi)`` with its rounding error ``e`` captured exactly; ``lo`` is not
+  added to ``x`` but kept as the *pending* part ``lo + e`` (one rounding, of order u²·|x|), so
+  ``g + hi + lo == x + pending`` up to that rounding;
+- ``update(x, sent)``: ``x − sent == h + l`` exactly (TwoSum of ``x`` and ``−sent``);
+  ``hi, lo = h, fl(l + pending)``.
 
 So at every step ``sent + (h + l) == x`` holds exactly (tested element by element with rationals),
-and across steps the only loss is the rounding of ``l + e`` -- a term of order u²·|x| (u the
-dtype's unit roundoff), against u·|x| per step for a single-tensor residual. Memory: two tensors
-of the gradient's size (a single residual costs one).
+and across steps the only loss is the rounding of ``l + pending`` and of ``lo + e`` -- terms of
+order u²·|x| (u the dtype's unit roundoff), against u·|x| per step for a single-tensor residual.
+The low part reaches the compressor's input one step later than the high part (it is below an ulp
+of the input: delaying it changes nothing the compressor sees but its order). Memory: three tensors
+of the gradient's size (``hi``, ``lo``, the input ``x``); two TwoSums of six element-wise
+operations and one addition each per step.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vcga.compress.exact import two_sum_
+from vcga.compress.exact import two_diff_, two_sum_
 
 __all__ = ["ErrorFeedback", "EFRecord", "Scratch"]
 
@@ -39,11 +45,12 @@ class EFRecord:
     lo: torch.Tensor
 
 
-#: Elements an error-feedback pass works on at a time on the CPU: its six to eight element-wise
-#: operations then run on blocks that stay in the core's cache (6 tensors x 32 Ki float32 = 768 KiB)
-#: instead of streaming the whole gradient through memory once per operation. Every element goes
-#: through the same operations in the same order: the same bits as one pass over the whole tensor.
-BLOCK = 32768
+#: Elements an error-feedback pass works on at a time on the CPU: its seven element-wise operations
+#: then run on blocks that stay in the core's cache (5 tensors x 64 Ki float32 = 1.25 MiB) instead
+#: of streaming the whole gradient through memory once per operation, and few enough blocks that
+#: each operation's fixed cost (~5-10 us per call) stays small. Every element goes through the same
+#: operations in the same order: the same bits as one pass over the whole tensor.
+BLOCK = 65536
 
 
 def _blocks(n: int, device: torch.device) -> list[slice]:
@@ -71,9 +78,11 @@ class Scratch:
 class ErrorFeedback:
     """The residual of one tensor (or chunk) a compressor sends: ``hi + lo``, both of its dtype.
 
-    Works in place: it keeps ``hi``, ``lo``, the input it returns (valid until :meth:`update`) and
-    the carry -- four tensors of the gradient's size -- and borrows two scratch tensors from a
-    :class:`Scratch` shared with the exchange's other residuals; nothing is allocated per step."""
+    Works in place: it keeps ``hi``, ``lo`` and the input it returns (valid until :meth:`update`)
+    -- three tensors of the gradient's size -- and borrows two scratch tensors from a
+    :class:`Scratch` shared with the exchange's other residuals; nothing is allocated per step.
+    Between :meth:`input` and :meth:`update`, ``lo`` holds the pending low part (old ``lo`` plus the
+    rounding error of ``x``)."""
 
     hi: torch.Tensor | None = None
     lo: torch.Tensor | None = None
@@ -81,7 +90,6 @@ class ErrorFeedback:
     last: EFRecord | None = None
     scratch: Scratch = field(default_factory=Scratch, repr=False)
     _x: torch.Tensor | None = field(default=None, repr=False)
-    _carry: torch.Tensor | None = field(default=None, repr=False)
     _fresh: bool = field(default=True, repr=False)
 
     def input(self, g: torch.Tensor) -> torch.Tensor:
@@ -90,40 +98,43 @@ class ErrorFeedback:
             # first step, or the layout changed: nothing to carry
             c = torch.contiguous_format  # the passes below work on flat views of these
             self.hi, self.lo = torch.zeros_like(g, memory_format=c), torch.zeros_like(g, memory_format=c)
-            self._x, self._carry = g.clone(memory_format=c), torch.zeros_like(g, memory_format=c)
+            self._x = g.clone(memory_format=c)
             self._fresh = True
             return self._x
-        x, carry, lo, hi = self._x, self._carry, self.lo, self.hi
-        assert x is not None and carry is not None and lo is not None
-        gf, xf, cf, hf, lf = (t.reshape(-1) for t in (g, x, carry, hi, lo))  # views: all contiguous
-        tmp, e2 = self.scratch.get(g)
+        x, lo, hi = self._x, self.lo, self.hi
+        assert x is not None and lo is not None
+        gf, xf, hf, lf = (t.reshape(-1) for t in (g, x, hi, lo))  # views: all contiguous
+        e1, tmp = self.scratch.get(g)
         for b in _blocks(gf.numel(), g.device):
-            gb, xb, cb, hb, lb = gf[b], xf[b], cf[b], hf[b], lf[b]
-            t, e = tmp[:gb.numel()], e2[:gb.numel()]
-            two_sum_(gb, hb, xb, cb, t)  # g + hi == x + e1            (hi is free afterwards)
-            two_sum_(xb, lb, hb, e, t)  # x + lo == x' + e2
-            xb.copy_(hb)
-            cb.add_(e)  # g + hi + lo == x + e1 + e2; this one rounding is of order u²|x|
+            xb, lb = xf[b], lf[b]
+            e, t = e1[:xb.numel()], tmp[:xb.numel()]
+            two_sum_(gf[b], hf[b], xb, e, t)  # g + hi == x + e exactly     (hi is free afterwards)
+            lb.add_(e)  # the pending low part: g + hi + lo == x + lo', one rounding of order u²|x|
         self._fresh = False
         return x
 
     def update(self, x: torch.Tensor, sent: torch.Tensor) -> None:
-        """Keep ``x − sent`` (exactly, as ``h + l``) for the next step."""
-        assert self.hi is not None and self.lo is not None and self._carry is not None
+        """Keep ``x − sent`` (exactly, as ``h + l``) plus the pending low part for the next step."""
+        assert self.hi is not None and self.lo is not None
         sent = sent.to(device=x.device, dtype=x.dtype).reshape(x.shape).contiguous()
-        xf, sf, hf, lf, cf = (t.reshape(-1) for t in (x, sent, self.hi, self.lo, self._carry))
-        tmp, neg = self.scratch.get(x)
+        xf, sf, hf, lf = (t.reshape(-1) for t in (x, sent, self.hi, self.lo))
+        if self.record:  # the identity is checked on (h, l) before the pending part joins them
+            pending = self.lo.clone()
+            lf = torch.empty_like(lf)
+        l2, tmp = self.scratch.get(x)
         for b in _blocks(xf.numel(), x.device):
-            xb, lb = xf[b], lf[b]
-            t, ng = tmp[:xb.numel()], neg[:xb.numel()]
-            torch.neg(sf[b], out=ng)
-            two_sum_(xb, ng, hf[b], lb, t)  # x - sent == hi + lo exactly
-            if not self._fresh and not self.record:
-                lb.add_(cf[b])
+            lb = lf[b]
+            n = lb.numel()
+            if self._fresh or self.record:
+                two_diff_(xf[b], sf[b], hf[b], lb, tmp[:n])  # x - sent == hi + lo exactly
+            else:
+                ln = l2[:n]
+                two_diff_(xf[b], sf[b], hf[b], ln, tmp[:n])
+                torch.add(ln, lb, out=lb)  # l + pending: the order u²|x| rounding
         if self.record:
-            self.last = EFRecord(x.detach().clone(), sent.detach().clone(), self.hi.clone(), self.lo.clone())
-            if not self._fresh:
-                self.lo.add_(self._carry)
+            lo = lf.reshape(self.lo.shape)
+            self.last = EFRecord(x.detach().clone(), sent.detach().clone(), self.hi.clone(), lo.clone())
+            self.lo = lo if self._fresh else lo.add_(pending)
 
     def residual(self) -> torch.Tensor | None:
         """The residual rounded to one tensor (for inspection)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["two_sum", "two_sum_", "tree_sum", "orthonormalize", "outer_sum"]
+__all__ = ["two_sum", "two_sum_", "two_diff_", "tree_sum", "orthonormalize", "outer_sum"]
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,18 @@ def two_sum_(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, e: torch.Tensor,
     e.add_(tmp)
 
 
+def two_diff_(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, e: torch.Tensor, tmp: torch.Tensor) -> None:
+    """``s = fl(a − b)`` and ``a − b == s + e`` exactly, into preallocated tensors (none may alias
+    ``a`` or ``b``): :func:`two_sum_` of ``a`` and ``−b`` without forming ``−b`` -- the same bits,
+    since rounding to nearest is symmetric (``fl(−b − bb) == −fl(b + bb)``), one pass fewer."""
+    torch.sub(a, b, out=s)
+    torch.sub(s, a, out=tmp)  # bb
+    torch.sub(s, tmp, out=e)  # s - bb
+    torch.sub(a, e, out=e)  # a - (s - bb)
+    torch.add(b, tmp, out=tmp)  # b + bb
+    e.sub_(tmp)
+
+
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over dim 0 by a fixed pairwise tree of element-wise additions (same bits everywhere).
 
@@ -57,17 +69,25 @@ def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     """Modified Gram-Schmidt on the columns of ``p`` (``[n, r]``), in place, with fixed-order dot
     products (:func:`tree_sum`): column i is normalised, then its projection is removed from every
     later column at once -- the order of torch's PowerSGD hook. A zero column stays zero (instead
-    of NaN), so an all-zero gradient decodes to zero."""
+    of NaN), so an all-zero gradient decodes to zero.
+
+    One tree per column: the products of column i with itself *and* with every later column are
+    summed together (``d``), and the projections use ``d[1:] / ‖c‖`` (the dot products with the
+    normalised column, up to one rounding). Every operation is element-wise or a fixed tree, so the
+    bits are the same everywhere; it issues about half the small operations of a tree for the norm
+    and another for the projections, which is what its time is on the host (r small, n a few
+    thousand)."""
     r = p.shape[-1]
     for i in range(r):
+        d = tree_sum(p[:, i:i + 1] * p[:, i:])  # [r - i]: ‖c‖², then <c, later columns>
+        norm = d[:1].sqrt()
+        nz = norm > 0
+        safe = torch.where(nz, norm + eps, torch.ones_like(norm))
         col = p[:, i:i + 1]
-        norm = tree_sum(col * col).sqrt()  # shape [1]
-        safe = torch.where(norm > 0, norm + eps, torch.ones_like(norm))
         col /= safe
-        col.mul_((norm > 0).to(col.dtype))
+        col.mul_(nz.to(col.dtype))
         if i + 1 < r:
-            rest = p[:, i + 1:]
-            rest -= tree_sum(col * rest) * col  # one tree over the rows for every later column
+            p[:, i + 1:] -= (d[1:] / safe) * col
     return p
 
 
