@@ -325,14 +325,20 @@ class PowerSGD(Compressor):
     Round 0 sends P = M Q (Q shared: drawn from the shared seed, or last step's), round 1 sends
     Q = Mᵀ P̂ with P̂ the orthonormalised sum of the Ps. What this rank sent is P̂ Qᵢᵀ, the
     projection of its own matrix (the paper's error feedback; torch's hook keeps the input minus
-    the *averaged* approximation instead, which mixes the other ranks' gradients into the residual)."""
+    the *averaged* approximation instead, which mixes the other ranks' gradients into the residual).
+
+    ``iters`` > 1 runs that many power (subspace) iterations per step: after round 2i + 1 the
+    summed Q is orthonormalised and round 2i + 2 sends P = M Q̂ again -- each iteration sends P and
+    Q once more (bytes × iters), and the rank-r subspace gets closer to the top-r singular subspace
+    of this step's summed matrix instead of relying on the warm start alone to track it."""
 
     combine = Combine.SUM
-    rounds = 2
     elementwise = False
 
-    def __init__(self, rank: int, warm: bool, ef: bool, min_rate: float, eps: float) -> None:
+    def __init__(self, rank: int, warm: bool, ef: bool, min_rate: float, eps: float, iters: int = 1) -> None:
         self.rank, self.warm, self.error_feedback, self.min_rate, self.eps = rank, warm, ef, min_rate, eps
+        self.iters = iters
+        self.rounds = 2 * iters
 
     def _plan(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(rows, cols, rank) when the tensor is compressed, None when it travels as it is."""
@@ -341,7 +347,7 @@ class PowerSGD(Compressor):
         n = shape[0]
         m = _numel(shape) // n if n else 0
         r = min(n, m, self.rank)
-        if r == 0 or (n + m) * r * self.min_rate >= n * m:
+        if r == 0 or (n + m) * r * self.iters * self.min_rate >= n * m:
             return None
         return n, m, r
 
@@ -350,7 +356,7 @@ class PowerSGD(Compressor):
         if p is None:
             return _numel(shape) * _itemsize(dtype)
         n, m, r = p
-        return (n + m) * r * _itemsize(dtype)
+        return (n + m) * r * self.iters * _itemsize(dtype)
 
     def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
@@ -372,6 +378,8 @@ class PowerSGD(Compressor):
             q = orthonormalize(q.clone(), self.eps)  # where the shared Q lives (the host, when decoding there)
             state["q"] = q
             return [(mat @ q.to(mat.device)).contiguous()]
+        if round % 2 == 0:  # a further iteration: P = M Q̂, Q̂ the last round's orthonormalised sum
+            return [(mat @ state["q_hat"].to(mat.device)).contiguous()]
         q_own = (mat.t() @ state["p"].to(mat.device)).contiguous()
         state["q_own"] = q_own
         return [q_own]
@@ -382,10 +390,13 @@ class PowerSGD(Compressor):
 
         if not state.get("compressed", True):
             return payload[0]  # an uncompressed tensor: its sum, done in round 0
-        if round == 0:
+        if round % 2 == 0:
             state["p"] = orthonormalize(payload[0].clone(), self.eps)
             return None
         q = payload[0]
+        if round + 1 < self.rounds:  # another iteration follows: it multiplies by the summed Q, orthonormalised
+            state["q_hat"] = orthonormalize(q.clone(), self.eps)
+            return None
         if self.warm:
             state["q"] = q.clone()
         # the decoded matrix is read once by the driver before the next call: reuse its buffer
@@ -436,8 +447,10 @@ def _specs() -> list[CompressorSpec]:
                         "ef": _ef(True),
                         "min_rate": CompressorOption(2.0, _pos_float, "compress a matrix only when it shrinks "
                                                      "by more than this (torch's min_compression_rate)"),
-                        "eps": CompressorOption(0.0, _pos_float, "added to column norms when orthonormalising")},
-                       lambda rank, warm, ef, min_rate, eps: PowerSGD(rank, warm, ef, min_rate, eps)),
+                        "eps": CompressorOption(0.0, _pos_float, "added to column norms when orthonormalising"),
+                        "iters": CompressorOption(1, _int_range(1, 16), "power iterations per step (each sends P "
+                                                  "and Q once more: bytes x iters)")},
+                       lambda rank, warm, ef, min_rate, eps, iters: PowerSGD(rank, warm, ef, min_rate, eps, iters)),
     ]
 
 

@@ -45,7 +45,7 @@ def test_spec_strings_parse_with_defaults_and_driver_keys():
     ("topk:ratio=0", "topk ratio: a number in (0, 1]"),
     ("topk:ratio=x", "topk ratio: a number in (0, 1]"),
     ("powersgd:rank=0", "powersgd rank: an integer from 1 to 1024"),
-    ("powersgd:rnk=4", "keys of powersgd: rank, warm, ef, min_rate, eps, scope, when, start, seed (not 'rnk')"),
+    ("powersgd:rnk=4", "keys of powersgd: rank, warm, ef, min_rate, eps, iters, scope, when, start, seed (not 'rnk')"),
     ("qsgd:levels", "key=value pairs"),
     ("sign:scope=node", "sign scope: one of bridge, all"),
     ("fp16:when=sometimes", "one of always, auto"),
@@ -267,6 +267,35 @@ def test_powersgd_sent_is_the_projection_of_this_ranks_matrix():
     assert c.decompress(c.compress(torch.randn(9), {}, ctx, 0), {"compressed": False}, ctx, 0) is not None
 
 
+def test_powersgd_more_power_iterations_approximate_closer_at_the_same_rank():
+    """iters=2 runs four rounds (P, Q, P, Q: twice the bytes) and, from the same start, its rank-r
+    approximation of a matrix whose spectrum decays slowly is closer than one iteration's; the
+    decoded value is still the projection onto the final P̂."""
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))
+    s = 0.9 ** torch.arange(40, dtype=torch.float64)  # slow decay: one iteration leaves a visible gap
+    m = (u[:, :40] * s) @ v.t()
+    m = m.float()
+    ctx = CompressContext(1, 0, 0, 5)
+    errs = {}
+    for iters in (1, 2):
+        c = _make("powersgd", rank=3, warm=0, iters=iters)
+        assert c.rounds == 2 * iters and c.payload_nbytes((60, 40), "float32") == (60 + 40) * 3 * 4 * iters
+        st: dict = {}
+        sent_bytes, out = 0, None
+        for rnd in range(c.rounds):
+            pl = c.compress(m, st, ctx, rnd)
+            sent_bytes += sum(t.numel() * t.element_size() for t in pl)
+            out = c.decompress(pl, st, ctx, rnd)
+            assert (out is None) == (rnd + 1 < c.rounds)
+        assert sent_bytes == c.payload_nbytes((60, 40), "float32")
+        p = st["p"]
+        assert torch.allclose(out, p @ (p.t() @ m), atol=1e-4)
+        errs[iters] = float((m - out).norm())
+    assert errs[2] < errs[1], errs
+
+
 # ---------------------------------------------------------------------------------------------------
 # Spawned worlds: DDP through the hook, and the plumbing exact
 # ---------------------------------------------------------------------------------------------------
@@ -294,7 +323,8 @@ def world_unequal():
 
     from vcga.spawn import run_ranks
 
-    return run_ranks(rank_main, 4, "nccl:1,hccl:2,cncl:1", ["powersgd:rank=2", "sign", "topk:ratio=0.1"], timeout=600)
+    return run_ranks(rank_main, 4, "nccl:1,hccl:2,cncl:1", ["powersgd:rank=2", "sign", "topk:ratio=0.1",
+                                                                        "powersgd:rank=2,iters=2"], timeout=600)
 
 
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
