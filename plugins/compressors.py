@@ -399,8 +399,30 @@ class PowerSGD(Compressor):
             return None
         if self.warm:
             state["q"] = q.clone()
+        state["q_sum"] = q  # with P̂, the compact form of the decoded sum (decoded_form)
         # the decoded matrix is read once by the driver before the next call: reuse its buffer
         return outer_sum(state["p"], q, out=_buffer(state, "decoded", q, state["p"].shape[0]))
+
+    def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
+        p = self._plan(tuple(shape))
+        if p is None:
+            return [((_numel(shape),), dtype)]
+        n, m, r = p
+        return [((n, r), dtype), ((m, r), dtype)]
+
+    def decoded_form(self, decoded: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
+        if not state.get("compressed", True):
+            return [decoded.reshape(-1)]
+        return [state["p"], state["q_sum"]]
+
+    def expand(self, form: list[torch.Tensor], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        from vcga.compress.exact import outer_sum
+
+        if len(form) == 1:
+            got = form[0].reshape(shape)
+            return got if out is None else out.copy_(got)
+        p, q = form
+        return outer_sum(p, q, out=out)
 
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:

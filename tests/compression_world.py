@@ -56,7 +56,10 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
         flat = torch.randn(64 * 32 + 32, generator=torch.Generator().manual_seed(7 + rank))
         red.all_reduce(flat, bucket, key="one-matrix")
         mine = {"payload": meter.total_sent("cross:payload"),
-                "plain": 4 * (flat.numel() // max(len(red.island), 1))}
+                "plain": 4 * (flat.numel() // max(len(red.island), 1)),
+                # what the island's copy-back all-gather was handed (the decoded parts' compact form)
+                "island_gather": meter.snapshot()["handed"].get("island", {}).get("all_gather", 0),
+                "digest": _digest(flat)}
     finally:
         red.close()
     shares: list[Any] = [None] * world

@@ -357,6 +357,11 @@ def test_a_bucket_of_one_matrix_is_compressed_by_every_island_rank(world_2x2):
     assert all(s > 0 for s in sent), sent
     assert max(sent) <= 1.5 * min(sent), sent  # parameter cuts: 768 B against 128 B
     assert all(s["payload"] < s["plain"] / 2 for s in shares), shares
+    # the island copies the decoded parts back as PowerSGD's P̂ and summed Q (576 B a rank here, with
+    # the cut bias row) instead of the decoded values (4160 B), and every rank rebuilds the other
+    # parts to the same bits as their owners decoded
+    assert all(0 < s["island_gather"] < s["plain"] / 4 for s in shares), shares
+    assert len({s["digest"] for s in shares}) == 1, shares
 
 
 def test_buckets_are_cut_into_equal_parts_of_whole_rows_and_cut_rows():

@@ -192,6 +192,7 @@ class Reducer:
         self._cut_cache: dict[Any, tuple[Any, Any, list[int]]] = {}
         self._rows: dict[Any, torch.Tensor] = {}  # the island all_to_all's receive buffer, per size
         self._a2a: dict[torch.dtype, bool] = {}
+        self._compact_cache: dict[Any, Any] = {}
 
     def _island_all_to_all(self, dtype: torch.dtype) -> bool:
         """Does the island move ``dtype`` with all_to_all natively (its table says so; a group
@@ -321,9 +322,81 @@ class Reducer:
                 out.append(buf[start + o - a:start + o - a + n].view(s))
         return idx, out
 
-    def _exchange(self, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int, key: Any, part: int) -> None:
+    def _exchange(self, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int, key: Any, part: int,
+                  forms: bool = False) -> list[list[torch.Tensor]] | None:
         idx, views = self._views(buf, 0, shapes, offsets, a, b)
-        self.exchange.run(views, [(key, part, *j) for j in idx], self.step)
+        return self.exchange.run(views, [(key, part, *j) for j in idx], self.step, forms=forms)
+
+    def _compact_plan(self, n: int, shapes: Any, offsets: Any, cuts: list[int], k: int,
+                      dtype: torch.dtype) -> list[tuple[int, list[tuple[int, tuple[int, ...], list[Any]]]]] | None:
+        """How the island copies decoded parts back in the compressor's compact form
+        (:meth:`~vcga.contract.Compressor.decoded_layout`): per part, its bytes and its pieces
+        (start in the bucket, shape, the form's (shape, dtype) tensors); None when the compressor
+        has no compact form or it would not be smaller than the part (cached per bucket layout)."""
+        key = (n, tuple(shapes) if shapes is not None else None, k, dtype)
+        if key in self._compact_cache:
+            return self._compact_cache[key]
+        from vcga import dtypes as _dtypes
+
+        plan: list[tuple[int, list[tuple[int, tuple[int, ...], list[Any]]]]] | None = []
+        c = self.compressor
+        name = _dtypes.from_torch(dtype)
+        if c.combine is not Combine.SUM or self.exchange.peers <= 1 or self.exchange.group is None:
+            plan = None
+        else:
+            for j in range(k):
+                a, b = cuts[j], cuts[j + 1]
+                pieces = ([(a, (b - a,))] if b > a else []) if offsets is None else \
+                    [(o, s) for _, o, s in self.pieces(shapes, offsets, a, b) if math.prod(s)]
+                items, nbytes = [], 0
+                for o, s in pieces:
+                    lay = c.decoded_layout(tuple(s), name)
+                    if lay is None:
+                        plan = None
+                        break
+                    lay = [(tuple(ts), _dtypes.to_torch(td)) for ts, td in lay]
+                    nbytes += sum(math.prod(ts) * torch.empty(0, dtype=td).element_size() for ts, td in lay)
+                    items.append((o, tuple(s), lay))
+                if plan is None:
+                    break
+                plan.append((nbytes, items))
+            if plan is not None and max(nb for nb, _ in plan) >= max(cuts[j + 1] - cuts[j] for j in range(k)) * \
+                    torch.empty(0, dtype=dtype).element_size():
+                plan = None  # no smaller than the decoded values: copy those
+        self._compact_cache[key] = plan
+        return plan
+
+    def _compact_all_gather(self, flat: torch.Tensor, plan: list[Any], forms: list[list[torch.Tensor]]) -> None:
+        """Every island rank gets every part's compact form and rebuilds the others' parts in
+        ``flat`` (its own is there already): the same bytes through the same element-wise
+        operations on the same kind of device as the part's owner decoded them -- the same bits."""
+        from vcga.compress.exchange import _as_bytes, _from_bytes
+
+        width = max(nb for nb, _ in plan)
+        mine = [_as_bytes(t.to(flat.device)) for form in forms for t in form]
+        pad = width - sum(t.numel() for t in mine)
+        if pad:
+            mine.append(torch.zeros(pad, dtype=torch.uint8, device=flat.device))
+        blob = torch.cat(mine) if len(mine) > 1 else mine[0]
+        rows = torch.empty(len(plan) * width, dtype=torch.uint8, device=flat.device)
+        dist.all_gather_into_tensor(rows, blob, group=self.island_group)
+        dev = torch.device("cpu") if self.exchange.host_decode else flat.device
+        rows = rows.view(len(plan), width)
+        for j, (_, items) in enumerate(plan):
+            if j == self.local:
+                continue
+            off = 0
+            for o, s, lay in items:
+                form = []
+                for ts, td in lay:
+                    nb = math.prod(ts) * torch.empty(0, dtype=td).element_size()
+                    form.append(_from_bytes(rows[j, off:off + nb], torch.empty(ts, dtype=td)).to(dev))
+                    off += nb
+                view = flat[o:o + math.prod(s)].view(s)
+                if dev == flat.device:
+                    self.compressor.expand(form, s, out=view)
+                else:
+                    view.copy_(self.compressor.expand(form, s).to(flat.device))
 
     # -- the reduction ---------------------------------------------------------------------------------
 
@@ -366,7 +439,13 @@ class Reducer:
                 send[i * width:i * width + cuts[i + 1] - cuts[i]] = flat[cuts[i]:cuts[i + 1]]
         part = flat.new_empty(width)
         self._island_reduce_scatter(part, send, k)  # exact, inside the island
-        self._exchange(part, shapes, offsets, a, b, key, self.local)
+        plan = self._compact_plan(n, shapes, offsets, cuts, k, flat.dtype)
+        forms = self._exchange(part, shapes, offsets, a, b, key, self.local, forms=plan is not None)
+        if plan is not None and forms is not None:
+            # the island copies the decoded parts back compressed: every rank rebuilds the others'
+            flat[a:b].copy_(part[:b - a])
+            self._compact_all_gather(flat, plan, forms)
+            return
         if direct:
             dist.all_gather_into_tensor(flat, part, group=self.island_group)
         else:

@@ -151,27 +151,34 @@ class Exchange:
 
     # -- the exchange --------------------------------------------------------------------------------
 
-    def run(self, tensors: Sequence[torch.Tensor], keys: Sequence[Any], step: int) -> None:
-        """Replace each tensor by its sum over the peers (decoded from the compressed payloads)."""
+    def run(self, tensors: Sequence[torch.Tensor], keys: Sequence[Any], step: int,
+            forms: bool = False) -> list[list[torch.Tensor]] | None:
+        """Replace each tensor by its sum over the peers (decoded from the compressed payloads).
+
+        With ``forms`` (a SUM compressor with a compact decoded form, :meth:`Compressor.decoded_layout`):
+        return each tensor's compact form too (on the device it was decoded on), else None."""
         if self.peers <= 1 or self.group is None:
-            return
+            return None
         xs = []
         for t, k in zip(tensors, keys):
             slot = self.slot(k)
             xs.append(slot.ef.input(t) if slot.ef is not None else t)
+        got: list[list[torch.Tensor]] | None = [] if forms and self.c.combine is Combine.SUM else None
         if self.c.combine is Combine.SUM:
-            outs = self._run_sum(xs, keys, step)
+            outs = self._run_sum(xs, keys, step, got)
         elif self.c.server:
             outs = self._run_two_phase(xs, keys, step)
         else:
             outs = self._run_gather(xs, keys, step)
         for t, o in zip(tensors, outs):
             t.copy_(o.reshape(t.shape))
+        return got
 
     def _decode_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if self.host_decode else t
 
-    def _run_sum(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
+    def _run_sum(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
+                 forms: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
         c = self.c
         out: list[torch.Tensor | None] = [None] * len(xs)
         last_payload: list[list[torch.Tensor]] = [[] for _ in xs]
@@ -193,6 +200,8 @@ class Exchange:
                             f"its {c.rounds} round(s)")
         for i, k in enumerate(keys):
             slot = self.slot(k)
+            if forms is not None:  # before the next call of any kind can touch the state
+                forms.append(c.decoded_form(out[i], slot.state))  # type: ignore[arg-type]
             if slot.ef is not None:
                 slot.ef.update(xs[i], c.sent(xs[i], last_payload[i], slot.state, self.ctx(k, step)))
         return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
