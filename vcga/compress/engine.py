@@ -31,7 +31,7 @@ import logging
 import math
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from vcga.compress.meter import WireMeter
 from vcga.compress.spec import CompressionSpec
 from vcga.errors import VcgaConfigError
 
-__all__ = ["Layout", "Topology", "Exchange", "Reducer", "discover_layout", "mix_seed", "create_compressor"]
+__all__ = ["Layout", "Topology", "Exchange", "Reducer", "Pending", "discover_layout", "mix_seed", "create_compressor"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,25 @@ def discover_layout(group: Any) -> Layout:
 # ===================================================================================================
 # The compressed exchange among one set of peers
 # ===================================================================================================
+
+
+@dataclass
+class Pending:
+    """A buffer between :meth:`Reducer.begin` and :meth:`Reducer.finish`: the tensors its
+    compressed exchange replaces (views into the buffer or its island part) and how the result
+    gets back to the whole island (``after``: "" nothing, "broadcast", "gather" the decoded values,
+    "compact" the compressor's compact form)."""
+
+    flat: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+    keys: list[Any] = field(default_factory=list)
+    exchange: bool = False
+    after: str = ""
+    part: torch.Tensor | None = None
+    cuts: list[int] = field(default_factory=list)
+    width: int = 0
+    direct: bool = True
+    plan: Any = None
 
 
 @dataclass
@@ -322,11 +341,6 @@ class Reducer:
                 out.append(buf[start + o - a:start + o - a + n].view(s))
         return idx, out
 
-    def _exchange(self, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int, key: Any, part: int,
-                  forms: bool = False) -> list[list[torch.Tensor]] | None:
-        idx, views = self._views(buf, 0, shapes, offsets, a, b)
-        return self.exchange.run(views, [(key, part, *j) for j in idx], self.step, forms=forms)
-
     def _compact_plan(self, n: int, shapes: Any, offsets: Any, cuts: list[int], k: int,
                       dtype: torch.dtype) -> list[tuple[int, list[tuple[int, tuple[int, ...], list[Any]]]]] | None:
         """How the island copies decoded parts back in the compressor's compact form
@@ -366,37 +380,47 @@ class Reducer:
         self._compact_cache[key] = plan
         return plan
 
-    def _compact_all_gather(self, flat: torch.Tensor, plan: list[Any], forms: list[list[torch.Tensor]]) -> None:
-        """Every island rank gets every part's compact form and rebuilds the others' parts in
-        ``flat`` (its own is there already): the same bytes through the same element-wise
-        operations on the same kind of device as the part's owner decoded them -- the same bits."""
+    def _compact_all_gather(self, per: list[tuple[Pending, list[list[torch.Tensor]]]]) -> None:
+        """Every island rank gets every part's compact form (of every buffer in ``per``, in one
+        all-gather) and rebuilds the others' parts in place (its own is there already): the same
+        bytes through the same element-wise operations on the same kind of device as the part's
+        owner decoded them -- the same bits."""
         from vcga.compress.exchange import _as_bytes, _from_bytes
 
-        width = max(nb for nb, _ in plan)
-        mine = [_as_bytes(t.to(flat.device)) for form in forms for t in form]
-        pad = width - sum(t.numel() for t in mine)
-        if pad:
-            mine.append(torch.zeros(pad, dtype=torch.uint8, device=flat.device))
+        device = per[0][0].flat.device
+        widths = [max(nb for nb, _ in p.plan) for p, _ in per]  # type: ignore[union-attr]
+        mine: list[torch.Tensor] = []
+        for (p, forms), width in zip(per, widths):
+            got = [_as_bytes(t.to(device)) for form in forms for t in form]
+            pad = width - sum(t.numel() for t in got)
+            mine.extend(got)
+            if pad:
+                mine.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        total = sum(widths)
         blob = torch.cat(mine) if len(mine) > 1 else mine[0]
-        rows = torch.empty(len(plan) * width, dtype=torch.uint8, device=flat.device)
+        k = len(self.island)
+        rows = torch.empty(k * total, dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(rows, blob, group=self.island_group)
-        dev = torch.device("cpu") if self.exchange.host_decode else flat.device
-        rows = rows.view(len(plan), width)
-        for j, (_, items) in enumerate(plan):
-            if j == self.local:
-                continue
-            off = 0
-            for o, s, lay in items:
-                form = []
-                for ts, td in lay:
-                    nb = math.prod(ts) * torch.empty(0, dtype=td).element_size()
-                    form.append(_from_bytes(rows[j, off:off + nb], torch.empty(ts, dtype=td)).to(dev))
-                    off += nb
-                view = flat[o:o + math.prod(s)].view(s)
-                if dev == flat.device:
-                    self.compressor.expand(form, s, out=view)
-                else:
-                    view.copy_(self.compressor.expand(form, s).to(flat.device))
+        dev = torch.device("cpu") if self.exchange.host_decode else device
+        rows = rows.view(k, total)
+        base = 0
+        for (p, _), width in zip(per, widths):
+            for j, (_, items) in enumerate(p.plan):  # type: ignore[union-attr]
+                if j == self.local:
+                    continue
+                off = base
+                for o, s, lay in items:
+                    form = []
+                    for ts, td in lay:
+                        nb = math.prod(ts) * torch.empty(0, dtype=td).element_size()
+                        form.append(_from_bytes(rows[j, off:off + nb], torch.empty(ts, dtype=td)).to(dev))
+                        off += nb
+                    view = p.flat[o:o + math.prod(s)].view(s)
+                    if dev == device:
+                        self.compressor.expand(form, s, out=view)
+                    else:
+                        view.copy_(self.compressor.expand(form, s).to(device))
+            base += width
 
     # -- the reduction ---------------------------------------------------------------------------------
 
@@ -407,29 +431,33 @@ class Reducer:
         if not compress:
             dist.all_reduce(flat, group=self.group)
             return
+        self.finish([self.begin(flat, shapes, key)])
+
+    def begin(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]] | None = None, key: Any = 0) -> Pending:
+        """The first stage of a compressed sum of ``flat``: the exact reduction inside the island.
+        :meth:`finish` does the rest for one or more begun buffers at once -- one compressed
+        exchange for all of them (two collectives across the slow hop for PowerSGD, however many
+        buffers) and one copy back. Collective: every rank begins and finishes the same buffers
+        (keys) in the same order."""
         n = flat.numel()
         k = len(self.island) if self.scope == "bridge" and len(self.layout.islands) > 1 and self.layout.equal else 1
         shapes, offsets, cuts = self._layout_of(n, shapes, k)
         if self.scope == "all" or len(self.layout.islands) < 2:
             if self.scope == "bridge":  # one island: nothing crosses a slow hop
                 dist.all_reduce(flat, group=self.group)
-                return
-            self._exchange(flat, shapes, offsets, 0, n, key, 0)
-            return
+                return Pending(flat)
+            return self._pending(flat, flat, shapes, offsets, 0, n, key, 0)
         if not self.layout.equal:
             if self.island_group is not None:
                 dist.all_reduce(flat, group=self.island_group)
-            if self.local == 0:
-                self._exchange(flat, shapes, offsets, 0, n, key, 0)
-            if self.island_group is not None:
-                dist.broadcast(flat, src=self.island[0], group=self.island_group)
-            return
+            p = self._pending(flat, flat, shapes, offsets, 0, n, key, 0) if self.local == 0 else Pending(flat)
+            p.after = "broadcast" if self.island_group is not None else ""
+            return p
         k = len(self.island)
+        if k == 1:
+            return self._pending(flat, flat, shapes, offsets, 0, n, key, 0)
         width = max(cuts[i + 1] - cuts[i] for i in range(k)) if k else 0
         a, b = cuts[self.local], cuts[self.local + 1]
-        if k == 1:
-            self._exchange(flat, shapes, offsets, 0, n, key, 0)
-            return
         direct = all(cuts[i + 1] - cuts[i] == width for i in range(k))
         if direct:
             send = flat
@@ -439,20 +467,53 @@ class Reducer:
                 send[i * width:i * width + cuts[i + 1] - cuts[i]] = flat[cuts[i]:cuts[i + 1]]
         part = flat.new_empty(width)
         self._island_reduce_scatter(part, send, k)  # exact, inside the island
-        plan = self._compact_plan(n, shapes, offsets, cuts, k, flat.dtype)
-        forms = self._exchange(part, shapes, offsets, a, b, key, self.local, forms=plan is not None)
-        if plan is not None and forms is not None:
-            # the island copies the decoded parts back compressed: every rank rebuilds the others'
-            flat[a:b].copy_(part[:b - a])
-            self._compact_all_gather(flat, plan, forms)
-            return
-        if direct:
-            dist.all_gather_into_tensor(flat, part, group=self.island_group)
-        else:
-            rows = flat.new_empty(k * width)
-            dist.all_gather_into_tensor(rows, part, group=self.island_group)
-            for i in range(k):
-                flat[cuts[i]:cuts[i + 1]] = rows[i * width:i * width + cuts[i + 1] - cuts[i]]
+        p = self._pending(flat, part, shapes, offsets, a, b, key, self.local)
+        p.plan = self._compact_plan(n, shapes, offsets, cuts, k, flat.dtype)
+        p.after = "compact" if p.plan is not None else "gather"
+        p.part, p.cuts, p.width, p.direct = part, cuts, width, direct
+        return p
+
+    def _pending(self, flat: torch.Tensor, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int,
+                 key: Any, part: int) -> Pending:
+        idx, views = self._views(buf, 0, shapes, offsets, a, b)
+        return Pending(flat, views, [(key, part, *j) for j in idx], exchange=True)
+
+    def finish(self, pending: Sequence[Pending]) -> None:
+        """The compressed exchange of every begun buffer in ``pending`` at once, and the copy back
+        inside the island (see :meth:`begin`)."""
+        views = [v for p in pending for v in p.views]
+        keys = [kk for p in pending for kk in p.keys]
+        compact = [p for p in pending if p.after == "compact"]
+        forms: list[list[torch.Tensor]] | None = None
+        if any(p.exchange for p in pending):
+            forms = self.exchange.run(views, keys, self.step, forms=bool(compact))
+        if compact and forms is None:  # the exchange had nothing to say: copy the values back
+            for p in compact:
+                p.after = "gather"
+            compact = []
+        if compact:
+            assert forms is not None
+            at, per = 0, []
+            for p in pending:
+                if p.after == "compact":
+                    per.append((p, forms[at:at + len(p.views)]))
+                at += len(p.views)
+            for p, _ in per:  # this rank's part: decoded in place by the exchange
+                a, b = p.cuts[self.local], p.cuts[self.local + 1]
+                p.flat[a:b].copy_(p.part[:b - a])  # type: ignore[index]
+            self._compact_all_gather(per)
+        for p in pending:
+            if p.after == "broadcast":
+                dist.broadcast(p.flat, src=self.island[0], group=self.island_group)
+            elif p.after == "gather":
+                k = len(self.island)
+                if p.direct:
+                    dist.all_gather_into_tensor(p.flat, p.part, group=self.island_group)
+                else:
+                    rows = p.flat.new_empty(k * p.width)
+                    dist.all_gather_into_tensor(rows, p.part, group=self.island_group)
+                    for i in range(k):
+                        p.flat[p.cuts[i]:p.cuts[i + 1]] = rows[i * p.width:i * p.width + p.cuts[i + 1] - p.cuts[i]]
 
     def _island_reduce_scatter(self, part: torch.Tensor, send: torch.Tensor, k: int) -> None:
         """``part`` = this rank's chunk of ``send`` summed over the island, the same bits wherever

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
-from vcga.compress.engine import Reducer
+from vcga.compress.engine import Pending, Reducer
 from vcga.compress.meter import WireMeter, sent_bytes
 from vcga.compress.spec import CompressionSpec, parse_spec
 from vcga.contract import Combine
@@ -133,6 +133,12 @@ class CompressionState:
 
     def reduce(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int, last: bool) -> torch.Tensor:
         """Average ``buffer`` (a DDP bucket) over the group, in place, and return it."""
+        self._end([(buffer, self._start(buffer, shapes, index), last)])
+        return buffer
+
+    def _start(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int) -> Pending | None:
+        """A bucket's first stage: a plain all_reduce (returns None), or the reducer's
+        :meth:`~vcga.compress.engine.Reducer.begin` (the exact reduction inside the island)."""
         from vcga import dtypes as _dtypes
 
         r = self.reducer
@@ -142,24 +148,39 @@ class CompressionState:
         else:
             compress = self.decide(buffer.numel(), shapes, _dtypes.from_torch(buffer.dtype), buffer.element_size())
         self._keys.add(key)
-        if r is None:
-            dist.all_reduce(buffer, group=self.comm)
-        else:
-            r.step = self.step
-            r.all_reduce(buffer, shapes, key=key, compress=compress)
         self.stats["compressed" if compress else "plain"] += 1
-        buffer.div_(self.world)
-        if last:
-            if r is not None and self._last_keys and self._keys != self._last_keys:
-                # DDP rebuilt its buckets (after the first iteration): residuals and warm starts of
-                # the old layout belong to no bucket any more
-                keep = set(self._keys)
-                r.exchange.forget(lambda k: k[0] in keep)
-            self._last_keys, self._keys = self._keys, set()
-            self.step += 1
-        return buffer
+        if r is None or not compress:
+            dist.all_reduce(buffer, group=self.comm)
+            return None
+        r.step = self.step
+        return r.begin(buffer, shapes, key=key)
+
+    def _end(self, items: list[tuple[torch.Tensor, Pending | None, bool]]) -> None:
+        """The compressed exchange of every begun bucket in ``items`` at once, the averages, and
+        the step's bookkeeping after its last bucket."""
+        pending = [p for _, p, _ in items if p is not None]
+        if pending:
+            assert self.reducer is not None
+            self.reducer.finish(pending)
+        for buffer, _, last in items:
+            buffer.div_(self.world)
+            if last:
+                r = self.reducer
+                if r is not None and self._last_keys and self._keys != self._last_keys:
+                    # DDP rebuilt its buckets (after the first iteration): residuals and warm starts of
+                    # the old layout belong to no bucket any more
+                    keep = set(self._keys)
+                    r.exchange.forget(lambda k: k[0] in keep)
+                self._last_keys, self._keys = self._keys, set()
+                self.step += 1
 
     def _worker(self) -> None:
+        """Buckets in the order DDP hands them over (the same on every rank): each one's exact
+        island stage at once, while backward goes on; the compressed exchange of all of a step's
+        buckets together after its last one -- two exchanges across the slow hop per step for
+        PowerSGD instead of two per bucket (on a slow hop each costs its latency and the wait for
+        the slowest peer), and one copy back inside the island."""
+        held: list[tuple[torch.Tensor, Pending | None, bool, torch.futures.Future]] = []
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -169,12 +190,21 @@ class CompressionState:
                 fut.set_exception(self._error)
                 continue
             try:
-                fut.set_result(self.reduce(buffer, shapes, index, last))
-            except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
+                held.append((buffer, self._start(buffer, shapes, index), last, fut))
+                if last:
+                    self._end([(b, p, la) for b, p, la, _ in held])
+                    for b, _, _, f in held:
+                        f.set_result(b)
+                    held = []
+            except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
                 self._error = e if isinstance(e, VcgaError) else VcgaError(f"compressed reduction failed: {e!r}")
                 if self._error is not e:
                     self._error.__cause__ = e
-                fut.set_exception(self._error)
+                for _, _, _, f in held:
+                    f.set_exception(self._error)
+                held = []
+                if not fut.done():
+                    fut.set_exception(self._error)
 
     def submit(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int, last: bool) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
