@@ -96,7 +96,10 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
         out["ddp"][spec] = {"identical": len(set(digests)) == 1, "stats": d["stats"], "scope": d.get("scope"),
                             "link": d.get("link"),
                             "finite": bool(all(torch.isfinite(p).all() for p in model.parameters())),
-                            "cross_sent": meter.total_sent("cross")}
+                            "cross_sent": meter.total_sent("cross"),
+                            # collectives of the compressed exchange (all rounds, all buckets) over the steps
+                            "cross_calls": meter.snapshot()["calls"].get("cross:payload", 0),
+                            "buckets": d["stats"] and sum(d["stats"].values())}
         if hasattr(state, "close"):
             state.close()
     dist.destroy_process_group()

@@ -405,6 +405,10 @@ def test_ddp_with_every_compressor_keeps_ranks_bitwise_identical(world_2x2, worl
     assert auto["stats"] == {"compressed": 0, "plain": d["none"]["stats"]["plain"]}
     assert auto["link"]["source"] == "bridge α–β" and auto["link"]["name"] == "cross-vendor", auto["link"]
     assert 0 < d["topk:ratio=0.05"]["cross_sent"] < d["fp16"]["cross_sent"]
+    # a step's buckets share one compressed exchange: PowerSGD's two rounds are two collectives across
+    # the hop per step (3 steps), however many buckets the tiny bucket cap made
+    ps = d["powersgd:rank=4"]
+    assert ps["buckets"] > 3 and ps["cross_calls"] == 2 * 3, ps
 
 
 # ---------------------------------------------------------------------------------------------------
