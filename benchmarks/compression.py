@@ -9,9 +9,10 @@ steps on the same ranks, in one job:
 
 - ``exact``: DDP's own all_reduce (no hook) -- the baseline;
 - ``vcga:<spec>``: ``vcga.compress.ddp_hook(spec)``, e.g. ``vcga:powersgd:rank=4``;
-- ``torch-fp16``, ``torch-powersgd:<rank>``: torch's ``fp16_compress_hook`` and ``powerSGD_hook``
-  (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2)``: torch's smallest start
-  with error feedback) on the same ranks -- the anchors;
+- ``torch-fp16``, ``torch-powersgd:<rank>[:<seed>]``: torch's ``fp16_compress_hook`` and
+  ``powerSGD_hook`` (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2,
+  random_seed=seed)``: torch's smallest start with error feedback; seed 0 by default) on the same
+  ranks -- the anchors;
 - ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
   every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
   parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
@@ -117,8 +118,9 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     if variant.startswith("torch-powersgd:"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-        rank = int(variant.split(":", 1)[1])
-        state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        rank, _, seed = variant.split(":", 1)[1].partition(":")
+        state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=int(rank), start_powerSGD_iter=2,
+                                 random_seed=int(seed or 0))
         return state, ps.powerSGD_hook, None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
