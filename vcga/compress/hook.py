@@ -9,8 +9,10 @@
 Works on any backend and any world (``vcga`` with one vendor or several, gloo, nccl, ...). Every
 rank of the default group must call it (it gathers the layout and, for scope ``bridge``, creates
 subgroups). The hook returns at once: the bucket is reduced on one worker thread per state, in the
-order DDP hands buckets over (the same order on every rank), so backward keeps computing while
-buckets cross the slow hop -- on any backend, whether or not its collectives are asynchronous.
+order DDP hands buckets over (the same order on every rank): each bucket's exact stage inside its
+island while backward keeps computing, and the compressed exchange of all of a step's buckets at
+once after its last bucket (one collective per round across the slow hop per step) -- on any
+backend, whether or not its collectives are asynchronous.
 The result is the average over the group, bitwise identical on every rank.
 """
 
