@@ -384,39 +384,42 @@ class VcgaStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
-        per_file: dict[str, list[ReadItem]] = {}
+        per_file: dict[str, dict[str, list[ReadItem]]] = {}
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            loc = self.storage_data[req.storage_index]
+            per_file.setdefault(loc.relative_path, {}).setdefault(loc.name, []).append(req)
         spec = _data_format()
-        for name, reqs in per_file.items():
+        for name, by_tensor in per_file.items():
             path = self.path / name
-            _read_ahead(path)
             with spec.open_reader(path, verify=True) as reader:
-                # Every tensor's checksum and every padding byte, before any byte is used: a
-                # damaged file fails the whole load, so no rank continues from a mix.
-                reader.verify()
-                for req in reqs:
-                    loc = self.storage_data[req.storage_index]
-                    try:
-                        entry = reader.entry(loc.name)
-                    except KeyError:
-                        raise VcgaFormatError(path, f"has no tensor {loc.name!r}, which the metadata places "
-                                              "there") from None
-                    if entry.checksum != loc.checksum:
-                        raise VcgaChecksumError(path, f"tensor {loc.name!r}: the file stores checksum "
-                                                f"{entry.checksum} where .metadata pins another; the file belongs "
-                                                "to another checkpoint", expected=loc.checksum)
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(bytes(memoryview(entry.data))))
-                        continue
-                    src = narrow_tensor_by_index(tensors.to_torch(entry), req.storage_offsets, req.lengths)
-                    dst = planner.resolve_tensor(req).detach()
-                    if dst.size() != src.size():
-                        raise VcgaFormatError(path, f"tensor {loc.name!r}: chunk of shape {list(src.size())} for a "
-                                              f"destination of shape {list(dst.size())}")
-                    dst.copy_(src)
-                    planner.commit_tensor(req, dst)
-                    del src
+                stored = {e.name: e.checksum for e in reader.index()}
+                for tname, reqs in by_tensor.items():
+                    pinned = self.storage_data[reqs[0].storage_index].checksum
+                    if tname not in stored:
+                        raise VcgaFormatError(path, f"has no tensor {tname!r}, which the metadata places there")
+                    if stored[tname] != pinned:
+                        raise VcgaChecksumError(path, f"tensor {tname!r}: the file stores checksum {stored[tname]} "
+                                                "where .metadata pins another; the file belongs to another "
+                                                "checkpoint", expected=pinned)
+                # Every tensor's checksum and every padding byte of the file, in file order, each
+                # tensor copied out as soon as it is verified: the copy runs while the disk reads
+                # what follows (verify_each keeps the next bytes requested). A damaged byte
+                # anywhere raises before read_data returns, which fails this checkpoint's load on
+                # every rank (DCP gathers the errors) and load_latest moves on to the previous
+                # one, which rewrites every tensor: no rank continues from a mix.
+                for entry in reader.verify_each():
+                    for req in by_tensor.get(entry.name, ()):
+                        if req.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(req, io.BytesIO(bytes(memoryview(entry.data))))
+                            continue
+                        src = narrow_tensor_by_index(tensors.to_torch(entry), req.storage_offsets, req.lengths)
+                        dst = planner.resolve_tensor(req).detach()
+                        if dst.size() != src.size():
+                            raise VcgaFormatError(path, f"tensor {entry.name!r}: chunk of shape {list(src.size())} "
+                                                  f"for a destination of shape {list(dst.size())}")
+                        dst.copy_(src)
+                        planner.commit_tensor(req, dst)
+                        del src
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -424,23 +427,6 @@ class VcgaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
-
-
-def _read_ahead(path: Path) -> None:
-    """Ask the kernel to read the whole file now, in large requests: it is all verified next, and
-    faulting a mapping in page by page reads a cold file in small pieces. Only a hint."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
