@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -48,6 +49,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import vcga.checkpoint as ckpt
+from vcga.checkpoint.storage import SafeLoadPlanner, VcgaStorageReader
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,11 +110,28 @@ def _zeros_like(state):
     return state
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median: order statistics k and n+1-k
+    with P(Binomial(n, 1/2) < k) <= (1 - level) / 2. None when n is too small for ``level``."""
+    n = len(xs)
+    xs = sorted(xs)
+    tail, k = 0.0, 0
+    while k < n:
+        nxt = tail + math.comb(n, k) / 2 ** n
+        if nxt > (1 - level) / 2:
+            break
+        tail, k = nxt, k + 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]
+
+
 def part_io(work: Path, mib: float, reps: int) -> dict:
     state = make_state(mib)
     nbytes = _nbytes(state)
     rows: dict[str, list[float]] = {k: [] for k in ("vcga_save", "torch_save", "vcga_load_cold", "torch_load_cold",
-                                                     "vcga_load_warm", "torch_load_warm")}
+                                                     "vcga_load_warm", "torch_load_warm",
+                                                     "vcga_unverified_load_cold", "vcga_unverified_load_warm")}
     for rep in range(reps):
         vroot, tdir = work / f"vcga-{rep}", work / f"torch-{rep}"
         order = ("vcga", "torch") if rep % 2 == 0 else ("torch", "vcga")
@@ -123,16 +142,22 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
             else:
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tdir, sync_files=True))
             rows[f"{who}_save"].append(nbytes / (time.perf_counter() - t) / 1e6)
+        # vcga_unverified: VCGA's reader with its checksums off -- equal work with torch's reader,
+        # which checks nothing (load_latest always verifies; this isolates what verifying costs).
+        loaders = (*order, "vcga_unverified") if rep % 2 == 0 else ("vcga_unverified", *order)
         for temp in ("cold", "warm"):
-            for who in order:
+            for who in loaders:
                 if temp == "cold":
-                    _drop_cache(vroot if who == "vcga" else tdir)
+                    _drop_cache(tdir if who == "torch" else vroot)
                 target = _zeros_like(state)
                 t = time.perf_counter()
                 if who == "vcga":
                     assert ckpt.load_latest(target, vroot) == rep
-                else:
+                elif who == "torch":
                     dcp.load(target, storage_reader=dcp.FileSystemReader(tdir))
+                else:
+                    dcp.load(target, storage_reader=VcgaStorageReader(vroot / f"step-{rep}", verify=False),
+                             planner=SafeLoadPlanner())
                 rows[f"{who}_load_{temp}"].append(nbytes / (time.perf_counter() - t) / 1e6)
                 assert torch.equal(target["model"]["layer0.weight"], state["model"]["layer0.weight"])
         shutil.rmtree(vroot)
@@ -140,13 +165,13 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
     med = {k: statistics.median(v) for k, v in rows.items()}
     # Each repetition runs both back to back: the median of the per-repetition ratios is what a
     # shared machine's load drift disturbs least.
-    paired = {k: statistics.median(v / t for v, t in zip(rows[f"vcga_{k}"], rows[f"torch_{k}"]))
-              for k in ("save", "load_cold", "load_warm")}
+    compared = (("vcga", "save"), ("vcga", "load_cold"), ("vcga", "load_warm"),
+                ("vcga_unverified", "load_cold"), ("vcga_unverified", "load_warm"))
+    pairs = {f"{who}_{k}": [v / t for v, t in zip(rows[f"{who}_{k}"], rows[f"torch_{k}"])] for who, k in compared}
     return {"mib": nbytes / MiB, "reps": reps, "MB_per_s": med,
-            "ratio": {"save": med["vcga_save"] / med["torch_save"],
-                      "load_cold": med["vcga_load_cold"] / med["torch_load_cold"],
-                      "load_warm": med["vcga_load_warm"] / med["torch_load_warm"]},
-            "ratio_paired": paired, "samples": rows}
+            "ratio": {f"{who}_{k}": med[f"{who}_{k}"] / med[f"torch_{k}"] for who, k in compared},
+            "ratio_paired": {k: statistics.median(v) for k, v in pairs.items()},
+            "ratio_paired_ci95": {k: median_ci(v) for k, v in pairs.items()}, "samples": rows}
 
 
 CONFIGS = ("background/process", "background/thread", "blocking/process", "blocking/thread")

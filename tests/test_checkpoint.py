@@ -20,16 +20,18 @@ from vcga.checkpoint.dcpmeta import MANIFEST_FILE, METADATA_FILE, dump_manifest,
 from vcga.errors import VcgaCheckpointError, VcgaChecksumError, VcgaConfigError, VcgaFormatError
 
 
-def _state(seed: int) -> dict:
+def _state(seed: int, *, huge: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     model = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g).to(torch.bfloat16),
              "mask": torch.rand(7, generator=g) > 0.5, "big": torch.randn(2048, generator=g)}
+    if huge:  # above the size whose checksum the reader computes on its helper thread (vbin's
+        model["huge"] = torch.randn(72_000, generator=g)  # read_in_order): a flip in it is caught there
     return {"model": model, "optim": {"step": torch.tensor(float(seed)), "lr": 0.1 * seed,
                                       "betas": (0.9, 0.99)}, "epoch": seed}
 
 
-def _fresh() -> dict:
-    s = _state(999)
+def _fresh(*, huge: bool = False) -> dict:
+    s = _state(999, huge=huge)
     s["epoch"] = -1
     s["optim"]["lr"] = -1.0
     return s
@@ -96,10 +98,11 @@ def _positions(path: Path) -> list[tuple[int, str | None]]:
 
 def test_a_flipped_bit_anywhere_is_detected_and_the_previous_checkpoint_loads(tmp_path, caplog):
     root = tmp_path / "ck"
-    ckpt.save(_state(1), root, step=1)
-    ckpt.save(_state(2), root, step=2)
+    ckpt.save(_state(1, huge=True), root, step=1)
+    ckpt.save(_state(2, huge=True), root, step=2)
     shard = root / "step-2" / "__0_0.vbin"
     cases = [(shard, off, name) for off, name in _positions(shard)]
+    assert "model.huge" in {name for _, _, name in cases}
     cases += [(root / "step-2" / METADATA_FILE, off, None)
               for off in (0, 40, (root / "step-2" / METADATA_FILE).stat().st_size - 2)]
     cases += [(root / "step-2" / MANIFEST_FILE, off, None) for off in (0, 30, 100)]
@@ -107,18 +110,43 @@ def test_a_flipped_bit_anywhere_is_detected_and_the_previous_checkpoint_loads(tm
     for path, off, tensor in cases:
         caplog.clear()
         _flip(path, off, bit=off % 8)
-        state = _fresh()
+        state = _fresh(huge=True)
         with caplog.at_level(logging.WARNING, logger="vcga.checkpoint"):
             assert ckpt.load_latest(state, root) == 1, (path.name, off)
-        _assert_state_equal(state, _state(1))
+        _assert_state_equal(state, _state(1, huge=True))
         warning = " ".join(r.getMessage() for r in caplog.records)
         assert "step-2" in warning and path.name in warning, (path.name, off, warning)
         if tensor is not None:
             assert repr(tensor) in warning, (off, tensor, warning)
         _flip(path, off, bit=off % 8)  # undo: step 2 is whole again
-    state = _fresh()
+    state = _fresh(huge=True)
     assert ckpt.load_latest(state, root) == 2
-    _assert_state_equal(state, _state(2))
+    _assert_state_equal(state, _state(2, huge=True))
+
+
+def test_the_unverified_reader_loads_damaged_bytes_as_they_are(tmp_path):
+    """VcgaStorageReader(verify=False) -- only for measuring at equal work against a reader that
+    checks nothing -- checks no tensor, so it loads a damaged one as it is; load_latest never
+    uses it."""
+    import torch.distributed.checkpoint as dcp
+
+    from vcga.checkpoint.storage import SafeLoadPlanner, VcgaStorageReader
+    from vcga.formats import vbin
+
+    root = tmp_path / "ck"
+    ckpt.save(_state(1, huge=True), root, step=1)
+    shard = root / "step-1" / "__0_0.vbin"
+    with vbin.VbinReader(shard) as r:
+        rec = r._by_name["model.huge"]
+    _flip(shard, rec.offset + 4 * 7 + 3, bit=7)  # element 7's sign bit (little-endian: its last byte)
+    state = _fresh(huge=True)
+    dcp.load(state, storage_reader=VcgaStorageReader(root / "step-1", verify=False), planner=SafeLoadPlanner(),
+             no_dist=True)
+    want = _state(1, huge=True)["model"]["huge"].clone()
+    want[7] = -want[7]
+    assert torch.equal(state["model"]["huge"], want)
+    with pytest.raises(VcgaCheckpointError, match="model.huge"):
+        ckpt.load_latest(_fresh(huge=True), root)
 
 
 def test_a_damaged_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, caplog):

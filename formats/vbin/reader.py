@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import mmap
@@ -72,6 +74,13 @@ def _is_int(x: Any) -> bool:
 def _is_str_map(x: Any) -> bool:
     return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
 
+
+# How long read_in_order waits for one tensor to be read and hashed before calling the file system
+# dead (a wait on a helper thread; a hung network mount must not hang a load forever).
+_READ_TIMEOUT_S = 600.0
+
+# Tensors from this size on are hashed by read_in_order's helper thread, smaller ones inline.
+_HASH_IN_THREAD = 256 << 10
 
 # The piece of one MADV_WILLNEED in prefetch(): at most what the kernel reads per advice (its
 # readahead window or the device's largest request, whichever is larger: rarely under 2 MiB).
@@ -549,34 +558,70 @@ class VbinReader(ReaderContext):
         for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
             f.check_padding()
 
-    def verify_each(self, ahead: int = 32 << 20) -> Iterator[TensorEntry]:
-        """Verify the whole checkpoint as :meth:`verify` does, in file order, yielding each tensor
-        (as :meth:`entry` gives it: its data a view of the mapping) as soon as its own checksum
-        has been checked.
+    def read_in_order(self, *, verify: bool = True, ahead: int = 32 << 20) -> Iterator[TensorEntry]:
+        """Every tensor in file order (as :meth:`entry` gives it: its data a view of the mapping),
+        with the whole checkpoint verified as :meth:`verify` does -- each tensor yielded as soon
+        as its own checksum has been checked.
 
-        What a caller does with a tensor between two steps (copying it out) then runs while the
-        disk reads what follows: the next ``ahead`` bytes of the file are requested before each
-        tensor is hashed. The padding of every file is checked after the last tensor; only a
-        generator run to its end has verified the whole checkpoint, so a caller must not treat
-        what it used as valid before that.
+        A pipeline, so that verifying costs little beside reading: the next ``ahead`` bytes of
+        the file are requested from the disk before each tensor is reached, and a helper thread
+        hashes the tensors after the one being yielded (xxhash releases the GIL), so what the
+        caller does with a tensor (copying it out) runs beside the hashing of the next ones and
+        the disk's reading. The padding of every file is checked after the last tensor: only a
+        generator run to its end has verified the whole checkpoint. ``verify=False`` hashes and
+        checks nothing (what a reader without checksums does: for comparisons at equal work).
 
-        :raises VcgaChecksumError: the first damaged tensor or padding byte found."""
+        :raises VcgaChecksumError: the first damaged tensor or padding byte found.
+        :raises VcgaFormatError: reading a tensor took longer than ``_READ_TIMEOUT_S`` (the file
+            system stopped answering)."""
+        records = self._records
         advised: dict[int | None, int] = {}
-        for rec in self._records:
-            f = self._file_of(rec)
-            stop = rec.offset + rec.nbytes
-            done = advised.get(rec.shard, 0)
-            if rec.nbytes and done < stop + ahead // 2:
-                # Keep up to `ahead` bytes requested past the tensor being hashed, topped up
-                # in batches of at least `ahead` / 2 so that the calls stay few.
-                f.prefetch(max(done, rec.offset), stop + ahead)
-                advised[rec.shard] = stop + ahead
-            data = f.view(rec)
-            if rec.name not in self._verified:
-                self._check(rec, data, f)
-            yield rec.entry(data)
-        for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
-            f.check_padding()
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vcga-vbin-verify") if verify else None
+        queue: collections.deque[tuple[_Record, _VbinFile, memoryview, Any]] = collections.deque()
+        queued = 0  # bytes in the queue: hashed or being hashed, not yet yielded
+        nxt = 0
+        try:
+            for _ in range(len(records)):
+                # Hash ahead: at least the next record, and up to `ahead` / 2 bytes beyond it.
+                while nxt < len(records) and (not queue or queued < ahead // 2):
+                    rec = records[nxt]
+                    f = self._file_of(rec)
+                    stop = rec.offset + rec.nbytes
+                    done = advised.get(rec.shard, 0)
+                    if rec.nbytes and done < stop + ahead // 2:
+                        # Keep up to `ahead` bytes requested past it, topped up in batches of at
+                        # least `ahead` / 2 so that the calls stay few.
+                        f.prefetch(max(done, rec.offset), stop + ahead)
+                        advised[rec.shard] = stop + ahead
+                    data = f.view(rec)
+                    job: Any = None
+                    if pool is not None and rec.name not in self._verified:
+                        # Small tensors are hashed here: handing them over costs more than hashing.
+                        job = (pool.submit(xxhash.xxh3_64_intdigest, data) if rec.nbytes >= _HASH_IN_THREAD
+                               else xxhash.xxh3_64_intdigest(data))
+                    queue.append((rec, f, data, job))
+                    queued += rec.nbytes
+                    nxt += 1
+                rec, f, data, job = queue.popleft()
+                queued -= rec.nbytes
+                if isinstance(job, concurrent.futures.Future):
+                    try:
+                        job = job.result(timeout=_READ_TIMEOUT_S)
+                    except concurrent.futures.TimeoutError:
+                        raise VcgaFormatError(f.source, f"reading tensor {rec.name!r} did not finish within "
+                                              f"{_READ_TIMEOUT_S:g} s; the file system stopped answering",
+                                              offset=rec.offset) from None
+                if job is not None:
+                    self._compare(rec, job, f)
+                yield rec.entry(data)
+        finally:
+            if pool is not None:
+                # Never waits for a hash stuck on a dead file system; the others are cancelled.
+                pool.shutdown(wait=False, cancel_futures=True)
+            queue.clear()
+        if verify:
+            for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
+                f.check_padding()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -601,7 +646,9 @@ class VbinReader(ReaderContext):
         return tensors.typed_view(raw, rec.offset, rec.nbytes, rec.dtype, rec.shape)
 
     def _check(self, rec: _Record, data: memoryview, f: _VbinFile) -> None:
-        got = xxhash.xxh3_64_intdigest(data)
+        self._compare(rec, xxhash.xxh3_64_intdigest(data), f)
+
+    def _compare(self, rec: _Record, got: int, f: _VbinFile) -> None:
         if got != rec.checksum:
             raise VcgaChecksumError(f.source, f"tensor {rec.name!r}: checksum mismatch (computed "
                                     f"{tensors.format_checksum(got)}); the file was damaged after it was written",

@@ -333,11 +333,17 @@ def prune(root: Path, keep_last: int | None, *, latest: int) -> None:
 
 
 class VcgaStorageReader(StorageReader):
-    """Reads one VCGA checkpoint directory (``root/step-<N>``) for DCP's ``load``."""
+    """Reads one VCGA checkpoint directory (``root/step-<N>``) for DCP's ``load``.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    :param verify: check every tensor's checksum and padding byte (default; :func:`load_latest`
+        always does). ``False`` only for comparisons at equal work with readers that check nothing
+        (benchmarks/recovery.py against torch's ``FileSystemReader``); the manifest and metadata
+        checksums are checked either way."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__()
         self.path = Path(path)
+        self.verify = verify
         self.storage_data: dict[MetadataIndex, VbinItem] = {}
         self.manifest: dict[str, Any] = {}
 
@@ -391,7 +397,7 @@ class VcgaStorageReader(StorageReader):
         spec = _data_format()
         for name, by_tensor in per_file.items():
             path = self.path / name
-            with spec.open_reader(path, verify=True) as reader:
+            with spec.open_reader(path, verify=self.verify) as reader:
                 stored = {e.name: e.checksum for e in reader.index()}
                 for tname, reqs in by_tensor.items():
                     pinned = self.storage_data[reqs[0].storage_index].checksum
@@ -407,7 +413,7 @@ class VcgaStorageReader(StorageReader):
                 # anywhere raises before read_data returns, which fails this checkpoint's load on
                 # every rank (DCP gathers the errors) and load_latest moves on to the previous
                 # one, which rewrites every tensor: no rank continues from a mix.
-                for entry in reader.verify_each():
+                for entry in reader.read_in_order(verify=self.verify):
                     for req in by_tensor.get(entry.name, ()):
                         if req.type == LoadItemType.BYTE_IO:
                             planner.load_bytes(req, io.BytesIO(bytes(memoryview(entry.data))))
