@@ -12,13 +12,18 @@ Three parts (``--part io|stall|recovery``, all by default):
 - **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
   the same state, for each configuration ``staging/writer`` (``--configs``; default all four:
   background or blocking staging, writer process or thread), repetitions interleaved. A step is
-  fixed single-threaded matmul work of about ``--step-ms`` (forward and backward), then ``opt.step()`` of an Adam whose state (weights and both
-  moments) is the state saved -- the optimizer step is what must wait for a background copy. The
-  stall is the loop's time from the call until the save is done (the call, the wait for the copy,
-  every step that ran alongside the write) less the same number of steps with no save in flight,
-  measured right before and right after (the mean of the two, at most 10 steps each). Reported as
-  the median of the per-repetition ratios stall / sync save, with the part timed directly (the
-  call and the wait for the copy: ``blocked_and_waited_over_sync``) beside it.
+  fixed single-threaded matmul work of about ``--step-ms`` (forward and backward), then
+  ``opt.step()`` of an Adam whose state (weights and both moments) is the state saved -- the
+  optimizer step is what must wait for a background copy. Definition: the *stall* of one save is
+  the loop's wall time from the ``async_save`` call until the save is done (the call, the
+  optimizer step's wait for the copy, and the n steps that ran while the write was in flight)
+  less n times the time of a step with no save in flight, measured right before and right after
+  (the mean of the two, 3 to 10 steps each): every way the save slows training -- blocking,
+  waiting, CPU or memory bandwidth or the GIL taken from the steps -- counts. Each repetition
+  divides it by a synchronous ``save`` of the same state timed in the same repetition; reported
+  is the median of those ratios with a distribution-free 95% interval (``stall_over_sync``,
+  ``stall_over_sync_ci95``: use 15 or more repetitions), and the part timed directly (the call and
+  the wait for the copy: ``blocked_and_waited_over_sync``) beside it.
 - **recovery** -- ``examples/train_elastic.py`` under torchrun with one rank SIGKILLed mid-step
   (``VCGA_FAULT``), on backend vcga with two simulated vendors and, as the anchor, on torch's own
   gloo backend: time from the kill to the first peer's error (detection), from the new workers'
@@ -239,7 +244,7 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tupl
                                                                   "steps")}
                                         for c in configs}
     first: dict[str, dict] = {}
-    n_prev = 10
+    n_prev = 3
     for rep in range(reps + 1):  # the first async save of each configuration starts its writer
         for config in (configs if rep % 2 == 0 else configs[::-1]):  # and allocates its buffers
             staging, writer = config.split("/")
@@ -262,7 +267,7 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tupl
             with_save = time.perf_counter() - t  # the call and every step that overlapped the save
             wait_s = waited[0]
             fut.result()
-            n_prev = min(max(n, 1), 10)  # the anchors' length: enough steps to average, bounded
+            n_prev = min(max(n, 3), 10)  # the anchors' length: enough steps to average, bounded
             after = steps(n_prev) / n_prev
             per_step = (before + after) / 2
             stall = with_save - n * per_step  # what the save cost the loop: blocked, waited, slower steps
@@ -281,6 +286,7 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tupl
             "sync_save_s": statistics.median(r["sync"]), "async_blocked_s": statistics.median(r["blocked"]),
             "async_stall_s": statistics.median(r["stall"]),
             "stall_over_sync": statistics.median(s / y for s, y in zip(r["stall"], r["sync"])),
+            "stall_over_sync_ci95": median_ci([s / y for s, y in zip(r["stall"], r["sync"])]),
             "blocked_over_sync": statistics.median(b / y for b, y in zip(r["blocked"], r["sync"])),
             "async_waited_s": statistics.median(r["waited"]),
             # The part of the stall timed directly (the call, and the optimizer step waiting for the

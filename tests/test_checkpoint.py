@@ -24,8 +24,8 @@ def _state(seed: int, *, huge: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     model = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g).to(torch.bfloat16),
              "mask": torch.rand(7, generator=g) > 0.5, "big": torch.randn(2048, generator=g)}
-    if huge:  # above the size whose checksum the reader computes on its helper thread (vbin's
-        model["huge"] = torch.randn(72_000, generator=g)  # read_in_order): a flip in it is caught there
+    if huge:  # larger than a page: a tensor of its own pages, copied out as soon as it verifies
+        model["huge"] = torch.randn(72_000, generator=g)
     return {"model": model, "optim": {"step": torch.tensor(float(seed)), "lr": 0.1 * seed,
                                       "betas": (0.9, 0.99)}, "epoch": seed}
 

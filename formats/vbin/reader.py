@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import json
 import mmap
@@ -73,18 +71,6 @@ def _is_int(x: Any) -> bool:
 
 def _is_str_map(x: Any) -> bool:
     return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
-
-
-# How long read_in_order waits for one tensor to be read and hashed before calling the file system
-# dead (a wait on a helper thread; a hung network mount must not hang a load forever).
-_READ_TIMEOUT_S = 600.0
-
-# Tensors from this size on are hashed by read_in_order's helper thread, smaller ones inline.
-_HASH_IN_THREAD = 256 << 10
-
-# The piece of one MADV_WILLNEED in prefetch(): at most what the kernel reads per advice (its
-# readahead window or the device's largest request, whichever is larger: rarely under 2 MiB).
-_PREFETCH_PIECE = 2 << 20
 
 
 class _VbinFile:
@@ -349,22 +335,6 @@ class _VbinFile:
             raise VcgaChecksumError(self.source, "non-zero byte in the padding between tensors "
                                     "(the file was damaged)", offset=bad, expected="zero padding")
 
-    def prefetch(self, start: int, stop: int) -> None:
-        """Ask the kernel to start reading bytes [start, stop) of the file now (only a hint).
-
-        In pieces: the kernel caps each MADV_WILLNEED at its readahead window (Linux 6.x:
-        ``force_page_cache_ra``), so one advice over a whole file reads only its first few MiB."""
-        if self._mm is None:
-            return
-        page = mmap.PAGESIZE
-        start = start // page * page
-        stop = min(stop, self.size)
-        try:
-            for at in range(start, stop, _PREFETCH_PIECE):
-                self._mm.madvise(mmap.MADV_WILLNEED, at, min(_PREFETCH_PIECE, stop - at))
-        except (OSError, ValueError, AttributeError):  # only a hint
-            pass
-
     def advise(self, advice: int) -> None:
         if self._mm is not None:
             try:
@@ -558,67 +528,27 @@ class VbinReader(ReaderContext):
         for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
             f.check_padding()
 
-    def read_in_order(self, *, verify: bool = True, ahead: int = 32 << 20) -> Iterator[TensorEntry]:
+    def read_in_order(self, *, verify: bool = True) -> Iterator[TensorEntry]:
         """Every tensor in file order (as :meth:`entry` gives it: its data a view of the mapping),
         with the whole checkpoint verified as :meth:`verify` does -- each tensor yielded as soon
         as its own checksum has been checked.
 
-        A pipeline, so that verifying costs little beside reading: the next ``ahead`` bytes of
-        the file are requested from the disk before each tensor is reached, and a helper thread
-        hashes the tensors after the one being yielded (xxhash releases the GIL), so what the
-        caller does with a tensor (copying it out) runs beside the hashing of the next ones and
-        the disk's reading. The padding of every file is checked after the last tensor: only a
-        generator run to its end has verified the whole checkpoint. ``verify=False`` hashes and
-        checks nothing (what a reader without checksums does: for comparisons at equal work).
+        One sequential pass, so that verifying costs little beside reading: what the caller does
+        with a tensor (copying it out) runs while the kernel's readahead brings in what follows,
+        instead of after a pass that reads and hashes the whole file first. (Measured on a cold
+        128 MiB shard, docs/benchmarks.md: advising MADV_WILLNEED ahead of the pass, or hashing on
+        a helper thread, made it slower, not faster.) The padding of every file is checked after
+        the last tensor: only a generator run to its end has verified the whole checkpoint.
+        ``verify=False`` hashes and checks nothing (what a reader without checksums does: for
+        comparisons at equal work).
 
-        :raises VcgaChecksumError: the first damaged tensor or padding byte found.
-        :raises VcgaFormatError: reading a tensor took longer than ``_READ_TIMEOUT_S`` (the file
-            system stopped answering)."""
-        records = self._records
-        advised: dict[int | None, int] = {}
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vcga-vbin-verify") if verify else None
-        queue: collections.deque[tuple[_Record, _VbinFile, memoryview, Any]] = collections.deque()
-        queued = 0  # bytes in the queue: hashed or being hashed, not yet yielded
-        nxt = 0
-        try:
-            for _ in range(len(records)):
-                # Hash ahead: at least the next record, and up to `ahead` / 2 bytes beyond it.
-                while nxt < len(records) and (not queue or queued < ahead // 2):
-                    rec = records[nxt]
-                    f = self._file_of(rec)
-                    stop = rec.offset + rec.nbytes
-                    done = advised.get(rec.shard, 0)
-                    if rec.nbytes and done < stop + ahead // 2:
-                        # Keep up to `ahead` bytes requested past it, topped up in batches of at
-                        # least `ahead` / 2 so that the calls stay few.
-                        f.prefetch(max(done, rec.offset), stop + ahead)
-                        advised[rec.shard] = stop + ahead
-                    data = f.view(rec)
-                    job: Any = None
-                    if pool is not None and rec.name not in self._verified:
-                        # Small tensors are hashed here: handing them over costs more than hashing.
-                        job = (pool.submit(xxhash.xxh3_64_intdigest, data) if rec.nbytes >= _HASH_IN_THREAD
-                               else xxhash.xxh3_64_intdigest(data))
-                    queue.append((rec, f, data, job))
-                    queued += rec.nbytes
-                    nxt += 1
-                rec, f, data, job = queue.popleft()
-                queued -= rec.nbytes
-                if isinstance(job, concurrent.futures.Future):
-                    try:
-                        job = job.result(timeout=_READ_TIMEOUT_S)
-                    except concurrent.futures.TimeoutError:
-                        raise VcgaFormatError(f.source, f"reading tensor {rec.name!r} did not finish within "
-                                              f"{_READ_TIMEOUT_S:g} s; the file system stopped answering",
-                                              offset=rec.offset) from None
-                if job is not None:
-                    self._compare(rec, job, f)
-                yield rec.entry(data)
-        finally:
-            if pool is not None:
-                # Never waits for a hash stuck on a dead file system; the others are cancelled.
-                pool.shutdown(wait=False, cancel_futures=True)
-            queue.clear()
+        :raises VcgaChecksumError: the first damaged tensor or padding byte found."""
+        for rec in self._records:
+            f = self._file_of(rec)
+            data = f.view(rec)
+            if verify and rec.name not in self._verified:
+                self._check(rec, data, f)
+            yield rec.entry(data)
         if verify:
             for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
                 f.check_padding()
@@ -646,9 +576,7 @@ class VbinReader(ReaderContext):
         return tensors.typed_view(raw, rec.offset, rec.nbytes, rec.dtype, rec.shape)
 
     def _check(self, rec: _Record, data: memoryview, f: _VbinFile) -> None:
-        self._compare(rec, xxhash.xxh3_64_intdigest(data), f)
-
-    def _compare(self, rec: _Record, got: int, f: _VbinFile) -> None:
+        got = xxhash.xxh3_64_intdigest(data)
         if got != rec.checksum:
             raise VcgaChecksumError(f.source, f"tensor {rec.name!r}: checksum mismatch (computed "
                                     f"{tensors.format_checksum(got)}); the file was damaged after it was written",
