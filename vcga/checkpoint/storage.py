@@ -16,7 +16,8 @@ different world size (resharding) -- while VCGA decides how bytes reach the disk
 
 The reader verifies every file it opens -- every tensor checksum and every padding byte, so a
 flipped bit anywhere in a shard is an error naming the file and the tensor -- and reads chunks
-straight from the file's mapping into the destination tensors.
+straight from the file's mapping into the destination tensors, each as soon as its own checksum
+is verified, in one sequential pass; a damaged byte fails the load before it returns.
 """
 
 from __future__ import annotations
@@ -407,9 +408,10 @@ class VcgaStorageReader(StorageReader):
                         raise VcgaChecksumError(path, f"tensor {tname!r}: the file stores checksum {stored[tname]} "
                                                 "where .metadata pins another; the file belongs to another "
                                                 "checkpoint", expected=pinned)
-                # Every tensor's checksum and every padding byte of the file, in file order, each
-                # tensor copied out as soon as it is verified: the copy runs while the disk reads
-                # what follows (verify_each keeps the next bytes requested). A damaged byte
+                # Every tensor's checksum and every padding byte of the file, in one pass in file
+                # order, each tensor copied out as soon as its own checksum is verified: the copy
+                # runs while the kernel's readahead brings in what follows (a whole-file verify
+                # pass first made a cold load wait for the disk, then copy). A damaged byte
                 # anywhere raises before read_data returns, which fails this checkpoint's load on
                 # every rank (DCP gathers the errors) and load_latest moves on to the previous
                 # one, which rewrites every tensor: no rank continues from a mix.
