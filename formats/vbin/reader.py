@@ -543,8 +543,15 @@ class VbinReader(ReaderContext):
         comparisons at equal work).
 
         :raises VcgaChecksumError: the first damaged tensor or padding byte found."""
+        sequential: set[int] = set()
         for rec in self._records:
             f = self._file_of(rec)
+            if id(f) not in sequential:
+                # Sequential readahead for the mapping whatever the fault pattern: a mapping's
+                # default read-around is switched off by the kernel after enough cache misses
+                # (mmap_miss). Measured no slower on a cold 128 MiB shard, no faster either.
+                f.advise(mmap.MADV_SEQUENTIAL)
+                sequential.add(id(f))
             data = f.view(rec)
             if verify and rec.name not in self._verified:
                 self._check(rec, data, f)
