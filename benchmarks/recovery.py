@@ -8,7 +8,9 @@ Three parts (``--part io|stall|recovery``, all by default):
   metadata, the manifest, ``latest`` and the directories). Repetitions alternate which goes
   first. Loads are measured cold (each checkpoint's pages dropped with POSIX_FADV_DONTNEED after
   an fsync, so both read the disk -- or the hypervisor's cache on a VM) and warm. VCGA's load
-  verifies every checksum and padding byte of what it reads; torch's verifies nothing.
+  verifies every checksum and padding byte of what it reads; torch's verifies nothing, so VCGA's
+  reader also runs with its checks off (``vcga_unverified``: equal work). Ratios are medians of
+  per-repetition pairs, each with a distribution-free 95% interval (``ratio_paired_ci95``).
 - **stall** -- how long ``async_save`` holds up a training loop, against a synchronous ``save`` of
   the same state, for each configuration ``staging/writer`` (``--configs``; default all four:
   background or blocking staging, writer process or thread), repetitions interleaved. A step is
