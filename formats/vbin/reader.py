@@ -525,8 +525,7 @@ class VbinReader(ReaderContext):
         for rec in self._records:
             f = self._file_of(rec)
             self._check(rec, f.view(rec), f)
-        for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
-            f.check_padding()
+        self._check_padding()
 
     def read_in_order(self, *, verify: bool = True) -> Iterator[TensorEntry]:
         """Every tensor in file order (as :meth:`entry` gives it: its data a view of the mapping),
@@ -557,10 +556,14 @@ class VbinReader(ReaderContext):
                 self._check(rec, data, f)
             yield rec.entry(data)
         if verify:
-            for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
-                f.check_padding()
+            self._check_padding()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _check_padding(self) -> None:
+        """That every padding byte of every file of the set is zero."""
+        for f in [self._root, *(self._shard(i) for i in range(len(self._shards)))]:
+            f.check_padding()
 
     def _file_of(self, rec: _Record) -> _VbinFile:
         return self._root if rec.shard is None else self._shard(rec.shard)
