@@ -369,13 +369,13 @@ class Reducer:
                         plan = None
                         break
                     lay = [(tuple(ts), _dtypes.to_torch(td)) for ts, td in lay]
-                    nbytes += sum(math.prod(ts) * torch.empty(0, dtype=td).element_size() for ts, td in lay)
+                    nbytes += sum(math.prod(ts) * td.itemsize for ts, td in lay)
                     items.append((o, tuple(s), lay))
                 if plan is None:
                     break
                 plan.append((nbytes, items))
             if plan is not None and max(nb for nb, _ in plan) >= max(cuts[j + 1] - cuts[j] for j in range(k)) * \
-                    torch.empty(0, dtype=dtype).element_size():
+                    dtype.itemsize:
                 plan = None  # no smaller than the decoded values: copy those
         self._compact_cache[key] = plan
         return plan
@@ -412,7 +412,7 @@ class Reducer:
                 for o, s, lay in items:
                     form = []
                     for ts, td in lay:
-                        nb = math.prod(ts) * torch.empty(0, dtype=td).element_size()
+                        nb = math.prod(ts) * td.itemsize
                         form.append(_from_bytes(rows[j, off:off + nb], torch.empty(ts, dtype=td)).to(dev))
                         off += nb
                     view = p.flat[o:o + math.prod(s)].view(s)
