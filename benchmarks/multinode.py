@@ -15,8 +15,11 @@ node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start th
 2. **DDP steps** (median step time, from a barrier to the end of the optimizer step) of a 4.2 M
    parameter MLP (eight 724 x 724 layers, 16.8 MB of fp32 gradients, 4 MiB buckets) and of
    examples/train_mixed.py's transformer: compute only (the same steps without DDP, every rank at
-   once), the bridge asynchronous (the default), the bridge synchronous (``bridge_async: false``),
-   flat gloo. The bound: max(compute, gradient bytes / link rate); and, since DDP reduces gradients
+   once), the bridge asynchronous (the default: consecutive bucket all_reduces pipelined, a
+   bucket's in-node reduce-scatter and exchange overlapping the previous one's exchange and
+   all-gather), the bridge asynchronous in order (``bridge_pipeline: off``, one all_reduce after
+   the other: the default before the pipeline), the bridge synchronous (``bridge_async: false``),
+   flat gloo. The all_reduces are timed "in order" too. The bound: max(compute, gradient bytes / link rate); and, since DDP reduces gradients
    only while backward runs, max(compute, forward + gradient bytes / link rate) (the forward pass
    timed alone in the compute-only steps). After the timed steps every rank checks that the two
    bridge runs are bitwise identical (same reduction order), and that the asynchronous
@@ -111,11 +114,16 @@ def rank_main(args: argparse.Namespace) -> None:
     for alg in ALGORITHMS:
         groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm=alg)))
     sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_async=False)))
+    # asynchronous, one collective after the other (what the default did before all_reduces were
+    # pipelined across collectives): the before of the same run
+    inorder = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_pipeline="off")))
+    groups["in order"] = inorder
     segmented = {}
     for m in args.ddp_segments:
         segmented[m] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm="bandwidth")))
         segmented[m].transport.group.fixed_segments = m
-    out: dict[str, Any] = {"world": world, "calibration": dist.group.WORLD.transport.describe()["calibration"]}
+    out: dict[str, Any] = {"world": world, "calibration": dist.group.WORLD.transport.describe()["calibration"],
+                           "pipeline": dist.group.WORLD.transport.describe()["pipeline"]}
 
     def slowest(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -128,7 +136,7 @@ def rank_main(args: argparse.Namespace) -> None:
     # no other call's bytes fall in. Frames as tbf counts them (Ethernet header on).
     local0 = os.environ.get("LOCAL_RANK", "0") == "0"
     out["link"] = _link_facts() if rank == 0 else {}
-    variants = ["auto", *ALGORITHMS, "flat"]
+    variants = ["auto", "in order", *ALGORITHMS, "flat"]
     rows = []
     for mib in args.sizes:
         x = torch.ones(mib * MIB // 4)
@@ -167,7 +175,11 @@ def rank_main(args: argparse.Namespace) -> None:
                                "compute_cpu_s": _total(statistics.median(cpu[1:]), flat),
                                "grad_bytes": sum(p.numel() * 4 for p in make_model().parameters())}
         models = {}
-        for v, g in (("bridge_async", dist.group.WORLD), ("bridge_sync", sync), ("flat_gloo", flat)):
+        queue = dist.group.WORLD.transport.group.queue
+        most0 = queue.most_in_stage2
+        queue.most_in_stage2 = 0
+        for v, g in (("bridge_async", dist.group.WORLD), ("bridge_inorder", inorder), ("bridge_sync", sync),
+                     ("flat_gloo", flat)):
             ts: list[float] = []
             cs: list[float] = []
             models[v], _ = tm.train(g, steps, 0.01, 0.9, times=ts, cpu_times=cs, **kw, **ddp_kw)
@@ -176,6 +188,10 @@ def rank_main(args: argparse.Namespace) -> None:
         ref, abs_sums = tm.train(flat, steps, 0.01, 0.9, record_abs=flat, **kw, **ddp_kw)
         check = tm.compare(models["bridge_async"], ref, abs_sums, 0.01, 0.9, flat)
         res["async_vs_sync_bitwise"] = tm.digest(models["bridge_async"]) == tm.digest(models["bridge_sync"])
+        res["inorder_vs_sync_bitwise"] = tm.digest(models["bridge_inorder"]) == tm.digest(models["bridge_sync"])
+        # the most all_reduces in their second stage at once during these steps (>= 2: they overlapped)
+        res["most_in_stage2"] = queue.most_in_stage2
+        queue.most_in_stage2 = max(most0, queue.most_in_stage2)
         res["identical_on_every_rank"] = check["identical_on_every_rank"]
         res["max_diff_over_bound"] = check["max_diff_over_bound"]
         res["within_bound"] = check["within_bound"]
@@ -284,6 +300,18 @@ def _framed(nbytes: float, link: dict[str, Any]) -> float:
     return nbytes / link["mss"] * link["frame"] if link else float(nbytes)
 
 
+def _inorder_cells(d: dict[str, Any], bound: float, cores: int, link: dict[str, Any], rate: float) -> list[str]:
+    """The asynchronous bridge without pipelining across collectives: its step, against the stated
+    bound and its own equal-work bound; and how many all_reduces the pipelined one had in flight."""
+    if "bridge_inorder_s" not in d:
+        return ["", "", "", "", ""]
+    cpu = d.get("bridge_inorder_cpu_s")
+    equal = max(cpu / cores, _framed(d["grad_bytes"], link) / rate) if cores and cpu else None
+    return [f"{d['bridge_inorder_s'] * 1e3:.0f}", f"{d['bridge_inorder_s'] / bound:.2f}",
+            f"{cpu * 1e3:.0f}" if cpu else "", f"{d['bridge_inorder_s'] / equal:.2f}" if equal else "",
+            str(d.get("most_in_stage2", ""))]
+
+
 def report(res: dict[str, Any], markdown: bool) -> str:
     from _ranks import table
 
@@ -293,7 +321,8 @@ def report(res: dict[str, Any], markdown: bool) -> str:
     lines = [f"link {res['rate']} (both ends tbf, mtu {link.get('mtu', '?')}, tcp mss {link.get('mss', '?')}), "
              f"2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians"]
     head = ["size", "link bound ms", "framed bound ms", "bridge auto ms", "/bound", "/framed", "auto chose",
-            "node sent / size (interface)", "leader ms", "bandwidth ms", "replicated ms", "flat gloo ms", "/bound"]
+            "node sent / size (interface)", "auto in order ms", "/framed", "leader ms", "bandwidth ms",
+            "replicated ms", "flat gloo ms", "/bound"]
     rows = []
     for r in res["all_reduce"]:
         m, bound = r["median_s"], r["bytes"] / rate
@@ -302,12 +331,15 @@ def report(res: dict[str, Any], markdown: bool) -> str:
         chose = r["auto_chose"] + (f" x{r['segments']}" if r.get("segments", 1) > 1 else "")
         rows.append([f"{r['bytes'] >> 20} MiB", f"{bound * 1e3:.0f}", f"{framed * 1e3:.0f}", f"{m['auto'] * 1e3:.0f}",
                      f"{m['auto'] / bound:.2f}", f"{m['auto'] / framed:.2f}", chose,
-                     f"{sent / r['bytes']:.3f}" if sent else "", *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
+                     f"{sent / r['bytes']:.3f}" if sent else "",
+                     *((f"{m['in order'] * 1e3:.0f}", f"{m['in order'] / framed:.2f}") if "in order" in m else ("", "")),
+                     *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
                      f"{m['flat'] * 1e3:.0f}", f"{m['flat'] / bound:.2f}"])
     lines.append(table(head, rows, markdown))
     head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "fwd+grad/link ms",
             "/that", "CPU ms/step: compute", "async", "sync", "flat gloo", "equal-work bound ms", "async /equal-work",
-            "bridge sync ms", "flat gloo ms", "async = sync bits", "async vs gloo: diff/bound"]
+            "async in order ms", "/bound", "CPU ms/step", "/its equal-work", "in stage 2 at once",
+            "bridge sync ms", "flat gloo ms", "async = in order = sync bits", "async vs gloo: diff/bound"]
     rows = []
     for name, d in res["ddp"].items():
         link_s = d["grad_bytes"] / rate
@@ -323,8 +355,9 @@ def report(res: dict[str, Any], markdown: bool) -> str:
                         f"{d['bridge_async_s'] / max(bound, d['forward_s'] + link_s):.2f}") if "forward_s" in d else ("", "")),
                      *(f"{c * 1e3:.0f}" if c is not None else "" for c in cpu),
                      f"{equal * 1e3:.0f}" if equal else "", f"{d['bridge_async_s'] / equal:.2f}" if equal else "",
+                     *_inorder_cells(d, bound, cores, link, rate),
                      f"{d['bridge_sync_s'] * 1e3:.0f}", f"{d['flat_gloo_s'] * 1e3:.0f}",
-                     "yes" if d["async_vs_sync_bitwise"] else "NO",
+                     "yes" if d["async_vs_sync_bitwise"] and d.get("inorder_vs_sync_bitwise", True) else "NO",
                      f"{d['max_diff_over_bound']:.2g}" + ("" if d["within_bound"] else " (OVER)")])
     lines.append(table(head, rows, markdown))
     seg = [(name, m, v) for name, d in res["ddp"].items() for m, v in d.get("segments", {}).items()]
@@ -366,6 +399,7 @@ def main() -> None:
         Path(args.figures).write_text(json.dumps(results[0]["calibration"], indent=1))
     wrong = [f"{res['rate']} {name}: {what}" for res in results for name, d in res["ddp"].items()
              for what, ok in (("async and sync bridge parameters differ", d["async_vs_sync_bitwise"]),
+                              ("async in order and sync bridge parameters differ", d.get("inorder_vs_sync_bitwise", True)),
                               ("ranks' parameters differ", d["identical_on_every_rank"]),
                               ("async bridge outside the derived bound of flat gloo", d["within_bound"]),
                               ("flat gloo differs from its recording run", d["flat_equals_recorded_ref"]),

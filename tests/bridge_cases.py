@@ -253,10 +253,15 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
        an all_gather, a barrier), waited for afterwards: the same bits as the same calls one at a
        time on a group with ``bridge_async: false``, and the same bits on every rank; the queue's
        thread ran them (``queue.queued``), the synchronous group has no queue; and the same bits
-       again through the bandwidth algorithm pipelined in several segments over gloo;
+       again through the bandwidth algorithm pipelined in several segments over gloo, and pipelined
+       across collectives (``bridge_pipeline: on``), with the same tensor reduced twice in flight;
+       2b. two pipelined all_reduces in their second stage at once (rank 0's first exchange held
+       back by its peers until it has handed over the second), and a third on the first's tensor;
     3. an error surfaces typed on ``wait()``: rank 3 leaves a group's all_reduce out; the others'
-       ``wait()`` raises VcgaTimeoutError, and the group's next call VcgaCollectiveError.
+       ``wait()`` raises VcgaTimeoutError, and the group's next call VcgaCollectiveError; the same
+       through the pipeline (3b).
     """
+    import time
     from datetime import timedelta
 
     from vcga.bridge.cost import GROUP_KINDS, AlphaBeta, LinkFigures
@@ -295,12 +300,23 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
                        min_segment_bytes=256 << 10, max_segments=16)
     piped.transport.group.apply_figures(slow)
     out["segments"] = [piped.transport.group._segment_count(n * 4) for n in (300_000, 1 << 20, 5_000_000)]
+    # the same, pipelined across collectives (bridge_pipeline: on -- every set exchanges through
+    # gloo here): a bandwidth all_reduce's in-group all-gather and callbacks run on the queue's
+    # second thread, over a second native group, while the next one is reduce-scattered
+    across = dist.new_group(backend="vcga", pg_options=VcgaOptions(
+        config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False, bridge_pipeline="on")))
+    across.transport.group.apply_figures(slow)
+    out["pipeline_flags"] = [g.transport.describe()["pipeline"] for g in (dist.group.WORLD, sync, piped, across)]
     digests = {}
-    for label, group in (("async", dist.group.WORLD), ("sync", sync), ("pipelined", piped)):
+    for label, group in (("async", dist.group.WORLD), ("sync", sync), ("pipelined", piped), ("across", across)):
         ts = [inputs(rank, n, torch.float32, salt) for salt, n in enumerate((1000, 70_000, 300_000, 1 << 20, 5_000_000))]
         rs_in, rs_out = inputs(rank, 4 * 50_000, torch.float32, 9), torch.empty(50_000)
         bc, ag_out = inputs(rank, 777, torch.float64, 10), torch.empty(4 * 333, dtype=torch.int64)
         works = [dist.all_reduce(x, group=group, async_op=True) for x in ts]
+        # the same tensor again while the first is in flight: pipelined, its reduce-scatter would
+        # read what the first has not all-gathered yet (the queue drains first)
+        works.append(dist.all_reduce(ts[3], group=group, async_op=True))
+        works.append(dist.all_reduce(ts[3][1000:300_000], group=group, async_op=True))  # a view inside it
         works.append(dist.reduce_scatter_single(rs_out, rs_in, group=group, async_op=True))
         works.append(dist.broadcast(bc, src=2, group=group, async_op=True))
         works.append(dist.all_gather_single(ag_out, torch.arange(333) * (rank + 1), group=group, async_op=True))
@@ -314,6 +330,30 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         digests[label] = (shared.hexdigest(), own.hexdigest())
     out["async_equals_sync"] = digests["async"] == digests["sync"]
     out["pipelined_equals_sync"] = digests["pipelined"] == digests["sync"]
+    out["across_equals_sync"] = digests["across"] == digests["sync"]
+    aq = across.transport.group.queue
+    out["across_continued"] = aq.continued
+
+    # 2b. Two all_reduces in their second stage at once, and one that overlaps the first (it must
+    # wait for it): ranks 2 and 3 issue theirs only once rank 0 has handed two over, so rank 0's
+    # first exchange cannot end before its second collective is in the second stage too.
+    gated = {}
+    for label, group in (("sync", sync), ("across", across)):
+        xa, xb = inputs(rank, 1 << 20, torch.float32, 20), inputs(rank, 600_000, torch.float32, 21)
+        if label == "across" and rank >= 2:
+            store.wait(["two handed over"], timedelta(seconds=120))
+        ws = [dist.all_reduce(x, group=group, async_op=True) for x in (xa, xb, xa)]
+        if label == "across" and rank == 0:
+            deadline = time.monotonic() + 120
+            while aq.continued < out["across_continued"] + 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            store.set("two handed over", "1")
+        for w in ws:
+            w.wait()
+        gated[label] = hashlib.sha256(xa.numpy().tobytes() + xb.numpy().tobytes()).hexdigest()
+    out["gated_equals_sync"] = gated["across"] == gated["sync"]
+    out["most_in_stage2"] = aq.most_in_stage2
+    out["across_pipelined_all_reduces"] = across.transport.group.pipelined_all_reduces
     every = [None] * size
     dist.all_gather_object(every, digests["async"][0], group=check)
     out["identical_on_every_rank"] = len(set(every)) == 1
@@ -323,6 +363,8 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
 
     # 3.
     short = dist.new_group(backend="vcga", timeout=timedelta(seconds=3))
+    short2 = dist.new_group(backend="vcga", timeout=timedelta(seconds=3), pg_options=VcgaOptions(  # for 3b
+        config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False, bridge_pipeline="on")))
     if rank != 3:
         w = dist.all_reduce(torch.ones(1000), group=short, async_op=True)
         try:
@@ -337,6 +379,22 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
             out["after"] = "no error"
         except VcgaCollectiveError as e:
             out["after"] = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
+    # 3b. The same through the pipeline: rank 3 leaves out a pipelined all_reduce; the others'
+    # wait() raises typed (in the first stage or the second), and the group's next call refuses.
+    if rank != 3:
+        w = dist.all_reduce(torch.ones(100_000), group=short2, async_op=True)
+        try:
+            w.wait()
+            out["piped_missing_peer"] = "no error"
+        except (VcgaTimeoutError, VcgaCollectiveError) as e:
+            out["piped_missing_peer"] = type(e).__name__
+        except Exception as e:  # noqa: BLE001
+            out["piped_missing_peer"] = f"{type(e).__name__}: {e}"
+        try:
+            dist.all_reduce(torch.ones(10), group=short2)
+            out["piped_after"] = "no error"
+        except VcgaCollectiveError as e:
+            out["piped_after"] = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
     dist.barrier(group=check)
     dist.destroy_process_group()
     return out

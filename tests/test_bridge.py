@@ -335,6 +335,14 @@ def test_bridge_collectives_are_asynchronous_ordered_and_bitwise_like_the_synchr
         assert r["first_sum_ok"] and r["async_equals_sync"] and r["identical_on_every_rank"], r
         assert r["pipelined_equals_sync"] and 1 < r["segments"][1] < r["segments"][2], r
         assert r["queued"] >= 9 and r["sync_has_no_queue"], r
+        # pipelined across collectives only where asked (one node: shared memory, unless off)
+        assert r["pipeline_flags"] == [False, False, False, True], r
+        assert r["across_equals_sync"] and r["gated_equals_sync"], r
+        assert r["across_continued"] >= 5 and r["across_pipelined_all_reduces"] >= 10, r
+    assert results[0]["most_in_stage2"] >= 2, results[0]
+    for r in results[:3]:
+        assert r["piped_missing_peer"] in ("VcgaTimeoutError", "VcgaCollectiveError"), r
+        assert r["piped_after"] == "VcgaCollectiveError", r
     assert sum(results[0]["counts"].values()) >= 6  # five all_reduces and the reduce_scatter went through the bridge
     for r in results[:3]:
         assert r["missing_peer"] == "VcgaTimeoutError" and r["after"] == "VcgaCollectiveError", r

@@ -196,3 +196,84 @@ def test_a_collective_issued_by_a_future_callback_on_the_thread_runs_there_in_or
     # run in place, on the queue's thread, before what was queued after the collective it follows
     assert order == ["first", "from callback", "vcga-comm test", "queued after first"], order
     q.close()
+
+
+def _until(cond, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_two_stage_collectives_overlap_on_a_second_thread_and_drain_when_they_must():
+    """A collective issued with ``touches`` may hand its second stage to the second thread (the
+    bridge's pipelined all_reduces): the first thread goes on with the next one's first stage; it
+    waits (drains) before one whose ranges overlap a second stage in flight, and before one without
+    ranges; second stages and callbacks run in issue order on the second thread."""
+    from vcga.workqueue import Continuation
+
+    lane = threading.local()
+    q = WorkQueue("test", timedelta(seconds=5), stage2_init=lambda: setattr(lane, "b", True))
+    gates = [threading.Event() for _ in range(3)]
+    order = []
+
+    def job(i):
+        def first():
+            order.append(f"1:{i}")
+
+            def second():
+                assert gates[i].wait(10)
+                order.append(f"2:{i} {threading.current_thread().name} {getattr(lane, 'b', False)}")
+                return i
+            return Continuation(second)
+        return first
+
+    w0 = q.run(job(0), [torch.tensor([0])], async_op=True, touches=[(0, 100)])
+    w1 = q.run(job(1), [torch.tensor([1])], async_op=True, touches=[(100, 200)])
+    assert _until(lambda: q.continued == 2)
+    assert q.most_in_stage2 == 2 and order == ["1:0", "1:1"]  # both in their second stage at once
+    w2 = q.run(job(2), [torch.tensor([2])], async_op=True, touches=[(150, 160)])  # overlaps job 1
+    plain = q.run(lambda: order.append("plain"), [], async_op=True)
+    gates[0].set()
+    assert w0.wait(timedelta(seconds=10))
+    assert not _until(lambda: "1:2" in order, 0.3)  # held: job 1 still holds its range
+    gates[1].set()
+    assert w1.wait(timedelta(seconds=10)) and _until(lambda: "1:2" in order)
+    assert not _until(lambda: "plain" in order, 0.3)  # no ranges: waits until nothing is in stage 2
+    gates[2].set()
+    assert w2.wait(timedelta(seconds=10)) and plain.wait(timedelta(seconds=10))
+    assert order == ["1:0", "1:1", "2:0 vcga-comm2 test True", "2:1 vcga-comm2 test True", "1:2",
+                     "2:2 vcga-comm2 test True", "plain"], order
+    assert w1.get_future().value()[0].item() == 1
+    # a synchronous two-stage call on an idle queue runs both stages in the caller's thread
+    assert q.run(job(0), [], async_op=False, touches=[(0, 1)]) == 0 and order[-1].startswith("2:0 MainThread")
+    assert q.idle(10)
+    q.close()
+
+
+def test_a_second_stage_failure_is_typed_on_wait_poisons_the_queue_and_is_counted_for_the_exit_drain():
+    from vcga.workqueue import Continuation
+
+    q = make()
+    gate = threading.Event()
+
+    def second():
+        assert gate.wait(10)
+        raise RuntimeError("[gloo] Connection reset by peer")
+
+    w = q.run(lambda: Continuation(second), [torch.zeros(1)], async_op=True, touches=[(0, 4)])
+    later = q.run(lambda: Continuation(lambda: None), [torch.zeros(1)], async_op=True, touches=[(8, 12)])
+    assert _until(lambda: q.continued == 2)
+    assert pypg._drain_at_exit(limit=0.2) is False  # both in their second stage: the exit drain waits
+    gate.set()
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        w.wait(timedelta(seconds=10))
+    with pytest.raises(VcgaCollectiveError, match="cannot be used any more"):
+        later.wait(timedelta(seconds=10))
+    assert pypg._drain_at_exit(limit=10) is True
+    with pytest.raises(VcgaCollectiveError, match="cannot be used any more"):
+        q.run(lambda: None, [], async_op=True)
+    q.close()
+    assert q._thread2 is not None and _until(lambda: not q._thread2.is_alive())

@@ -64,6 +64,11 @@ class Config:
     #: Mixed-vendor: collectives run on the group's communication thread and return at once (DDP
     #: overlaps them with backward); False runs each in the calling thread.
     bridge_async: bool = True
+    #: Mixed-vendor, asynchronous bridge: pipeline consecutive bandwidth all_reduces (the next one's
+    #: in-group reduce-scatter and exchange overlap the previous one's exchange and all-gather, on a
+    #: second native group per vendor group). "auto": where every set of shard peers spans nodes;
+    #: "on": also on one node with ``bridge_shm: false``; "off": one collective after the other.
+    bridge_pipeline: str = "auto"
     #: Mixed-vendor: where the bridge's α–β link figures come from. "cached": rank 0's cache entry for
     #: this topology, measured at creation (and stored) when there is none; "measure": measured at
     #: every creation (the cache entry refreshed); "off": never measured (the plan's default rule).
@@ -104,6 +109,7 @@ ENV: Mapping[str, str] = {
     "bridge_algorithm": "VCGA_BRIDGE_ALGORITHM",
     "bridge_shm": "VCGA_BRIDGE_SHM",
     "bridge_async": "VCGA_BRIDGE_ASYNC",
+    "bridge_pipeline": "VCGA_BRIDGE_PIPELINE",
     "bridge_calibration": "VCGA_BRIDGE_CALIBRATION",
     "bridge_figures_cache": "VCGA_BRIDGE_FIGURES_CACHE",
     "network_interface": "VCGA_NETWORK_INTERFACE",
@@ -128,6 +134,7 @@ _ALLOWED = {
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_async": "true or false (env: 1/0, true/false, yes/no, on/off)",
+    "bridge_pipeline": "one of auto, on, off (see docs/bridge.md, 'Pipelining across collectives')",
     "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
     "bridge_figures_cache": "a directory path, or null for VCGA's user cache (~/.cache/vcga/bridge)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
@@ -141,6 +148,8 @@ _ALLOWED = {
 
 #: The values of ``bridge_calibration``.
 CALIBRATION_MODES = ("cached", "measure", "off")
+#: The values of ``bridge_pipeline``.
+PIPELINE_MODES = ("auto", "on", "off")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -227,6 +236,12 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if not ok:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         return i
+    if key == "bridge_pipeline":
+        if isinstance(v, bool):  # YAML 1.1 reads a bare on / off as a bool
+            return "on" if v else "off"
+        if not isinstance(v, str) or v.strip().lower() not in PIPELINE_MODES:
+            raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        return v.strip().lower()
     if key == "bridge_calibration":
         if not isinstance(v, str) or v.strip().lower() not in CALIBRATION_MODES:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)

@@ -301,4 +301,5 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
     return create_bridge_transport(store, rank, size, backend, layout.peers(global_ranks), timeout, config.bridge_algorithm,
                                    apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm,
                                    async_ops=config.bridge_async, clock=clock, layout=layout,
-                                   calibration=config.bridge_calibration, figures_cache=config.bridge_figures_cache)
+                                   calibration=config.bridge_calibration, figures_cache=config.bridge_figures_cache,
+                                   pipeline=config.bridge_pipeline)

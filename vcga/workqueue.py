@@ -28,6 +28,18 @@ run two collectives in different orders on different ranks and deadlock.
   future callback that this thread runs (torch's ``powerSGD_hook`` chains its all_reduces that
   way and waits inside the callback).
 - The thread does not survive a fork; a forked child that uses the queue gets a typed error.
+
+**Two stages** (:class:`Continuation`): a collective issued with ``touches`` (the byte ranges it
+reads and writes) may return a :class:`Continuation` from its first stage; its second stage then
+runs on a second thread, in issue order too, while the first thread goes on with the next
+collective's first stage. The bridge pipelines consecutive all_reduces that way (the next one's
+in-group reduce-scatter and exchange overlap the previous one's exchange and in-group all-gather),
+each stage on communicators of its own, so every rank still issues each communicator's operations
+in the same order. The first thread *drains* -- waits until every second stage has ended, its
+callbacks run -- before a collective without ``touches`` (it may use any communicator) and before
+one whose ranges overlap a collective still in its second stage (it would read what that one has
+not written yet): those run exactly as with one thread. A collective issued from a callback on the
+second thread runs in place there, both its stages.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ import torch.distributed as dist
 from vcga import pypg
 from vcga.errors import VcgaCollectiveError, VcgaError
 
-__all__ = ["WorkQueue", "QueuedWork"]
+__all__ = ["WorkQueue", "QueuedWork", "Continuation"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +128,20 @@ class QueuedWork(dist._Work):
         return f"QueuedWork({state})"
 
 
+class Continuation:
+    """What the first stage of a two-stage collective returns (module docstring): ``complete()``
+    runs its second stage and returns the collective's value."""
+
+    __slots__ = ("complete",)
+
+    def __init__(self, complete: Callable[[], Any]) -> None:
+        self.complete = complete
+
+
+def _finish_in_place(out: Any) -> Any:
+    return out.complete() if isinstance(out, Continuation) else out
+
+
 class WorkQueue:
     """The ordered queue and thread of one group (module docstring).
 
@@ -128,12 +154,18 @@ class WorkQueue:
     #: seconds added to a queued work's wait limit (thread scheduling on a loaded machine)
     MARGIN_S = 30.0
 
-    def __init__(self, name: str, timeout: timedelta) -> None:
+    def __init__(self, name: str, timeout: timedelta, stage2_init: Callable[[], None] | None = None) -> None:
         self.name = name
         self._timeout = timeout.total_seconds()
         self._cv = threading.Condition()
-        self._jobs: collections.deque[tuple[Callable[[], Any], QueuedWork]] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], Any], QueuedWork, list[tuple[int, int]] | None]] = \
+            collections.deque()
         self._running = False  # a collective runs now (the thread's, or a synchronous caller's)
+        # second stages handed over by the first thread, in issue order: (continuation, work, touches)
+        self._stage2: collections.deque[tuple[Continuation, QueuedWork, list[tuple[int, int]]]] = collections.deque()
+        self._in_stage2: list[list[tuple[int, int]]] = []  # touches of every collective not yet ended there
+        self._thread2: threading.Thread | None = None
+        self._stage2_init = stage2_init  # run first on the second thread (the bridge picks its communicators)
         self._failed: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -141,16 +173,23 @@ class WorkQueue:
         self._local = threading.local()  # .active: this thread runs one of this queue's collectives
         #: collectives run by the thread (tests read it: did a call really go asynchronous?)
         self.queued = 0
+        #: collectives whose second stage ran on the second thread, and the most that were there at
+        #: once (tests and benchmarks read them: did collectives really overlap?)
+        self.continued = 0
+        self.most_in_stage2 = 0
 
     # -- issuing ----------------------------------------------------------------------------------
 
-    def run(self, fn: Callable[[], Any], result: Sequence[torch.Tensor], async_op: bool) -> Any:
+    def run(self, fn: Callable[[], Any], result: Sequence[torch.Tensor], async_op: bool,
+            touches: list[tuple[int, int]] | None = None) -> Any:
         """Run collective ``fn`` in issue order: now, in this thread, when the call is synchronous and
-        nothing is queued (returns ``fn``'s value); else queued (returns a :class:`QueuedWork`;
-        a synchronous call then waits for it)."""
+        nothing is queued or in a second stage (returns ``fn``'s value); else queued (returns a
+        :class:`QueuedWork`; a synchronous call then waits for it). ``touches``: the byte ranges
+        ``[start, end)`` the collective reads and writes, when it may return a :class:`Continuation`
+        (module docstring); then the two stages' value is the call's."""
         if getattr(self._local, "active", False):
-            return fn()  # a collective of this queue calling another one: part of the same job
-        if threading.current_thread() is self._thread:
+            return _finish_in_place(fn())  # a collective of this queue calling another one: part of the same job
+        if threading.current_thread() is self._thread or threading.current_thread() is self._thread2:
             # A future's callback, run by this thread as the collective before it completed (torch's
             # powerSGD_hook issues its next all_reduce there and waits for it): run it now, in place.
             # Queued, it would wait for this very thread, which waits in the callback. Every rank's
@@ -161,12 +200,13 @@ class WorkQueue:
             return self._run_here(fn)
         with self._cv:
             self._check()
-            inline = not async_op and not self._running and not self._jobs
+            inline = not async_op and not self._running and not self._jobs and not self._in_stage2
             if inline:
                 self._running = True
             else:
-                work = QueuedWork(result, self._timeout * (len(self._jobs) + 1 + self._running) + self.MARGIN_S)
-                self._jobs.append((fn, work))
+                ahead = len(self._jobs) + 1 + self._running + len(self._in_stage2)
+                work = QueuedWork(result, self._timeout * ahead + self.MARGIN_S)
+                self._jobs.append((fn, work, touches))
                 pypg._hold()  # released when the work has ended (exit drain, module docstring)
                 self.queued += 1
                 self._start()
@@ -187,7 +227,7 @@ class WorkQueue:
         the queue (the ranks no longer agree on the sequence) and is raised to the caller."""
         self._local.active = True
         try:
-            return fn()
+            return _finish_in_place(fn())
         except BaseException as e:
             self._poison(e)
             raise
@@ -222,6 +262,23 @@ class WorkQueue:
             self._thread = threading.Thread(target=self._loop, name=f"vcga-comm {self.name}", daemon=True)
             self._thread.start()
 
+    def _drain(self, touches: list[tuple[int, int]] | None) -> None:
+        """On the first thread, before a collective's first stage: wait until no collective whose
+        ranges overlap ``touches`` (all of them, for None) is in its second stage. Bounded: each of
+        those has its own bounded waits; a second thread stuck past them all is an error."""
+        def busy() -> bool:
+            if touches is None:
+                return bool(self._in_stage2)
+            return any(a < e and s < b for held in self._in_stage2 for a, b in held for s, e in touches)
+
+        with self._cv:
+            if not busy():
+                return
+            limit = self._timeout * (len(self._in_stage2) + 1) + self.MARGIN_S
+            if not self._cv.wait_for(lambda: not busy(), limit):
+                raise VcgaCollectiveError(f"{self.name}: the collectives ahead of this one did not end within "
+                                          f"{limit:g} s (waiting for the group's second communication thread)")
+
     # -- the thread -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -231,10 +288,11 @@ class WorkQueue:
                     self._cv.wait()
                 if not self._jobs:  # closed and nothing left
                     return
-                fn, work = self._jobs.popleft()
+                fn, work, touches = self._jobs.popleft()
                 self._running = True
                 failed = self._failed
             error: BaseException | None = None
+            handed = False
             try:
                 if failed is not None or self._closed:
                     error = self._after_failure() if failed is not None else VcgaCollectiveError(
@@ -242,7 +300,13 @@ class WorkQueue:
                 else:
                     self._local.active = True
                     try:
-                        fn()
+                        self._drain(touches)
+                        out = fn()
+                        if isinstance(out, Continuation):
+                            if touches is None:
+                                raise TypeError("a collective without touches returned a Continuation")
+                            self._hand_over(out, work, touches)
+                            handed = True
                     except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
                         error = e
                         self._poison(e)
@@ -251,10 +315,63 @@ class WorkQueue:
                         self._local.active = False
             finally:
                 try:
-                    work._finish(error)  # its callbacks run here, holding the queue (see run())
+                    if not handed:
+                        work._finish(error)  # its callbacks run here, holding the queue (see run())
                 finally:
                     with self._cv:
                         self._running = False
+                        self._cv.notify_all()
+                    if not handed:
+                        pypg._release()
+
+    def _hand_over(self, cont: Continuation, work: QueuedWork, touches: list[tuple[int, int]]) -> None:
+        with self._cv:
+            self._stage2.append((cont, work, touches))
+            self._in_stage2.append(touches)
+            self.continued += 1
+            self.most_in_stage2 = max(self.most_in_stage2, len(self._in_stage2))
+            if self._thread2 is None:
+                self._thread2 = threading.Thread(target=self._loop2, name=f"vcga-comm2 {self.name}", daemon=True)
+                self._thread2.start()
+            self._cv.notify_all()
+
+    def _loop2(self) -> None:
+        """The second thread: each handed-over collective's second stage, in issue order; then its
+        work is finished (callbacks run here) and released."""
+        if self._stage2_init is not None:
+            self._stage2_init()
+        while True:
+            with self._cv:
+                while not self._stage2 and not (self._closed and not self._running and not self._jobs):
+                    self._cv.wait()
+                if not self._stage2:  # closed, and the first thread hands over nothing more
+                    return
+                cont, work, touches = self._stage2.popleft()
+                failed, closed = self._failed, self._closed
+            error: BaseException | None = None
+            try:
+                if failed is not None:
+                    error = self._after_failure()
+                elif closed:
+                    error = VcgaCollectiveError(f"{self.name}: the process group was destroyed with this "
+                                                "collective in flight")
+                else:
+                    self._local.active = True
+                    try:
+                        cont.complete()
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
+                        error = e
+                        self._poison(e)
+                        log.debug("vcga %s: a collective's second stage failed: %s", self.name, e)
+                    finally:
+                        self._local.active = False
+            finally:
+                try:
+                    work._finish(error)  # callbacks run here; collectives they issue run in place
+                finally:
+                    with self._cv:
+                        # by identity: equal ranges never coexist (they overlap), but be exact
+                        del self._in_stage2[next(i for i, h in enumerate(self._in_stage2) if h is touches)]
                         self._cv.notify_all()
                     pypg._release()
 
@@ -265,15 +382,17 @@ class WorkQueue:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread() and os.getpid() == self._pid:
-            thread.join(wait_s)
+            threads = [self._thread, self._thread2]
+        deadline = time.monotonic() + wait_s
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread() and os.getpid() == self._pid:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or running (tests); False at the timeout."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._running or self._jobs:
+            while self._running or self._jobs or self._in_stage2:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

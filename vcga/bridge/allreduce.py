@@ -223,6 +223,26 @@ class AllReduceAlgorithms:
                 pending[0].wait()
             step(pending[1], op, "all_gather")
 
+    def _all_reduce_bandwidth_started(self, t: torch.Tensor, op: ReduceOp) -> Callable[[], None]:
+        """The first stage of a pipelined bandwidth all_reduce (``BridgeGroup.allreduce``): every
+        segment reduce-scattered in the vendor group and its exchange among the shard peers
+        started, on this thread's lane. Returns the second stage -- wait for each exchange and
+        all-gather its segment, in segment order -- which the caller runs on lane 1. The same steps
+        on the same data as :meth:`_all_reduce_bandwidth`, each communicator's in the same order:
+        the same bits."""
+        step = self._segment_p2p if self.group_method == "p2p" else self._segment_collective
+        started: list[tuple[Any, torch.Tensor]] = []
+        for seg in self._segments(t.view(-1)):
+            mine = step(seg, op, "reduce_scatter")
+            started.append((self._bridge_start(mine, op) if mine.numel() else None, seg))
+
+        def finish() -> None:
+            for work, seg in started:
+                if work is not None:
+                    work.wait()
+                step(seg, op, "all_gather")
+        return finish
+
     def _segment_collective(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
         """One phase of one segment through the library's reduce_scatter / all_gather; returns this
         rank's shard (a view of ``seg``, or of a padded copy whose result is copied back)."""

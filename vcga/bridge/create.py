@@ -60,6 +60,7 @@ class BridgeTransport(Transport):
                 g["nodes"] = [names[n] if isinstance(n, int) and n < len(names) else n for n in g["nodes"]]
         d["calibration"] = self.group.calibration
         d["shard_exchange"] = self.group.shard_exchange
+        d["pipeline"] = self.group.pipelined
         return d
 
     def close(self) -> None:
@@ -99,6 +100,7 @@ def _drop_groups(group: Any) -> None:
     """Drop a closed bridge's references to its native groups (their destructors join their threads)."""
     if isinstance(group, BridgeGroup):
         group.inner = group.shard = group.world = group.shm = None
+        group.set_lane_b(None, None)
 
 
 def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int, owners: Sequence[int]) -> None:
@@ -115,7 +117,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                             apply_env: Callable[[Backend], None] | None = None,
                             shared_memory: bool = True, async_ops: bool = True, clock: StartupClock | None = None,
                             layout: Layout | None = None, calibration: str = "cached",
-                            figures_cache: str | None = None) -> BridgeTransport:
+                            figures_cache: str | None = None, pipeline: str = "auto") -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -132,6 +134,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         :meth:`~vcga.discovery.Layout.peers`): the capability-table digests of the backends.
     :param calibration: / :param figures_cache: config ``bridge_calibration`` and
         ``bridge_figures_cache``: where the α–β link figures come from (:func:`_calibrate`).
+    :param pipeline: config ``bridge_pipeline`` (:func:`pipelines`).
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
@@ -155,23 +158,28 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         directory, topo = _publish_figures(bstore, layout, plan, peers, calibration, figures_cache, shared_memory)
     clock.add("discovery", time.perf_counter() - t_disc, time.process_time() - c_disc)
 
-    # 2. This rank's native vendor group; any failure stops every rank with one error.
+    # 2. This rank's native vendor group (two where all_reduces are pipelined: one per stage); any
+    #    failure stops every rank with one error.
+    piped = pipelines(plan, peers, pipeline, async_ops, shared_memory)
     if apply_env is not None:
         apply_env(backend)
     with clock.phase("native groups"):
-        native = _create_native(bstore, store, plan, rank, backend, timeout, gr)
+        native, native2 = _create_native(bstore, store, plan, rank, backend, timeout, gr, second=piped)
 
     # 3. The host bridge: shard peers (leaders for local rank 0) and the whole group, on gloo. Both
     #    connect lazily (see _lazy_gloo): creating them is a constant number of store requests per
     #    rank and waits for nobody; the first collective that uses a pair of ranks connects it.
     try:
-        shard, shm = None, None
+        shard, shm, shard2 = None, None, None
         with clock.phase("bridge sub-groups"):
             if local == 0 or plan.equal_groups:
                 peers_i = plan.shard_peers(local)
                 if len(peers_i) > 1:
                     shard = _lazy_gloo(dist.PrefixStore(f"vcga/bridge/shard/{local}", store), peers_i.index(rank),
                                        len(peers_i), timeout)
+                    if piped:  # the exchanges of what runs on lane 1 (see BridgeGroup.set_lane_b)
+                        shard2 = _lazy_gloo(dist.PrefixStore(f"vcga/bridge/shard2/{local}", store),
+                                            peers_i.index(rank), len(peers_i), timeout)
                     same_node = all(peers[r].get("node") == peers[rank].get("node") for r in peers_i)
                     shm = SharedMemoryBridge.open(shard, shared_memory and same_node, timeout.total_seconds(),
                                                   names=[f"rank {gr[r]}" for r in peers_i])
@@ -188,18 +196,36 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
         table = combined_table(name, tables)  # its cells are worked out as they are asked for
     inner = Dispatcher(NativeTransport(backend, native), local, me.size) if me.size > 1 else None
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
+    if piped and native2 is not None:
+        group.set_lane_b(Dispatcher(NativeTransport(backend, native2), local, me.size), shard2)
     group.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if calibrate:
         with clock.phase("calibration"):
             _calibrate(group, decided, backend, directory, topo)
     if async_ops:
-        group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout)
-    closables = [native, *([shm] if shm is not None else []), *([shard] if shard is not None else []), world]
+        group.queue = WorkQueue(f"{name} rank {gr[rank]}", timeout, stage2_init=group.enter_lane_b)
+    closables = [native, *([native2] if native2 is not None else []), *([shm] if shm is not None else []),
+                 *([shard] if shard is not None else []), *([shard2] if shard2 is not None else []), world]
     transport = BridgeTransport(plan, rank, backend, table, group, closables, timeout)
     transport.startup = clock
     transport.layout = layout
     return transport
+
+
+def pipelines(plan: Plan, peers: Sequence[dict[str, Any]], mode: str, async_ops: bool, shared_memory: bool) -> bool:
+    """Whether a group pipelines its bandwidth all_reduces (config ``bridge_pipeline``; docs/bridge.md,
+    'Pipelining across collectives'): only asynchronous groups of equal vendor groups of two or more
+    ranks where the bandwidth algorithm may run, and only where every set of shard peers exchanges
+    through gloo -- "auto": every set spans nodes; "on": that, or ``bridge_shm`` off. A pure
+    function of the plan and the configuration: every rank decides the same (the configuration must
+    agree, as for ``bridge_algorithm``)."""
+    if mode == "off" or not async_ops or not plan.equal_groups or plan.algorithm not in ("auto", "bandwidth"):
+        return False
+    if min(g.size for g in plan.groups) < 2:
+        return False
+    crossing = link_classes(plan, peers)["bridge"] == "cross-node"
+    return crossing or (mode == "on" and not shared_memory)
 
 
 _LAZY_LOCK = threading.Lock()
@@ -322,8 +348,10 @@ _WATCH_POLL_S = (0.05, 1.0)
 
 
 def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Backend, timeout: timedelta,
-                   gr: Sequence[int]) -> Any:
-    """Create this rank's native vendor group; report ok / failed / aborted; fail together.
+                   gr: Sequence[int], second: bool = False) -> tuple[Any, Any]:
+    """Create this rank's native vendor group (and, ``second``, another one over the same ranks:
+    the pipeline's lane 1); report ok / failed / aborted; fail together. Returns both (None for a
+    second one not asked for).
 
     The native creation runs in a helper thread, because a vendor library blocks while it waits
     for peers. When it takes longer than :data:`_WATCH_AFTER_S`, a watcher opens a connection of
@@ -346,8 +374,12 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
         try:
             result["pg"] = backend.create_process_group(
                 dist.PrefixStore(f"vcga/bridge/native/{me.index}", store), me.ranks.index(rank), me.size, timeout)
+            if second:
+                result["pg2"] = backend.create_process_group(
+                    dist.PrefixStore(f"vcga/bridge/native2/{me.index}", store), me.ranks.index(rank), me.size, timeout)
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             result["error"] = e
+            _shutdown(result.pop("pg", None))  # the second one failed: the first is not used either
         finally:
             done.set()
 
@@ -405,13 +437,14 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
         statuses = [json.loads(v) for v in st.multi_get([f"failed/{r}" for r in ranks])]
         if status["state"] == "ok":
             _shutdown(result.get("pg"))
+            _shutdown(result.get("pg2"))
         who = "; ".join(f"rank {gr[r]} ({s['backend']}): {s['reason']}" for r, s in zip(ranks, statuses))
         err = VcgaBackendUnavailable(
             "vcga", f"mixed-vendor group: the native process group could not be created on {who}. Fix or exclude "
                     "those ranks (see `vcga info` on their nodes), or give them another backend (VCGA_BACKEND)")
         own = result.get("error")
         raise err from own if isinstance(own, BaseException) else None
-    return result["pg"]
+    return result["pg"], result.get("pg2")
 
 
 def _shutdown(pg: Any) -> None:

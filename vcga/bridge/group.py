@@ -7,8 +7,11 @@ and their error bounds are in ``docs/bridge.md``, the overview in :mod:`vcga.bri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
+from collections.abc import Iterator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +25,7 @@ from vcga.contract import CapabilityTable, ReduceOp
 from vcga.dispatch import Dispatcher
 from vcga.hostbridge import SharedMemoryBridge
 from vcga.pypg import PyWork, reduce_op_of
-from vcga.workqueue import WorkQueue
+from vcga.workqueue import Continuation, WorkQueue
 
 __all__ = ["BridgeGroup"]
 
@@ -34,21 +37,43 @@ log = logging.getLogger("vcga.bridge")
 # ===================================================================================================
 
 
-def _on_queue(result: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _on_queue(result: Callable[..., Sequence[torch.Tensor]],
+              two_stage: Callable[..., tuple[list[tuple[int, int]], Callable[[], Any]] | None] | None = None,
+              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the decorated c10d method on the group's :class:`~vcga.workqueue.WorkQueue`, in issue order:
     it returns at once with a work completed on the communication thread, unless its options say
     ``asyncOp=False`` (then it runs in the caller's thread when nothing is queued, else waits its
     turn). Without a queue (config ``bridge_async: false``) it runs in the caller's thread.
-    ``result(*args)`` names the output tensors (the value of the work's future)."""
+    ``result(*args)`` names the output tensors (the value of the work's future). ``two_stage(self,
+    *args)``, where given, says at issue time whether the call runs in two stages (pipelined, see
+    :meth:`BridgeGroup.pipelinable`): None, or the byte ranges it touches and what the queue runs
+    instead (its first stage, which returns a :class:`~vcga.workqueue.Continuation`)."""
     def deco(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def run(self: BridgeGroup, *args: Any) -> Any:
             if self.queue is None:
                 return method(self, *args)
             opts = next((a for a in args if hasattr(a, "asyncOp")), None)
-            return self.queue.run(functools.partial(method, self, *args), result(*args), opts is None or bool(opts.asyncOp))
+            staged = two_stage(self, *args) if two_stage is not None else None
+            fn = staged[1] if staged is not None else functools.partial(method, self, *args)
+            return self.queue.run(fn, result(*args), opts is None or bool(opts.asyncOp),
+                                  staged[0] if staged is not None else None)
         return run
     return deco
+
+
+def _allreduce_two_stage(self: BridgeGroup, tensors: list[torch.Tensor], opts: Any = None,
+                         ) -> tuple[list[tuple[int, int]], Callable[[], Any]] | None:
+    (t,) = tensors
+    op = _op_of(opts)
+    if not self.pipelinable(t, op):
+        return None
+    start = t.data_ptr()
+    return [(start, start + t.numel() * t.element_size())], functools.partial(self._allreduce_started, tensors, op)
+
+
+def _op_of(opts: Any) -> ReduceOp:
+    return reduce_op_of(opts.reduceOp)[0] if opts is not None else ReduceOp.SUM
 
 
 def _first(*args: Any) -> Sequence[torch.Tensor]:
@@ -101,7 +126,14 @@ class BridgeGroup(AllReduceAlgorithms):
         self._routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]] = {}
         self.vgroup = plan.group_of(rank)
         self.local_rank = self.vgroup.ranks.index(rank)
-        self.inner, self.shard, self.world, self.shm = inner, shard, world, shm
+        self.world = world
+        # The communicators of each lane: (vendor-group dispatcher, shard peers' gloo group, shared
+        # segment). Lane 0 runs everything, except the second stage of pipelined all_reduces and
+        # what runs on the queue's second thread: lane 1 (set_lane_b; None: nothing is pipelined).
+        self._lanes: list[tuple[Any, Any, Any] | None] = [(inner, shard, shm), None]
+        self._tl = threading.local()  # .lane: the lane this thread uses now (0 when unset)
+        #: all_reduces that ran in two stages (tests and benchmarks read it)
+        self.pipelined_all_reduces = 0
         #: how often each algorithm ran (tests and benchmarks read it)
         self.counts = {a: 0 for a in ALGORITHMS}
         #: reduce_scatter hierarchically where the bandwidth algorithm would run (see _reduce_scatter);
@@ -135,6 +167,74 @@ class BridgeGroup(AllReduceAlgorithms):
         #: collective runs in the calling thread); set at creation
         self.queue: WorkQueue | None = None
 
+    # -- lanes: communicators per pipeline stage ------------------------------------------------
+
+    def _lane(self) -> tuple[Any, Any, Any]:
+        lane = self._lanes[getattr(self._tl, "lane", 0)]
+        assert lane is not None
+        return lane
+
+    @property
+    def inner(self) -> Dispatcher | None:
+        return self._lane()[0]
+
+    @inner.setter
+    def inner(self, value: Dispatcher | None) -> None:
+        self._set(0, value)
+
+    @property
+    def shard(self) -> Any:
+        return self._lane()[1]
+
+    @shard.setter
+    def shard(self, value: Any) -> None:
+        self._set(1, value)
+
+    @property
+    def shm(self) -> SharedMemoryBridge | None:
+        return self._lane()[2]
+
+    @shm.setter
+    def shm(self, value: SharedMemoryBridge | None) -> None:
+        self._set(2, value)
+
+    def _set(self, i: int, value: Any) -> None:
+        lane = list(self._lanes[0] or (None, None, None))
+        lane[i] = value
+        self._lanes[0] = (lane[0], lane[1], lane[2])
+
+    def set_lane_b(self, inner: Dispatcher | None, shard: Any) -> None:
+        """Give the group its second lane -- a second native group of this rank's vendor group and a
+        second gloo group of its shard peers -- and so pipeline its bandwidth all_reduces (the same
+        on every rank of the group; None drops it). Only where every set of shard peers exchanges
+        through gloo: lane 1 has no shared segment."""
+        self._lanes[1] = (inner, shard, None) if inner is not None else None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether consecutive bandwidth all_reduces run pipelined (:meth:`pipelinable`)."""
+        return self._lanes[1] is not None and self.queue is not None
+
+    def enter_lane_b(self) -> None:
+        """Make this thread use lane 1 (the queue's second thread calls it when it starts)."""
+        self._tl.lane = 1
+
+    @contextlib.contextmanager
+    def _on_lane_b(self) -> Iterator[None]:
+        was = getattr(self._tl, "lane", 0)
+        self._tl.lane = 1
+        try:
+            yield
+        finally:
+            self._tl.lane = was
+
+    def pipelinable(self, t: torch.Tensor, op: ReduceOp) -> bool:
+        """Whether an all_reduce of ``t`` runs in two stages (docs/bridge.md, 'Pipelining across
+        collectives'): the group pipelines and ``t`` goes the bandwidth way. The same on every rank
+        (the algorithm is), so each lane's communicators see the same operations in the same order
+        everywhere."""
+        return self.pipelined and t.numel() > 0 and self.algorithm(t, op) == "bandwidth"
+
     @property
     def shard_exchange(self) -> str | None:
         """How this rank's shard peers reduce on the host: "shared memory", "gloo", or None (it has none)."""
@@ -142,12 +242,30 @@ class BridgeGroup(AllReduceAlgorithms):
 
     # -- reductions (c10d signatures) ------------------------------------------------------------
 
-    @_on_queue(_first)
+    @_on_queue(_first, _allreduce_two_stage)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
         (t,) = tensors
-        op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
-        self.all_reduce(t, op)
+        self.all_reduce(t, _op_of(opts))
         return PyWork(result=tensors)
+
+    def _allreduce_started(self, tensors: list[torch.Tensor], op: ReduceOp) -> Continuation:
+        """The first stage of a pipelined all_reduce (the queue runs the second on its second
+        thread): reduce-scatter every segment and start its exchange, on this thread's lane; the
+        second waits for the exchanges and all-gathers on lane 1 (docs/bridge.md, 'Pipelining
+        across collectives')."""
+        (t,) = tensors
+        self.counts["bandwidth"] += 1
+        self.pipelined_all_reduces += 1
+        if self._debug:
+            log.debug("bridge all_reduce %s %s x%d (%d B): bandwidth, pipelined", op.value, t.dtype,
+                      t.numel(), t.numel() * t.element_size())
+        finish = self._all_reduce_bandwidth_started(t, op)
+
+        def complete() -> PyWork:
+            with self._on_lane_b():
+                finish()
+            return PyWork(result=tensors)
+        return Continuation(complete)
 
     @_on_queue(_first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
