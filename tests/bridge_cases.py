@@ -306,6 +306,7 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     across = dist.new_group(backend="vcga", pg_options=VcgaOptions(
         config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False, bridge_pipeline="on")))
     across.transport.group.apply_figures(slow)
+    across.transport.group.fixed_segments = 3  # every all_reduce in 3 segments (padded, uneven) through both stages
     out["pipeline_flags"] = [g.transport.describe()["pipeline"] for g in (dist.group.WORLD, sync, piped, across)]
     digests = {}
     for label, group in (("async", dist.group.WORLD), ("sync", sync), ("pipelined", piped), ("across", across)):

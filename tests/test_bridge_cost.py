@@ -112,3 +112,29 @@ def test_figures_round_trip_through_json_and_name_their_topology():
     assert back == fig and choose(back, 1 << 20) == choose(fig, 1 << 20)
     topo = {"groups": [["sim-nccl", 2, "node0"], ["sim-hccl", 2, "node1"]], "bridge": "cross-node"}
     assert LinkFigures.key(topo) == LinkFigures.key(json.loads(json.dumps(topo))) != LinkFigures.key({})
+
+
+def test_a_pipelining_group_predicts_the_bandwidth_algorithm_per_all_reduce_of_a_stream():
+    """Figures of two namespace nodes over 1 Gbit/s (docs/benchmarks.md, run 3): one 4 MiB
+    all_reduce alone is a tie between the leaders (41.0 ms) and the bandwidth algorithm (41.0 ms,
+    in-group steps plus exchange). In a group that pipelines consecutive all_reduces (a DDP step's
+    buckets) the in-group steps overlap the previous and next buckets' exchanges: per all_reduce
+    only the busier of the two counts, m * max(r, b), and the bandwidth algorithm wins clearly."""
+    in_group = {"reduce_bcast": AlphaBeta(988e-6, 813 * MB), "all_reduce": AlphaBeta(854e-6, 1134 * MB),
+                "rsag_collective": AlphaBeta(2218e-6, 270 * MB), "rsag_p2p": AlphaBeta(1149e-6, 580 * MB)}
+    fig = LinkFigures(groups=[in_group, dict(in_group)],
+                      bridge={"leaders": AlphaBeta(56e-6, 122 * MB), "all_sets": AlphaBeta(351e-6, 59 * MB)},
+                      classes={"bridge": "cross-node"}, exchange="gloo", group_size=2, equal_groups=True,
+                      min_segment_bytes=MODEL_MIN_SEGMENT_BYTES, max_segments=MODEL_MAX_SEGMENTS)
+    n = 4 << 20
+    alone, streamed = predict(fig, n), predict(fig, n, stream=True)
+    assert choose(fig, n)[0] == "leader" and alone["bandwidth"] == pytest.approx(alone["leader"], rel=0.02)
+    assert choose(fig, n, stream=True)[0] == "bandwidth" and streamed["leader"] == alone["leader"]
+    s = n / segments(fig, n, stream=True)
+    r = in_group["rsag_p2p"].time(s)
+    b = fig.bridge["all_sets"].time(s / 2)
+    assert streamed["bandwidth"] == pytest.approx(segments(fig, n, stream=True) * max(r, b))
+    assert streamed["bandwidth"] < 0.9 * streamed["leader"]
+    # through shared memory the exchange is synchronous: nothing overlaps, the same prediction
+    shm = LinkFigures(**{**fig.__dict__, "exchange": "shared memory"})
+    assert predict(shm, n, stream=True) == predict(shm, n)

@@ -96,6 +96,8 @@ class AllReduceAlgorithms:
     link_classes: dict[str, str]
     calibration: dict[str, Any] | None
     _debug: bool
+    #: choose by the per-all_reduce cost of a pipelined stream (the group pipelines across collectives)
+    stream_choice: bool
 
     # -- building blocks -------------------------------------------------------------------------
 
@@ -409,7 +411,7 @@ class AllReduceAlgorithms:
         self.group_method = fig.group_method(self.vgroup.index)
         self._choices.clear()
         self._segment_counts.clear()
-        table = choices(fig, PLAN_SIZES, size_name)
+        table = choices(fig, PLAN_SIZES, size_name, self.stream_choice)
         self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
                             "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
                             "choice": table}
@@ -427,7 +429,7 @@ class AllReduceAlgorithms:
         if m is None:
             if len(self._segment_counts) > 4096:
                 self._segment_counts.clear()
-            m = self._segment_counts[nbytes] = segments(self.figures, nbytes)
+            m = self._segment_counts[nbytes] = segments(self.figures, nbytes, self.stream_choice)
         return m
 
     def _auto(self, nbytes: int) -> str:
@@ -439,5 +441,5 @@ class AllReduceAlgorithms:
         if alg is None:
             if len(self._choices) > 4096:  # many distinct sizes (varying buckets): keep it bounded
                 self._choices.clear()
-            alg = self._choices[nbytes] = choose(self.figures, nbytes)[0]
+            alg = self._choices[nbytes] = choose(self.figures, nbytes, self.stream_choice)[0]
         return alg

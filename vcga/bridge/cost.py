@@ -29,7 +29,10 @@ in-group step, since every group must finish it):
   the CPU, which the cores pay in full when they also run the compute (DDP's backward): a slow link
   gets the in-group steps of a large message hidden, a DDP bucket of a few MiB is cut only where
   that saves more than the segments cost, and a fast link is not cut into pieces that cost more α
-  than they hide.
+  than they hide. In a group that pipelines consecutive all_reduces (docs/bridge.md, "Pipelining
+  across collectives") the bandwidth algorithm is predicted per all_reduce of such a stream
+  (``stream``): ``m·max(r, b)``, each stage busy on its own thread and communicators -- what a DDP
+  step's buckets cost, one after the other.
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
 """
@@ -76,13 +79,18 @@ def fit(sizes: Sequence[int], seconds: Sequence[float]) -> AlphaBeta:
     return AlphaBeta(max(0.0, t1 - s1 / beta), beta)
 
 
-def bandwidth_time(fig: LinkFigures, nbytes: int, m: int) -> float:
-    """Predicted seconds of the bandwidth algorithm on ``nbytes`` in ``m`` pipeline segments."""
+def bandwidth_time(fig: LinkFigures, nbytes: int, m: int, stream: bool = False) -> float:
+    """Predicted seconds of the bandwidth algorithm on ``nbytes`` in ``m`` pipeline segments.
+    ``stream``: per all_reduce of a stream of them in a group that pipelines across collectives
+    (docs/bridge.md): each stage is busy on its own, so the busier of the in-group steps and the
+    link sets the pace, ``m * max(r, b)``."""
     s = nbytes / m
     r = max(g["rsag_" + fig.group_method(i)].time(s) for i, g in enumerate(fig.groups))
     b = fig.bridge["all_sets"].time(s / fig.group_size)
     if fig.exchange == "shared memory":
         return m * (r + b)
+    if stream:
+        return m * max(r, b)
     # Two resources, each serial: the thread's in-group steps and the link's exchanges (gloo runs a
     # group's works in order). Segment j's exchange starts when its reduce-scatter is done and the
     # previous exchange has left; its all-gather when its exchange arrived. Link-bound: the first
@@ -99,7 +107,7 @@ def segment_cost(fig: LinkFigures) -> float:
     return max(g["rsag_" + fig.group_method(i)].alpha_s for i, g in enumerate(fig.groups))
 
 
-def segments(fig: LinkFigures, nbytes: int) -> int:
+def segments(fig: LinkFigures, nbytes: int, stream: bool = False) -> int:
     """How many pipeline segments make the bandwidth algorithm cheapest on ``nbytes``: the count (a
     power of two up to ``fig.max_segments``, segments of at least ``fig.min_segment_bytes``) with the
     smallest prediction plus the fixed cost the segments add, ``(m - 1) * segment_cost``.
@@ -112,9 +120,9 @@ def segments(fig: LinkFigures, nbytes: int) -> int:
     per 4 MiB bucket took 0.58 CPU-s per DDP step of the four ranks, one segment 0.34, for a
     predicted gain of 2 %). Ties: fewer segments."""
     extra = segment_cost(fig)
-    best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
+    best, best_t, m = 1, bandwidth_time(fig, nbytes, 1, stream), 2
     while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:
-        t = bandwidth_time(fig, nbytes, m) + (m - 1) * extra
+        t = bandwidth_time(fig, nbytes, m, stream) + (m - 1) * extra
         if t < best_t:
             best, best_t = m, t
         m *= 2
@@ -174,8 +182,9 @@ class LinkFigures:
         return hashlib.sha256(json.dumps(topology, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def predict(fig: LinkFigures, nbytes: int) -> dict[str, float]:
-    """Predicted seconds of each algorithm the figures allow for an all_reduce of ``nbytes``."""
+def predict(fig: LinkFigures, nbytes: int, stream: bool = False) -> dict[str, float]:
+    """Predicted seconds of each algorithm the figures allow for an all_reduce of ``nbytes``
+    (``stream``: the bandwidth algorithm's per all_reduce of a pipelined stream, :func:`bandwidth_time`)."""
     def worst(kind: str, n: float) -> float:
         return max(g[kind].time(n) for g in fig.groups)
 
@@ -183,25 +192,26 @@ def predict(fig: LinkFigures, nbytes: int) -> dict[str, float]:
     if not fig.equal_groups or "all_sets" not in fig.bridge:
         return out
     out["replicated"] = worst("all_reduce", nbytes) + fig.bridge["all_sets"].time(nbytes)
-    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes))
+    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes, stream), stream)
     return out
 
 
-def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str) -> dict[str, dict[str, Any]]:
+def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str, stream: bool = False) -> dict[str, dict[str, Any]]:
     """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s", "segments"}}``
     (segments: the bandwidth algorithm's pipeline depth, where it is a choice; what
     ``describe()["calibration"]["choice"]`` and ``vcga info --plan --figures`` show)."""
     out = {}
     for n in sizes:
-        alg, predicted = choose(fig, n)
+        alg, predicted = choose(fig, n, stream)
         out[label(n)] = {"algorithm": alg, "predicted_s": predicted}
         if "bandwidth" in predicted:
-            out[label(n)]["segments"] = segments(fig, n)  # the bandwidth algorithm's pipeline depth
+            out[label(n)]["segments"] = segments(fig, n, stream)  # the bandwidth algorithm's pipeline depth
     return out
 
 
-def choose(fig: LinkFigures, nbytes: int) -> tuple[str, dict[str, float]]:
-    """The algorithm with the cheapest prediction for ``nbytes``, and every prediction."""
-    p = predict(fig, nbytes)
+def choose(fig: LinkFigures, nbytes: int, stream: bool = False) -> tuple[str, dict[str, float]]:
+    """The algorithm with the cheapest prediction for ``nbytes``, and every prediction (``stream``:
+    in a group that pipelines across collectives, :func:`bandwidth_time`)."""
+    p = predict(fig, nbytes, stream)
     order = {"leader": 0, "bandwidth": 1, "replicated": 2}
     return min(p, key=lambda a: (p[a], order[a])), p

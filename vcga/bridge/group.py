@@ -131,6 +131,8 @@ class BridgeGroup(AllReduceAlgorithms):
         # segment). Lane 0 runs everything, except the second stage of pipelined all_reduces and
         # what runs on the queue's second thread: lane 1 (set_lane_b; None: nothing is pipelined).
         self._lanes: list[tuple[Any, Any, Any] | None] = [(inner, shard, shm), None]
+        #: "auto" chooses by the cost per all_reduce of a pipelined stream (set with lane 1)
+        self.stream_choice = False
         self._tl = threading.local()  # .lane: the lane this thread uses now (0 when unset)
         #: all_reduces that ran in two stages (tests and benchmarks read it)
         self.pipelined_all_reduces = 0
@@ -209,6 +211,11 @@ class BridgeGroup(AllReduceAlgorithms):
         on every rank of the group; None drops it). Only where every set of shard peers exchanges
         through gloo: lane 1 has no shared segment."""
         self._lanes[1] = (inner, shard, None) if inner is not None else None
+        self.stream_choice = self._lanes[1] is not None
+        self._choices.clear()
+        self._segment_counts.clear()
+        if self.figures is not None:
+            self.apply_figures(self.figures)  # describe()'s choice table, by the new measure
 
     @property
     def pipelined(self) -> bool:
