@@ -130,10 +130,10 @@ def test_a_pipelining_group_predicts_the_bandwidth_algorithm_per_all_reduce_of_a
     alone, streamed = predict(fig, n), predict(fig, n, stream=True)
     assert choose(fig, n)[0] == "leader" and alone["bandwidth"] == pytest.approx(alone["leader"], rel=0.02)
     assert choose(fig, n, stream=True)[0] == "bandwidth" and streamed["leader"] == alone["leader"]
-    s = n / segments(fig, n, stream=True)
+    s = n / segments(fig, n)  # the segments of one all_reduce alone
     r = in_group["rsag_p2p"].time(s)
     b = fig.bridge["all_sets"].time(s / 2)
-    assert streamed["bandwidth"] == pytest.approx(segments(fig, n, stream=True) * max(r, b))
+    assert streamed["bandwidth"] == pytest.approx(segments(fig, n) * max(r, b))
     assert streamed["bandwidth"] < 0.9 * streamed["leader"]
     # through shared memory the exchange is synchronous: nothing overlaps, the same prediction
     shm = LinkFigures(**{**fig.__dict__, "exchange": "shared memory"})

@@ -429,7 +429,7 @@ class AllReduceAlgorithms:
         if m is None:
             if len(self._segment_counts) > 4096:
                 self._segment_counts.clear()
-            m = self._segment_counts[nbytes] = segments(self.figures, nbytes, self.stream_choice)
+            m = self._segment_counts[nbytes] = segments(self.figures, nbytes)
         return m
 
     def _auto(self, nbytes: int) -> str:

@@ -32,7 +32,8 @@ in-group step, since every group must finish it):
   than they hide. In a group that pipelines consecutive all_reduces (docs/bridge.md, "Pipelining
   across collectives") the bandwidth algorithm is predicted per all_reduce of such a stream
   (``stream``): ``m·max(r, b)``, each stage busy on its own thread and communicators -- what a DDP
-  step's buckets cost, one after the other.
+  step's buckets cost, one after the other; ``m`` stays the count chosen for one all_reduce alone
+  (one segment would make a large message alone wait for its whole reduce-scatter first).
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
 """
@@ -107,7 +108,7 @@ def segment_cost(fig: LinkFigures) -> float:
     return max(g["rsag_" + fig.group_method(i)].alpha_s for i, g in enumerate(fig.groups))
 
 
-def segments(fig: LinkFigures, nbytes: int, stream: bool = False) -> int:
+def segments(fig: LinkFigures, nbytes: int) -> int:
     """How many pipeline segments make the bandwidth algorithm cheapest on ``nbytes``: the count (a
     power of two up to ``fig.max_segments``, segments of at least ``fig.min_segment_bytes``) with the
     smallest prediction plus the fixed cost the segments add, ``(m - 1) * segment_cost``.
@@ -120,9 +121,9 @@ def segments(fig: LinkFigures, nbytes: int, stream: bool = False) -> int:
     per 4 MiB bucket took 0.58 CPU-s per DDP step of the four ranks, one segment 0.34, for a
     predicted gain of 2 %). Ties: fewer segments."""
     extra = segment_cost(fig)
-    best, best_t, m = 1, bandwidth_time(fig, nbytes, 1, stream), 2
+    best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
     while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:
-        t = bandwidth_time(fig, nbytes, m, stream) + (m - 1) * extra
+        t = bandwidth_time(fig, nbytes, m) + (m - 1) * extra
         if t < best_t:
             best, best_t = m, t
         m *= 2
@@ -192,7 +193,8 @@ def predict(fig: LinkFigures, nbytes: int, stream: bool = False) -> dict[str, fl
     if not fig.equal_groups or "all_sets" not in fig.bridge:
         return out
     out["replicated"] = worst("all_reduce", nbytes) + fig.bridge["all_sets"].time(nbytes)
-    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes, stream), stream)
+    # the segments of one all_reduce alone (a large one still overlaps its own steps), in either case
+    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes), stream)
     return out
 
 
@@ -205,7 +207,7 @@ def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str, stream: bo
         alg, predicted = choose(fig, n, stream)
         out[label(n)] = {"algorithm": alg, "predicted_s": predicted}
         if "bandwidth" in predicted:
-            out[label(n)]["segments"] = segments(fig, n, stream)  # the bandwidth algorithm's pipeline depth
+            out[label(n)]["segments"] = segments(fig, n)  # the bandwidth algorithm's pipeline depth
     return out
 
 
