@@ -32,7 +32,7 @@ in-group step, since every group must finish it):
   than they hide. In a group that pipelines consecutive all_reduces (docs/bridge.md, "Pipelining
   across collectives") the bandwidth algorithm is predicted per all_reduce of such a stream
   (``stream``): ``m·max(r, b)``, each stage busy on its own thread and communicators -- what a DDP
-  step's buckets cost, one after the other; ``m`` stays the count chosen for one all_reduce alone
+  step's buckets cost, one after the other (from ``STREAM_MIN_BYTES``, 1 MiB); ``m`` stays the count chosen for one all_reduce alone
   (one segment would make a large message alone wait for its whole reduce-scatter first).
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
@@ -54,6 +54,11 @@ FIGURES_VERSION = 1
 
 #: The two message sizes every step is timed at (the α–β line goes through both).
 SIZES = (64 << 10, 2 << 20)
+#: From this size on, a group that pipelines consecutive all_reduces predicts the bandwidth
+#: algorithm per all_reduce of a stream (``stream``); smaller messages are latency-bound and seldom
+#: come in streams (DDP's buckets are MiB-sized), so they keep the prediction of one alone.
+STREAM_MIN_BYTES = 1 << 20
+
 #: The steps timed inside each vendor group, and on the host between vendor groups.
 GROUP_KINDS = ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")
 BRIDGE_KINDS = ("leaders", "all_sets")
@@ -185,7 +190,8 @@ class LinkFigures:
 
 def predict(fig: LinkFigures, nbytes: int, stream: bool = False) -> dict[str, float]:
     """Predicted seconds of each algorithm the figures allow for an all_reduce of ``nbytes``
-    (``stream``: the bandwidth algorithm's per all_reduce of a pipelined stream, :func:`bandwidth_time`)."""
+    (``stream``: from :data:`STREAM_MIN_BYTES` on, the bandwidth algorithm's per all_reduce of a
+    pipelined stream, :func:`bandwidth_time`)."""
     def worst(kind: str, n: float) -> float:
         return max(g[kind].time(n) for g in fig.groups)
 
@@ -194,7 +200,7 @@ def predict(fig: LinkFigures, nbytes: int, stream: bool = False) -> dict[str, fl
         return out
     out["replicated"] = worst("all_reduce", nbytes) + fig.bridge["all_sets"].time(nbytes)
     # the segments of one all_reduce alone (a large one still overlaps its own steps), in either case
-    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes), stream)
+    out["bandwidth"] = bandwidth_time(fig, nbytes, segments(fig, nbytes), stream and nbytes >= STREAM_MIN_BYTES)
     return out
 
 

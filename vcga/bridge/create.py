@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from vcga.bridge.cost import LinkFigures
 from vcga.bridge.group import BridgeGroup
-from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan
+from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, pipelines
 from vcga.contract import Backend, CapabilityTable
 from vcga.discovery import Layout, table_from_wire, table_to_wire
 from vcga.dispatch import Dispatcher
@@ -211,21 +211,6 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     transport.startup = clock
     transport.layout = layout
     return transport
-
-
-def pipelines(plan: Plan, peers: Sequence[dict[str, Any]], mode: str, async_ops: bool, shared_memory: bool) -> bool:
-    """Whether a group pipelines its bandwidth all_reduces (config ``bridge_pipeline``; docs/bridge.md,
-    'Pipelining across collectives'): only asynchronous groups of equal vendor groups of two or more
-    ranks where the bandwidth algorithm may run, and only where every set of shard peers exchanges
-    through gloo -- "auto": every set spans nodes; "on": that, or ``bridge_shm`` off. A pure
-    function of the plan and the configuration: every rank decides the same (the configuration must
-    agree, as for ``bridge_algorithm``)."""
-    if mode == "off" or not async_ops or not plan.equal_groups or plan.algorithm not in ("auto", "bandwidth"):
-        return False
-    if min(g.size for g in plan.groups) < 2:
-        return False
-    crossing = link_classes(plan, peers)["bridge"] == "cross-node"
-    return crossing or (mode == "on" and not shared_memory)
 
 
 _LAZY_LOCK = threading.Lock()

@@ -23,6 +23,7 @@ __all__ = [
     "ALGORITHMS",
     "BANDWIDTH_MIN_BYTES",
     "Plan",
+    "pipelines",
     "VendorGroup",
     "combined_table",
     "make_plan",
@@ -251,6 +252,21 @@ def link_classes(plan: Plan, peers: Sequence[dict[str, Any]]) -> dict[str, str]:
     spans = {len({peers[r].get("node", "") for r in plan.shard_peers(i)}) > 1 for i in range(k)}
     out["bridge"] = ("mixed" if len(spans) > 1 else "cross-node" if spans.pop() else "cross-vendor same node")
     return out
+
+
+def pipelines(plan: Plan, peers: Sequence[dict[str, Any]], mode: str, async_ops: bool, shared_memory: bool) -> bool:
+    """Whether a group pipelines its bandwidth all_reduces (config ``bridge_pipeline``; docs/bridge.md,
+    'Pipelining across collectives'): only asynchronous groups of equal vendor groups of two or more
+    ranks where the bandwidth algorithm may run, and only where every set of shard peers exchanges
+    through gloo -- "auto": every set spans nodes; "on": that, or ``bridge_shm`` off. A pure
+    function of the plan and the configuration: every rank decides the same (the configuration must
+    agree, as for ``bridge_algorithm``)."""
+    if mode == "off" or not async_ops or not plan.equal_groups or plan.algorithm not in ("auto", "bandwidth"):
+        return False
+    if min(g.size for g in plan.groups) < 2:
+        return False
+    crossing = link_classes(plan, peers)["bridge"] == "cross-node"
+    return crossing or (mode == "on" and not shared_memory)
 
 
 def size_name(n: int) -> str:

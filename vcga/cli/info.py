@@ -230,8 +230,14 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
         out["shard_exchange"] = ["shared memory" if config.bridge_shm and len({node_of[r] for r in peers}) == 1
                                  else "gloo" for peers in out["plan"]["shard_peers"]]
         out["link_classes"] = link_classes(plan, [{"node": n} for n in node_of])
+        # whether the group pipelines consecutive all_reduces (docs/bridge.md); then "auto" chooses
+        # by the cost per all_reduce of such a stream, as the ranks will
+        from vcga.bridge.plan import pipelines
+
+        out["pipeline"] = pipelines(plan, [{"node": n} for n in node_of], config.bridge_pipeline,
+                                    config.bridge_async, config.bridge_shm)
         if figures is not None:
-            out["figures"] = _figure_choices(plan, figures)
+            out["figures"] = _figure_choices(plan, figures, out["pipeline"])
     elif figures is not None:
         raise click.UsageError("--figures needs a mixed-vendor layout (one backend has no bridge to choose for)")
     text = compression if compression is not None else config.compression
@@ -246,8 +252,9 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
     return out
 
 
-def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
-    """The α–β figures in ``path`` and the all_reduce algorithm they predict fastest per size."""
+def _figure_choices(plan: Any, path: str, stream: bool = False) -> dict[str, Any]:
+    """The α–β figures in ``path`` and the all_reduce algorithm they predict fastest per size
+    (``stream``: in a group that pipelines consecutive all_reduces)."""
     from pathlib import Path
 
     from vcga.bridge.cost import LinkFigures, choices
@@ -265,7 +272,7 @@ def _figure_choices(plan: Any, path: str) -> dict[str, Any]:
         raise click.BadParameter(f"{path}: figures of {len(fig.groups)} vendor groups, but this layout has "
                                  f"{len(plan.groups)}{'' if plan.equal_groups else ' of unequal sizes (leader only)'}",
                                  param_hint="--figures")
-    return {"file": path, "figures": fig.to_json(), "choice": choices(fig, PLAN_SIZES, size_name)}
+    return {"file": path, "figures": fig.to_json(), "choice": choices(fig, PLAN_SIZES, size_name, stream)}
 
 
 def _calibrate(pdata: dict[str, Any], vendors: str | None, backends: str | None, nodes: int | None,
@@ -381,7 +388,9 @@ def _render_links(data: dict[str, Any]) -> list[str]:
                      + "; ".join(f"{k} {ab(v)}" for k, v in steps.items()))
     lines.append(f"  between vendor groups ({classes.get('bridge', '?')}): "
                  + "; ".join(f"{k} {ab(v)}" for k, v in fig["bridge"].items()))
-    lines.append("all_reduce algorithm these figures choose (predicted ms of each; bandwidth in x pipeline segments)")
+    lines.append("all_reduce algorithm these figures choose (predicted ms of each; bandwidth in x pipeline segments"
+                 + ("; from 1 MiB per all_reduce of a pipelined stream: the group pipelines consecutive all_reduces)"
+                    if data.get("pipeline") else ")"))
     for size, c in f["choice"].items():
         pred = ", ".join(f"{a} {t * 1e3:.2f}" + (f" x{c['segments']}" if a == "bandwidth" and "segments" in c else "")
                          for a, t in c["predicted_s"].items())
