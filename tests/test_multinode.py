@@ -115,6 +115,7 @@ def test_two_node_mixed_vendor_world(tmp_path):
             groups = r["describe"]["plan"]["groups"]
             assert [g["nodes"] for g in groups] == [["node0"], ["node1"]]
             assert r["describe"]["shard_exchange"] == "gloo"  # shard peers sit on different nodes
+            assert r["describe"]["pipeline"] is True  # so consecutive all_reduces are pipelined (bridge.md)
         # the link figures every rank measured at creation, per class, and what they choose: the same
         # on every rank, and what `vcga info --plan --figures` shows for this layout
         cal = ranks[0]["describe"]["calibration"]
