@@ -48,6 +48,7 @@ def test_config_file_from_env_var(tmp_path):
         ({"VCGA_NETWORK_TRAFFIC_CLASS": "256"}, "network_traffic_class", "between 0 and 252"),
         ({"VCGA_NETWORK_SERVICE_LEVEL": "8"}, "network_service_level", "between 0 and 7"),
         ({"VCGA_NETWORK_SERVICE_LEVEL": "high"}, "network_service_level", "between 0 and 7"),
+        ({"VCGA_BRIDGE_PIPELINE": "sometimes"}, "bridge_pipeline", "one of auto, on, off"),
     ],
 )
 def test_bad_env_values_name_key_source_and_allowed(env, key, fragment):
@@ -99,3 +100,9 @@ def test_network_section_errors_in_yaml(tmp_path):
     f.write_text("network_interface: eth1\n")  # the section is the YAML spelling
     with pytest.raises(VcgaConfigError, match="one of the keys .*network"):
         load_config(f, env={})
+
+
+def test_bridge_pipeline_modes_and_boolean_spellings():
+    assert load_config(env={}).bridge_pipeline == "auto"
+    for text, mode in (("OFF", "off"), ("on", "on"), ("auto", "auto"), ("0", "off"), ("1", "on"), ("no", "off")):
+        assert load_config(env={"VCGA_BRIDGE_PIPELINE": text}).bridge_pipeline == mode, text

@@ -134,7 +134,8 @@ _ALLOWED = {
     "bridge_algorithm": "one of auto, leader, bandwidth, replicated (see docs/bridge.md)",
     "bridge_shm": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_async": "true or false (env: 1/0, true/false, yes/no, on/off)",
-    "bridge_pipeline": "one of auto, on, off (see docs/bridge.md, 'Pipelining across collectives')",
+    "bridge_pipeline": "one of auto, on, off (env also 1/0, true/false, yes/no; see docs/bridge.md, "
+    "'Pipelining across collectives')",
     "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
     "bridge_figures_cache": "a directory path, or null for VCGA's user cache (~/.cache/vcga/bridge)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
@@ -239,9 +240,12 @@ def _validate(key: str, v: Any, src: str) -> Any:
     if key == "bridge_pipeline":
         if isinstance(v, bool):  # YAML 1.1 reads a bare on / off as a bool
             return "on" if v else "off"
-        if not isinstance(v, str) or v.strip().lower() not in PIPELINE_MODES:
+        text = v.strip().lower() if isinstance(v, str) else None
+        if text in _TRUE - {"on"} or text in _FALSE - {"off", ""}:  # the booleans' spellings: 1/0, yes/no, ...
+            return "on" if text in _TRUE else "off"
+        if text not in PIPELINE_MODES:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
-        return v.strip().lower()
+        return text
     if key == "bridge_calibration":
         if not isinstance(v, str) or v.strip().lower() not in CALIBRATION_MODES:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
