@@ -11,12 +11,12 @@ CONSTRAINTS ?= constraints/cpu.txt
 venv: $(STAMP)
 
 # Re-install when the project's requirements or the pins change.
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml $(CONSTRAINTS) scripts/venv_install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c $(CONSTRAINTS) -e '.[test]'
-	@# pip compiles the bytecode of the ~14,000 installed modules one at a time (about 50 s of CPU:
-	@# torch, ray, ...); compileall -j 0 does the same on every core. A file that does not compile
+	@# uv unpacks the wheels in parallel (pip one by one), with pip's settings; pip if uv cannot.
+	$(PY) scripts/venv_install.py $(CONSTRAINTS)
+	@# Neither installer compiled the bytecode (pip would, one module at a time: about 50 s of CPU for the ~14,000 modules of
+	@# torch, ray, ...); compileall -j 0 does it on every core. A file that does not compile
 	@# (a package's Python 2 template) is skipped, as pip skips it.
 	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
