@@ -320,7 +320,11 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
     native, world, queue = _StuckGroup(), _StuckGroup(), Queue()
     world.release.set()
     group = BridgeGroup.__new__(BridgeGroup)
+    # what __init__ sets and the groups' setters and _drop_groups use (no plan is needed here)
+    group._lanes, group._tl, group._choices, group._segment_counts, group.figures = \
+        [None, None], threading.local(), {}, {}, None
     group.queue, group.inner, group.shard, group.world, group.shm = queue, object(), None, world, None
+    group._lanes[1] = (object(), object(), None)  # a pipelining bridge's second lane (set_lane_b)
     alive = weakref.ref(native)
     t = BridgeTransport.__new__(BridgeTransport)
     t.group, t.backend_name, t.timeout, t._closables = group, "fake", timedelta(seconds=60), [native, world]
@@ -334,7 +338,7 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
     alive().release.set()
     assert pypg._drain_at_exit(30) and alive() is None
     assert len(queue.waits) == 2 and queue.waits[1][0] >= 60 and queue.waits[1][1] != me
-    assert group.inner is None and group.world is None
+    assert group.inner is None and group.world is None and group._lanes[1] is None
 
 
 def test_completed_work() -> None:
