@@ -124,6 +124,36 @@ def test_a_flipped_bit_anywhere_is_detected_and_the_previous_checkpoint_loads(tm
     _assert_state_equal(state, _state(2, huge=True))
 
 
+def test_load_reads_into_the_state_dicts_own_tensors_and_copies_only_where_it_must(tmp_path, monkeypatch):
+    """A contiguous CPU destination of the stored dtype and shape receives the file's bytes in
+    place (no copy: the same memory before and after); a strided destination and one of another
+    dtype are copied into from a buffer. All load exactly."""
+    from vcga.checkpoint import storage
+
+    root = tmp_path / "ck"
+    ckpt.save(_state(1, huge=True), root, step=1)
+    state = _fresh(huge=True)
+    state["model"]["w"] = torch.zeros(64, 66)[:, ::2]  # the stored (64, 33), strided
+    state["model"]["big"] = torch.zeros(2048, dtype=torch.float64)  # stored as float32
+    memory = {k: v.data_ptr() for k, v in state["model"].items()}
+    copied: list[str] = []
+    real = storage.tensors.to_torch
+
+    def to_torch(entry, **kw):
+        copied.append(entry.name)
+        return real(entry, **kw)
+
+    monkeypatch.setattr(storage.tensors, "to_torch", to_torch)
+    assert ckpt.load_latest(state, root) == 1
+    assert sorted(copied) == ["model.big", "model.w"]
+    assert {k: v.data_ptr() for k, v in state["model"].items()} == memory
+    want = _state(1, huge=True)
+    assert torch.equal(state["model"]["w"], want["model"]["w"])
+    assert torch.equal(state["model"]["big"], want["model"]["big"].double())
+    state["model"]["w"], state["model"]["big"] = want["model"]["w"], want["model"]["big"]
+    _assert_state_equal(state, want)
+
+
 def test_the_unverified_reader_loads_damaged_bytes_as_they_are(tmp_path):
     """VcgaStorageReader(verify=False) -- only for measuring at equal work against a reader that
     checks nothing -- checks no tensor, so it loads a damaged one as it is; load_latest never

@@ -157,13 +157,16 @@ def test_read_in_order_yields_every_tensor_verified_in_file_order(tmp_path):
     assert [n for n, _ in got] == list(arrays)
     for name, a in got:
         assert np.array_equal(a, arrays[name]), name
+    with vbin.VbinReader(path.read_bytes()) as r:  # bytes in memory: the same pass, copied from them
+        assert [(e.name, tensors.to_numpy(e).tobytes()) for e in r.read_in_order()] == [
+            (n, a.tobytes()) for n, a in got]
 
 
 @pytest.mark.parametrize("where", ["first", "big1", "mid", "big2", "last", "gap"])
-def test_read_in_order_stops_at_the_first_damaged_tensor_and_checks_padding_at_the_end(tmp_path, where):
+def test_read_in_order_stops_at_the_first_damaged_tensor_or_padding_byte(tmp_path, where):
     path, arrays, doc = _in_order_file(tmp_path)
     data = bytearray(path.read_bytes())
-    if where == "gap":  # a padding byte between "mid" and "big2": only the end of the pass sees it
+    if where == "gap":  # a padding byte between "mid" and "big2"
         pos = doc["mid"]["offset"] + doc["mid"]["nbytes"] + 1
         assert pos < doc["big2"]["offset"]
     else:
@@ -176,13 +179,63 @@ def test_read_in_order_stops_at_the_first_damaged_tensor_and_checks_padding_at_t
         with pytest.raises(VcgaChecksumError) as info:
             for e in r.read_in_order():
                 yielded.append(e.name)
-    if where == "gap":
-        assert yielded == names and "padding" in str(info.value) and info.value.offset == pos
+    if where == "gap":  # seen as the pass reaches it: before "big2"
+        assert yielded == names[:names.index("big2")] and "padding" in str(info.value) and info.value.offset == pos
     else:
         assert yielded == names[:names.index(where)]  # never the damaged one, nor any after it
         assert f"{where!r}: checksum mismatch" in str(info.value)
     with vbin.VbinReader(path) as r:  # unverified (equal work with a reader that checks nothing)
         assert [e.name for e in r.read_in_order(verify=False)] == names
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_read_in_order_reads_into_given_buffers_and_verifies_what_it_does_not_yield(tmp_path, monkeypatch, chunk):
+    """Destinations given in ``into`` receive the bytes (the entry views them); tensors not
+    ``wanted`` are not yielded but still hashed -- in pieces of READ_CHUNK bytes (4096: "big1"
+    spans many reads, the streamed hash must equal the one-shot checksum)."""
+    from vcga.formats.vbin import reader as vbin_reader
+
+    monkeypatch.setattr(vbin_reader, "READ_CHUNK", chunk)
+    path, arrays, doc = _in_order_file(tmp_path)
+    dest = np.zeros_like(arrays["big1"])
+    with vbin.VbinReader(path) as r:
+        got = {e.name: (e, tensors.to_numpy(e).copy())
+               for e in r.read_in_order(into={"big1": memoryview(dest).cast("B")}, wanted={"big1", "mid", "last"})}
+        assert r._verified == set(arrays)
+    assert set(got) == {"big1", "mid", "last"}
+    assert np.array_equal(dest, arrays["big1"])  # read straight into the destination
+    assert np.frombuffer(got["big1"][0].data, np.float32).ctypes.data == dest.ctypes.data
+    for name in ("mid", "last"):
+        assert np.array_equal(got[name][1], arrays[name])
+    data = bytearray(path.read_bytes())
+    data[doc["big2"]["offset"] + 5] ^= 0x80  # in a tensor nobody asked for
+    path.write_bytes(data)
+    with vbin.VbinReader(path) as r, pytest.raises(VcgaChecksumError, match="'big2': checksum mismatch"):
+        for _ in r.read_in_order(wanted={"first"}):
+            pass
+    with vbin.VbinReader(path) as r:
+        with pytest.raises(ValueError, match="writable flat byte buffer"):
+            next(r.read_in_order(into={"big1": memoryview(bytes(4 * 70_000))}))
+        with pytest.raises(ValueError, match="writable flat byte buffer"):
+            next(r.read_in_order(into={"big1": memoryview(bytearray(10))}))
+
+
+def test_read_in_order_refuses_a_file_replaced_or_truncated_after_it_was_opened(tmp_path):
+    path, arrays, doc = _in_order_file(tmp_path)
+    original = path.read_bytes()
+    with vbin.VbinReader(path) as r:
+        other = tmp_path / "other.vbin"
+        other.write_bytes(original)
+        os.replace(other, path)  # same bytes, another file
+        with pytest.raises(VcgaFormatError, match="replaced while it was being read"):
+            next(r.read_in_order())
+    with vbin.VbinReader(path) as r:
+        it = r.read_in_order()
+        assert next(it).name == "first"
+        with open(path, "r+b") as f:  # cut inside "big2", after the pass began
+            f.truncate(doc["big2"]["offset"] + 100)
+        with pytest.raises(VcgaFormatError, match="truncated while being read"):
+            list(it)
 
 
 # -- damage ----------------------------------------------------------------------------------------
@@ -413,6 +466,8 @@ def test_sharding(tmp_path):
         assert r.sharded and r.metadata == {"m": "1"} and list(r.keys()) == list(src)
         assert len(r.files) == 5
         r.verify()
+        got = {e.name: tensors.to_numpy(e).copy() for e in r.read_in_order()}  # shard by shard
+        assert list(got) == list(src) and all(np.array_equal(got[k], v) for k, v in src.items())
     got = vbin.load_file(path, "np")
     assert all(np.array_equal(got[k], v) for k, v in src.items())
     with vbin.VbinReader(tmp_path / "model-00001.vbin") as r:  # each shard is a vendor-bin file too

@@ -7,7 +7,7 @@ import json
 import mmap
 import os
 import reprlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class _VbinFile:
         self.size = size
         self._mm = mm
         self.buf = memoryview(buffer)
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file mapped
         self._raw: dict[str, Any] = {}
         try:
             self._parse()
@@ -359,7 +360,8 @@ class _VbinFile:
 
 def _map_file(path: Path) -> _VbinFile:
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         if size < PREAMBLE_SIZE + TRAILER_SIZE:
             data = f.read(size + 1)
             return _VbinFile(path, data[:size], len(data[:size]))
@@ -371,7 +373,91 @@ def _map_file(path: Path) -> _VbinFile:
             # Strict overcommit can refuse a writable private mapping: fall back to read-only
             # (torch tensors are then copied, see vcga.tensors.to_torch).
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return _VbinFile(path, mm, len(mm), mm)  # closes the mapping itself if the file is bad
+    vf = _VbinFile(path, mm, len(mm), mm)  # closes the mapping itself if the file is bad
+    vf.identity = (st.st_dev, st.st_ino)
+    return vf
+
+
+# Bytes per read() of read_in_order (measured on a cold 128 MiB shard, docs/benchmarks.md).
+READ_CHUNK = 8 << 20
+
+
+class _Pass:
+    """One sequential pass of reads over a file of a set (:meth:`VbinReader.read_in_order`):
+    the same file that was opened and validated (a file replaced since is an error), read with
+    ``pread`` in pieces of at most :data:`READ_CHUNK` bytes, each hashed right after its read."""
+
+    def __init__(self, f: _VbinFile, owner: VbinReader) -> None:
+        self.f = f
+        self.owner = owner
+        self.fd = -1
+        if f.identity is not None:  # a mapped file (not bytes in memory)
+            self.fd = os.open(f.source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                st = os.fstat(self.fd)
+                if (st.st_dev, st.st_ino) != f.identity or st.st_size != f.size:
+                    raise VcgaFormatError(f.source, "was replaced while it was being read",
+                                          expected=f"the file opened, of {f.size} bytes")
+            except BaseException:
+                os.close(self.fd)
+                raise
+
+    def __enter__(self) -> _Pass:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """A buffer of the reader's of ``nbytes`` (reused: valid until the next call)."""
+        buf = self.owner._scratch
+        if len(buf) < nbytes:
+            # Replaced, never resized: a tensor still viewing the old one keeps it alive.
+            buf = self.owner._scratch = bytearray(max(nbytes, min(2 * len(buf), READ_CHUNK)))
+        return memoryview(buf)[:nbytes]
+
+    def _fill(self, offset: int, view: memoryview) -> None:
+        if self.fd < 0:
+            view[:] = self.f.buf[offset:offset + view.nbytes]
+            return
+        done, n = 0, view.nbytes
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise VcgaFormatError(self.f.source, "ended early: it was truncated while being read",
+                                      offset=offset + done, expected=f"{self.f.size} bytes")
+            done += got
+
+    def read(self, offset: int, data: memoryview, verify: bool) -> int:
+        """Read ``data.nbytes`` bytes at ``offset`` into ``data``; their XXH3-64 (0 unverified)."""
+        h = xxhash.xxh3_64() if verify else None
+        for start in range(0, data.nbytes, READ_CHUNK):
+            piece = data[start:start + READ_CHUNK]
+            self._fill(offset + start, piece)
+            if h is not None:
+                h.update(piece)
+        return h.intdigest() if h is not None else 0
+
+    def hash(self, offset: int, nbytes: int) -> int:
+        """The XXH3-64 of ``nbytes`` bytes at ``offset``, read in pieces into the scratch buffer."""
+        h = xxhash.xxh3_64()
+        for start in range(0, nbytes, READ_CHUNK):
+            piece = self.scratch(min(READ_CHUNK, nbytes - start))
+            self._fill(offset + start, piece)
+            h.update(piece)
+        return h.intdigest()
+
+    def zeros(self, start: int, stop: int) -> None:
+        """That the padding ``[start, stop)`` is all zero bytes."""
+        for at in range(start, stop, READ_CHUNK):
+            piece = self.scratch(min(READ_CHUNK, stop - at))
+            self._fill(at, piece)
+            if any(piece):
+                bad = at + next(i for i, b in enumerate(piece) if b)
+                raise VcgaChecksumError(self.f.source, "non-zero byte in the padding between tensors "
+                                        "(the file was damaged)", offset=bad, expected="zero padding")
 
 
 class VbinReader(ReaderContext):
@@ -392,6 +478,7 @@ class VbinReader(ReaderContext):
         self.verify_on_access = verify
         self.framework = framework
         self._verified: set[str] = set()
+        self._scratch = bytearray()  # read_in_order's buffer for tensors read without a destination
         if isinstance(source, (bytes, bytearray, memoryview)):
             self.path: Path | None = None
             mv = tensors.byte_view(source)
@@ -527,36 +614,76 @@ class VbinReader(ReaderContext):
             self._check(rec, f.view(rec), f)
         self._check_padding()
 
-    def read_in_order(self, *, verify: bool = True) -> Iterator[TensorEntry]:
-        """Every tensor in file order (as :meth:`entry` gives it: its data a view of the mapping),
-        with the whole checkpoint verified as :meth:`verify` does -- each tensor yielded as soon
-        as its own checksum has been checked.
+    def read_in_order(self, *, verify: bool = True, into: Mapping[str, memoryview] | None = None,
+                      wanted: Collection[str] | None = None) -> Iterator[TensorEntry]:
+        """Every tensor in file order, read with ``pread`` -- not through the mapping -- with the
+        whole checkpoint verified as :meth:`verify` does: each tensor yielded as soon as its own
+        checksum has been checked, the padding of each file checked as the pass reaches it.
 
-        One sequential pass, so that verifying costs little beside reading: what the caller does
-        with a tensor (copying it out) runs while the kernel's readahead brings in what follows,
-        instead of after a pass that reads and hashes the whole file first. (Measured on a cold
-        128 MiB shard, docs/benchmarks.md: advising MADV_WILLNEED ahead of the pass, or hashing on
-        a helper thread, made it slower, not faster.) The padding of every file is checked after
-        the last tensor: only a generator run to its end has verified the whole checkpoint.
+        One sequential pass of large reads per file, so that verifying costs little beside
+        reading: each read brings a piece of the file from the disk (the kernel reading ahead
+        meanwhile) and it is hashed while still in the CPU's cache. Reads, rather than the
+        mapping, because a cold mapping faults page by page: measured on a cold 128 MiB shard
+        (docs/benchmarks.md), reading into the destination was faster than copying out of the
+        mapping, and needs no copy at all.
+
+        :param into: tensor name -> a writable flat byte buffer of exactly that tensor's size
+            (a destination tensor's memory): the tensor's bytes are read straight into it, and the
+            entry yielded views it. Its bytes are the file's before they are checked: when the
+            check fails the buffer holds the damaged bytes (the error says so by being raised;
+            nothing is yielded for that tensor).
+        :param wanted: the names to yield (default every tensor). Tensors not wanted are still
+            read and hashed when ``verify`` is on, in pieces, and skipped unread when it is off.
+            A wanted tensor without an ``into`` buffer is read into a buffer of the reader's,
+            which the next step of the iteration reuses: copy what you need before asking for
+            the next entry.
         ``verify=False`` hashes and checks nothing (what a reader without checksums does: for
-        comparisons at equal work).
+        comparisons at equal work). Only a generator run to its end has verified the whole
+        checkpoint.
 
-        :raises VcgaChecksumError: the first damaged tensor or padding byte found."""
-        sequential: set[int] = set()
+        :raises VcgaChecksumError: the first damaged tensor or padding byte found.
+        :raises VcgaFormatError: a file was replaced or truncated after it was opened."""
+        into = into or {}
         for rec in self._records:
-            f = self._file_of(rec)
-            if id(f) not in sequential:
-                # Sequential readahead for the mapping whatever the fault pattern: a mapping's
-                # default read-around is switched off by the kernel after enough cache misses
-                # (mmap_miss). Measured no slower on a cold 128 MiB shard, no faster either.
-                f.advise(mmap.MADV_SEQUENTIAL)
-                sequential.add(id(f))
-            data = f.view(rec)
-            if verify and rec.name not in self._verified:
-                self._check(rec, data, f)
-            yield rec.entry(data)
-        if verify:
-            self._check_padding()
+            target = into.get(rec.name)
+            if target is not None and (target.readonly or target.nbytes != rec.nbytes or target.format != "B"
+                                       or target.ndim != 1):
+                raise ValueError(f"into[{rec.name!r}]: a writable flat byte buffer of {rec.nbytes} bytes is "
+                                 "needed")
+        files = [(None, self._root)] if self._root.shards is None else [
+            (i, self._shard(i)) for i in range(len(self._shards))]
+        if verify and self._root.shards is not None:
+            self._root.check_padding()  # a shard index holds no tensor data: its own padding only
+        for number, f in files:
+            recs = [r for r in self._records if r.shard == number]
+            with _Pass(f, self) as p:
+                pos = PREAMBLE_SIZE
+                for rec in recs:
+                    want = wanted is None or rec.name in wanted
+                    if rec.nbytes:
+                        if verify:
+                            p.zeros(pos, rec.offset)
+                        pos = rec.offset + rec.nbytes
+                        if want:
+                            data = into.get(rec.name)
+                            if data is None:
+                                data = p.scratch(rec.nbytes)
+                            got = p.read(rec.offset, data, verify)
+                        elif verify:
+                            got = p.hash(rec.offset, rec.nbytes)
+                        else:
+                            continue
+                    else:
+                        data = memoryview(b"")
+                        got = xxhash.xxh3_64_intdigest(data)
+                    if verify:
+                        if got != rec.checksum:
+                            raise self._mismatch(rec, got, f)
+                        self._verified.add(rec.name)
+                    if want:
+                        yield rec.entry(data)
+                if verify:
+                    p.zeros(pos, f.index_offset)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -588,10 +715,14 @@ class VbinReader(ReaderContext):
     def _check(self, rec: _Record, data: memoryview, f: _VbinFile) -> None:
         got = xxhash.xxh3_64_intdigest(data)
         if got != rec.checksum:
-            raise VcgaChecksumError(f.source, f"tensor {rec.name!r}: checksum mismatch (computed "
-                                    f"{tensors.format_checksum(got)}); the file was damaged after it was written",
-                                    offset=rec.offset, expected=tensors.format_checksum(rec.checksum))
+            raise self._mismatch(rec, got, f)
         self._verified.add(rec.name)
+
+    @staticmethod
+    def _mismatch(rec: _Record, got: int, f: _VbinFile) -> VcgaChecksumError:
+        return VcgaChecksumError(f.source, f"tensor {rec.name!r}: checksum mismatch (computed "
+                                 f"{tensors.format_checksum(got)}); the file was damaged after it was written",
+                                 offset=rec.offset, expected=tensors.format_checksum(rec.checksum))
 
     def _shard(self, number: int) -> _VbinFile:
         f = self._shards[number]

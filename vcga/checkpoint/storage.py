@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from vcga import tensors
+from vcga import dtypes, tensors
 from vcga.atomic import atomic_write_bytes, fsync_dir
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaFormatError
@@ -399,24 +399,36 @@ class VcgaStorageReader(StorageReader):
         for name, by_tensor in per_file.items():
             path = self.path / name
             with spec.open_reader(path, verify=self.verify) as reader:
-                stored = {e.name: e.checksum for e in reader.index()}
+                stored = {e.name: e for e in reader.index()}
                 for tname, reqs in by_tensor.items():
                     pinned = self.storage_data[reqs[0].storage_index].checksum
                     if tname not in stored:
                         raise VcgaFormatError(path, f"has no tensor {tname!r}, which the metadata places there")
-                    if stored[tname] != pinned:
-                        raise VcgaChecksumError(path, f"tensor {tname!r}: the file stores checksum {stored[tname]} "
-                                                "where .metadata pins another; the file belongs to another "
-                                                "checkpoint", expected=pinned)
-                # Every tensor's checksum and every padding byte of the file, in one pass in file
-                # order, each tensor copied out as soon as its own checksum is verified: the copy
-                # runs while the kernel's readahead brings in what follows (a whole-file verify
-                # pass first made a cold load wait for the disk, then copy). A damaged byte
-                # anywhere raises before read_data returns, which fails this checkpoint's load on
-                # every rank (DCP gathers the errors) and load_latest moves on to the previous
-                # one, which rewrites every tensor: no rank continues from a mix.
-                for entry in reader.read_in_order(verify=self.verify):
-                    for req in by_tensor.get(entry.name, ()):
+                    if stored[tname].checksum != pinned:
+                        raise VcgaChecksumError(path, f"tensor {tname!r}: the file stores checksum "
+                                                f"{stored[tname].checksum} where .metadata pins another; the file "
+                                                "belongs to another checkpoint", expected=pinned)
+                # A chunk that fills its whole destination, a contiguous CPU tensor of the stored
+                # dtype, is read straight into the destination's memory: no copy, and no page
+                # faults of a cold mapping (docs/benchmarks.md, "Where a cold load's time goes").
+                into: dict[str, memoryview] = {}
+                direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}
+                for tname, reqs in by_tensor.items():
+                    dst_bytes = _direct_destination(reqs, stored[tname], planner)
+                    if dst_bytes is not None:
+                        into[tname], direct[tname] = dst_bytes[0], (reqs[0], dst_bytes[1])
+                # Every tensor's checksum and every padding byte of the file, in one sequential
+                # pass of reads, each tensor handed over as soon as its own checksum is verified.
+                # A damaged byte anywhere raises before read_data returns (a destination read into
+                # directly then holds the damaged bytes, never committed), which fails this
+                # checkpoint's load on every rank (DCP gathers the errors) and load_latest moves
+                # on to the previous one, which rewrites every tensor: no rank continues from a mix.
+                for entry in reader.read_in_order(verify=self.verify, into=into, wanted=by_tensor.keys()):
+                    if entry.name in direct:
+                        req, dst = direct[entry.name]
+                        planner.commit_tensor(req, dst)
+                        continue
+                    for req in by_tensor[entry.name]:
                         if req.type == LoadItemType.BYTE_IO:
                             planner.load_bytes(req, io.BytesIO(bytes(memoryview(entry.data))))
                             continue
@@ -435,6 +447,24 @@ class VcgaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _direct_destination(reqs: list[ReadItem], stored: TensorEntry,
+                        planner: LoadPlanner) -> tuple[memoryview, torch.Tensor] | None:
+    """The destination's memory as a writable byte buffer when one request reads the whole stored
+    tensor into a plain contiguous CPU tensor of its dtype and shape; else None (the chunk is then
+    read into a buffer and copied: resharding, another dtype or device, byte values)."""
+    if len(reqs) != 1 or reqs[0].type != LoadItemType.TENSOR:
+        return None
+    req = reqs[0]
+    if any(req.storage_offsets) or tuple(req.lengths) != tuple(stored.shape):
+        return None
+    dst = planner.resolve_tensor(req).detach()
+    if (type(dst) is not torch.Tensor or dst.device.type != "cpu" or not dst.is_contiguous()
+            or dst.is_conj() or dst.is_neg() or dst.dtype != dtypes.to_torch(stored.dtype)
+            or tuple(dst.shape) != tuple(stored.shape) or dst.numel() == 0):
+        return None
+    return tensors.byte_view(dst.reshape(-1).view(torch.uint8).numpy()), dst
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
