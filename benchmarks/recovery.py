@@ -5,9 +5,10 @@ Three parts (``--part io|stall|recovery``, all by default):
 - **io** -- save and load throughput of ``vcga.checkpoint`` against torch.distributed.checkpoint's
   ``FileSystemWriter``/``FileSystemReader`` on the same state dict, at equal durability
   (``FileSystemWriter(sync_files=True)`` fsyncs every file it writes; VCGA fsyncs its shard, the
-  metadata, the manifest, ``latest`` and the directories). Repetitions alternate which goes
-  first. Loads are measured cold (each checkpoint's pages dropped with POSIX_FADV_DONTNEED after
-  an fsync, so both read the disk -- or the hypervisor's cache on a VM) and warm. VCGA's load
+  metadata, the manifest, ``latest`` and the directories). Repetitions alternate which saves
+  first, and rotate the three loads (below) through every order. Loads are measured cold (each
+  checkpoint's pages dropped with POSIX_FADV_DONTNEED after an fsync, so both read the disk -- or
+  the hypervisor's cache on a VM) and warm. VCGA's load
   verifies every checksum and padding byte of what it reads; torch's verifies nothing, so VCGA's
   reader also runs with its checks off (``vcga_unverified``: equal work). Ratios are medians of
   per-repetition pairs, each with a distribution-free 95% interval (``ratio_paired_ci95``).
@@ -133,6 +134,12 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | Non
     return xs[k - 1], xs[n - k]
 
 
+# The three cyclic orders (each loader once in each place), then their reverses.
+_LOAD_ORDERS = (("vcga", "torch", "vcga_unverified"), ("torch", "vcga_unverified", "vcga"),
+                ("vcga_unverified", "vcga", "torch"), ("vcga_unverified", "torch", "vcga"),
+                ("vcga", "vcga_unverified", "torch"), ("torch", "vcga", "vcga_unverified"))
+
+
 def part_io(work: Path, mib: float, reps: int) -> dict:
     state = make_state(mib)
     nbytes = _nbytes(state)
@@ -151,7 +158,9 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
             rows[f"{who}_save"].append(nbytes / (time.perf_counter() - t) / 1e6)
         # vcga_unverified: VCGA's reader with its checksums off -- equal work with torch's reader,
         # which checks nothing (load_latest always verifies; this isolates what verifying costs).
-        loaders = (*order, "vcga_unverified") if rep % 2 == 0 else ("vcga_unverified", *order)
+        # Every loader takes every place in the order equally often (the first read after the
+        # saves can differ from the later ones on a shared disk), and each pair both ways round.
+        loaders = _LOAD_ORDERS[rep % len(_LOAD_ORDERS)]
         for temp in ("cold", "warm"):
             for who in loaders:
                 if temp == "cold":
