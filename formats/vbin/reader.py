@@ -642,18 +642,18 @@ class VbinReader(ReaderContext):
         whole checkpoint verified as :meth:`verify` does: each tensor yielded as soon as its own
         checksum has been checked, the padding of each file checked as the pass reaches it.
 
-        One sequential pass of large reads per file, so that verifying costs little beside
-        reading: each read brings a piece of the file from the disk (the kernel reading ahead
-        meanwhile) and it is hashed while still in the CPU's cache. Reads, rather than the
-        mapping, because a cold mapping faults page by page: measured on a cold 128 MiB shard
-        (docs/benchmarks.md), reading into the destination was faster than copying out of the
-        mapping, and needs no copy at all.
+        One sequential pass of :data:`READ_CHUNK`-byte reads per file, so that verifying costs
+        little beside reading: each read brings a piece of the file from the disk (the kernel
+        reading ahead meanwhile) and it is hashed while still in the CPU's cache. Reads rather
+        than the mapping: measured on a 128 MiB shard (docs/benchmarks.md), reading straight into
+        the destination was faster cold and warm than hashing in the mapping and copying out of
+        it (page faults, then a copy).
 
         :param into: tensor name -> a writable flat byte buffer of exactly that tensor's size
             (a destination tensor's memory): the tensor's bytes are read straight into it, and the
-            entry yielded views it. Its bytes are the file's before they are checked: when the
-            check fails the buffer holds the damaged bytes (the error says so by being raised;
-            nothing is yielded for that tensor).
+            entry yielded views it. The bytes land before they are checked: when the check
+            fails, the buffer holds the damaged bytes, the error is raised and nothing is yielded
+            for that tensor.
         :param wanted: the names to yield (default every tensor). Tensors not wanted are still
             read and hashed when ``verify`` is on, in pieces, and skipped unread when it is off.
             A wanted tensor without an ``into`` buffer is read into a buffer of the reader's,

@@ -15,9 +15,10 @@ different world size (resharding) -- while VCGA decides how bytes reach the disk
   ``keep_last`` are removed after that.
 
 The reader verifies every file it opens -- every tensor checksum and every padding byte, so a
-flipped bit anywhere in a shard is an error naming the file and the tensor -- and reads chunks
-straight from the file's mapping into the destination tensors, each as soon as its own checksum
-is verified, in one sequential pass; a damaged byte fails the load before it returns.
+flipped bit anywhere in a shard is an error naming the file and the tensor -- in one sequential
+pass of reads straight into the destination tensors (through a buffer where a chunk does not fill
+one), handing each to DCP once its own checksum matched; a damaged byte fails the load before it
+returns.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from torch.futures import Future
 from vcga import dtypes, tensors
 from vcga.atomic import atomic_write_bytes, fsync_dir
 from vcga.contract import TensorEntry
-from vcga.errors import VcgaChecksumError, VcgaFormatError
+from vcga.errors import VcgaChecksumError, VcgaError, VcgaFormatError
 
 from .dcpmeta import (
     MANIFEST_FILE,
@@ -459,9 +460,13 @@ def _direct_destination(reqs: list[ReadItem], stored: TensorEntry,
     req = reqs[0]
     if any(req.storage_offsets) or tuple(req.lengths) != tuple(stored.shape):
         return None
+    try:
+        stored_dtype = dtypes.to_torch(stored.dtype)
+    except (AttributeError, VcgaError):  # a dtype this torch lacks: the copy path says so
+        return None
     dst = planner.resolve_tensor(req).detach()
     if (type(dst) is not torch.Tensor or dst.device.type != "cpu" or not dst.is_contiguous()
-            or dst.is_conj() or dst.is_neg() or dst.dtype != dtypes.to_torch(stored.dtype)
+            or dst.is_conj() or dst.is_neg() or dst.dtype != stored_dtype
             or tuple(dst.shape) != tuple(stored.shape) or dst.numel() == 0):
         return None
     return tensors.byte_view(dst.reshape(-1).view(torch.uint8).numpy()), dst
