@@ -71,6 +71,15 @@ def _is_str_map(x: Any) -> bool:
     return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
 
 
+def check_zero_padding(source: Any, start: int, data: Any) -> None:
+    """That ``data``, the file's bytes from offset ``start`` on, are all zero: padding between
+    tensors, where a flipped bit is damage like any other (the mapped and the read pass both ask)."""
+    if any(data):
+        bad = start + next(i for i, b in enumerate(data) if b)
+        raise VcgaChecksumError(source, "non-zero byte in the padding between tensors (the file was damaged)",
+                                offset=bad, expected="zero padding")
+
+
 class _VbinFile:
     """One mapped vendor-bin file with its preamble, trailer and index validated."""
 
@@ -330,11 +339,8 @@ class _VbinFile:
         self._check_zero(pos, self.index_offset)
 
     def _check_zero(self, start: int, stop: int) -> None:
-        if stop > start and any(self.buf[start:stop]):
-            gap = bytes(self.buf[start:stop])
-            bad = start + next(i for i, b in enumerate(gap) if b)
-            raise VcgaChecksumError(self.source, "non-zero byte in the padding between tensors "
-                                    "(the file was damaged)", offset=bad, expected="zero padding")
+        if stop > start:
+            check_zero_padding(self.source, start, self.buf[start:stop])
 
     def advise(self, advice: int, start: int = 0, length: int | None = None) -> None:
         """``madvise`` the mapping, or the pages covering ``[start, start + length)`` of it."""

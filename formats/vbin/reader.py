@@ -15,7 +15,7 @@ from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaFormatError
 from vcga.formatkit import ReaderContext
 
-from ._file import _map_file, _VbinFile
+from ._file import _map_file, _VbinFile, check_zero_padding
 from ._format import PREAMBLE_SIZE, _Record
 
 
@@ -97,10 +97,7 @@ class _Pass:
         for at in range(start, stop, READ_CHUNK):
             piece = self.scratch(min(READ_CHUNK, stop - at))
             self._fill(at, piece)
-            if any(piece):
-                bad = at + next(i for i, b in enumerate(piece) if b)
-                raise VcgaChecksumError(self.f.source, "non-zero byte in the padding between tensors "
-                                        "(the file was damaged)", offset=bad, expected="zero padding")
+            check_zero_padding(self.f.source, at, piece)
 
 
 class VbinReader(ReaderContext):
