@@ -45,6 +45,7 @@ second thread runs in place there, both its stages.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -298,21 +299,9 @@ class WorkQueue:
                     error = self._after_failure() if failed is not None else VcgaCollectiveError(
                         f"{self.name}: the process group was destroyed with this collective still queued")
                 else:
-                    self._local.active = True
-                    try:
-                        self._drain(touches)
-                        out = fn()
-                        if isinstance(out, Continuation):
-                            if touches is None:
-                                raise TypeError("a collective without touches returned a Continuation")
-                            self._hand_over(out, work, touches)
-                            handed = True
-                    except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
-                        error = e
-                        self._poison(e)
-                        log.debug("vcga %s: queued collective failed: %s", self.name, e)
-                    finally:
-                        self._local.active = False
+                    out, error = self._run_active(
+                        functools.partial(self._first_stage, fn, work, touches), "queued collective")
+                    handed = out is True  # None when it failed
             finally:
                 try:
                     if not handed:
@@ -323,6 +312,31 @@ class WorkQueue:
                         self._cv.notify_all()
                     if not handed:
                         pypg._release()
+
+    def _first_stage(self, fn: Callable[[], Any], work: QueuedWork, touches: list[tuple[int, int]] | None) -> bool:
+        """Run a queued collective (its first stage, when it has two); True when its second stage
+        was handed to the second thread, which then finishes its work."""
+        self._drain(touches)
+        out = fn()
+        if not isinstance(out, Continuation):
+            return False
+        if touches is None:
+            raise TypeError("a collective without touches returned a Continuation")
+        self._hand_over(out, work, touches)
+        return True
+
+    def _run_active(self, fn: Callable[[], Any], what: str) -> tuple[Any, BaseException | None]:
+        """Run ``fn`` as one of this queue's collectives on a queue thread: ``(value, None)``, or
+        ``(None, error)`` with the queue poisoned (the error goes to the waiter, typed there)."""
+        self._local.active = True
+        try:
+            return fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
+            self._poison(e)
+            log.debug("vcga %s: %s failed: %s", self.name, what, e)
+            return None, e
+        finally:
+            self._local.active = False
 
     def _hand_over(self, cont: Continuation, work: QueuedWork, touches: list[tuple[int, int]]) -> None:
         with self._cv:
@@ -356,15 +370,7 @@ class WorkQueue:
                     error = VcgaCollectiveError(f"{self.name}: the process group was destroyed with this "
                                                 "collective in flight")
                 else:
-                    self._local.active = True
-                    try:
-                        cont.complete()
-                    except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed there
-                        error = e
-                        self._poison(e)
-                        log.debug("vcga %s: a collective's second stage failed: %s", self.name, e)
-                    finally:
-                        self._local.active = False
+                    _, error = self._run_active(cont.complete, "a collective's second stage")
             finally:
                 try:
                     work._finish(error)  # callbacks run here; collectives they issue run in place
