@@ -76,6 +76,20 @@ def _op_of(opts: Any) -> ReduceOp:
     return reduce_op_of(opts.reduceOp)[0] if opts is not None else ReduceOp.SUM
 
 
+class _LaneMember:
+    """One communicator of a :class:`BridgeGroup`'s lanes (``_lanes``): read, that of the lane the
+    calling thread uses; set, lane 0's (the second lane is given whole, by ``set_lane_b``)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __get__(self, group: Any, owner: type | None = None) -> Any:
+        return self if group is None else group._lane()[self.index]
+
+    def __set__(self, group: Any, value: Any) -> None:
+        group._set(self.index, value)
+
+
 def _first(*args: Any) -> Sequence[torch.Tensor]:
     return args[0]
 
@@ -176,29 +190,11 @@ class BridgeGroup(AllReduceAlgorithms):
         assert lane is not None
         return lane
 
-    @property
-    def inner(self) -> Dispatcher | None:
-        return self._lane()[0]
-
-    @inner.setter
-    def inner(self, value: Dispatcher | None) -> None:
-        self._set(0, value)
-
-    @property
-    def shard(self) -> Any:
-        return self._lane()[1]
-
-    @shard.setter
-    def shard(self, value: Any) -> None:
-        self._set(1, value)
-
-    @property
-    def shm(self) -> SharedMemoryBridge | None:
-        return self._lane()[2]
-
-    @shm.setter
-    def shm(self, value: SharedMemoryBridge | None) -> None:
-        self._set(2, value)
+    #: the vendor group's dispatcher (Dispatcher | None), the shard peers' gloo group, the shared
+    #: segment (SharedMemoryBridge | None): of the lane this thread uses; set on lane 0
+    inner = _LaneMember(0)
+    shard = _LaneMember(1)
+    shm = _LaneMember(2)
 
     def _set(self, i: int, value: Any) -> None:
         lane = list(self._lanes[0] or (None, None, None))
