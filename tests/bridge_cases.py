@@ -367,35 +367,34 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     short2 = dist.new_group(backend="vcga", timeout=timedelta(seconds=3), pg_options=VcgaOptions(  # for 3b
         config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False, bridge_pipeline="on")))
     if rank != 3:
-        w = dist.all_reduce(torch.ones(1000), group=short, async_op=True)
-        try:
-            w.wait()
-            out["missing_peer"] = "no error"
-        except VcgaTimeoutError:
-            out["missing_peer"] = "VcgaTimeoutError"
-        except Exception as e:  # noqa: BLE001
-            out["missing_peer"] = f"{type(e).__name__}: {e}"
-        try:
-            dist.all_reduce(torch.ones(10), group=short)
-            out["after"] = "no error"
-        except VcgaCollectiveError as e:
-            out["after"] = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
+        out["missing_peer"], out["after"] = _without_rank_3(short, 1000, (VcgaTimeoutError,))
     # 3b. The same through the pipeline: rank 3 leaves out a pipelined all_reduce; the others'
     # wait() raises typed (in the first stage or the second), and the group's next call refuses.
     if rank != 3:
-        w = dist.all_reduce(torch.ones(100_000), group=short2, async_op=True)
-        try:
-            w.wait()
-            out["piped_missing_peer"] = "no error"
-        except (VcgaTimeoutError, VcgaCollectiveError) as e:
-            out["piped_missing_peer"] = type(e).__name__
-        except Exception as e:  # noqa: BLE001
-            out["piped_missing_peer"] = f"{type(e).__name__}: {e}"
-        try:
-            dist.all_reduce(torch.ones(10), group=short2)
-            out["piped_after"] = "no error"
-        except VcgaCollectiveError as e:
-            out["piped_after"] = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
+        out["piped_missing_peer"], out["piped_after"] = _without_rank_3(
+            short2, 100_000, (VcgaTimeoutError, VcgaCollectiveError))
     dist.barrier(group=check)
     dist.destroy_process_group()
     return out
+
+
+def _without_rank_3(group, numel: int, typed: tuple[type[BaseException], ...]) -> tuple[str, str]:
+    """An async all_reduce of ``numel`` elements that rank 3 leaves out, then a small one: what
+    the first's wait() raised (the name of a ``typed`` error, else the whole error) and what the
+    group's next call raised ("VcgaCollectiveError" when it refuses after the earlier failure)."""
+    from vcga.errors import VcgaCollectiveError
+
+    w = dist.all_reduce(torch.ones(numel), group=group, async_op=True)
+    try:
+        w.wait()
+        first = "no error"
+    except typed as e:
+        first = type(e).__name__
+    except Exception as e:  # noqa: BLE001
+        first = f"{type(e).__name__}: {e}"
+    try:
+        dist.all_reduce(torch.ones(10), group=group)
+        after = "no error"
+    except VcgaCollectiveError as e:
+        after = "VcgaCollectiveError" if "earlier collective" in str(e) else str(e)
+    return first, after
