@@ -142,7 +142,12 @@ class Compressor(abc.ABC):
              ctx: CompressContext) -> torch.Tensor:
         """What this rank's contribution decodes to (error feedback keeps ``x`` minus it). The
         default decodes this rank's own payload, right for every single-round compressor; a
-        multi-round one overrides it (PowerSGD: P̂ Qᵢᵀ, the projection of this rank's matrix)."""
+        multi-round one overrides it (PowerSGD: P̂ Qᵢᵀ, the projection of this rank's matrix).
+
+        SUM compressors: called right after the last round's :meth:`compress`, *before* that
+        round's :meth:`decompress` (the driver keeps the residual while the summed payloads
+        travel), so it may read only what ``compress`` and the earlier rounds' ``decompress`` left
+        in ``state``."""
         out = self.decompress(payload, state, ctx, self.rounds - 1)
         if out is None:  # pragma: no cover - a multi-round compressor must override sent()
             raise NotImplementedError(f"{type(self).__name__} has {self.rounds} rounds and must override sent()")

@@ -61,6 +61,16 @@ class _Slot:
     server: dict[int, tuple[dict[str, Any], ErrorFeedback | None]] = field(default_factory=dict)
 
 
+@dataclass
+class _Travelling:
+    """Payload sums in flight (:meth:`Exchange._start_sum`): per payload dtype, where its tensors
+    sit in the one buffer, the buffer, the collective's work, and whether it was gathered (to be
+    added here in peer order) rather than summed by the library."""
+
+    payloads: dict[int, list[torch.Tensor]]
+    buffers: list[tuple[torch.dtype, list[tuple[int, int]], torch.Tensor, Any, bool]] = field(default_factory=list)
+
+
 class Exchange:
     """Sums tensors over ``peers`` ranks (a process group), compressed, in place.
 
@@ -96,13 +106,13 @@ class Exchange:
         if not self._metered_at_transport:
             self.meter.count(self.label, kind, nbytes, self.peers)
 
-    def _all_reduce(self, t: torch.Tensor) -> None:
+    def _all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
         self._count("all_reduce", t.numel() * t.element_size())
-        dist.all_reduce(t, group=self.group)
+        return dist.all_reduce(t, group=self.group, async_op=async_op)
 
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
         self._count("all_gather", inp.numel())
-        dist.all_gather_into_tensor(out, inp, group=self.group)
+        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         self._count("all_to_all", inp.numel())
@@ -183,13 +193,21 @@ class Exchange:
         out: list[torch.Tensor | None] = [None] * len(xs)
         last_payload: list[list[torch.Tensor]] = [[] for _ in xs]
         pending = list(range(len(xs)))
+        ef_done = False
         for rnd in range(c.rounds):
             if not pending:
                 break
             payloads = {i: c.compress(xs[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd) for i in pending}
             for i in pending:
                 last_payload[i] = payloads[i]
-            summed = self._sum_payloads(payloads)
+            travelling = self._start_sum(payloads)
+            if rnd == c.rounds - 1:
+                # What this rank sent is known once its last payload is (Compressor.sent): keep the
+                # residuals while the sum travels -- the error feedback's passes over every
+                # gradient then overlap the slow hop's round trip instead of following it
+                self._update_ef(xs, keys, step, last_payload)
+                ef_done = True
+            summed = self._finish_sum(travelling)
             for i in pending:
                 got = c.decompress(summed[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd)
                 if got is not None:
@@ -198,16 +216,24 @@ class Exchange:
         if pending:
             raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "
                             f"its {c.rounds} round(s)")
-        for i, k in enumerate(keys):
-            slot = self.slot(k)
+        for i in range(len(keys)):
             if forms is not None:  # before the next call of any kind can touch the state
-                forms.append(c.decoded_form(out[i], slot.state))  # type: ignore[arg-type]
-            if slot.ef is not None:
-                slot.ef.update(xs[i], c.sent(xs[i], last_payload[i], slot.state, self.ctx(k, step)))
+                forms.append(c.decoded_form(out[i], self.slot(keys[i]).state))  # type: ignore[arg-type]
+        if not ef_done:  # every tensor decoded before the last round (PowerSGD: all of them 1-D)
+            self._update_ef(xs, keys, step, last_payload)
         return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
 
-    def _sum_payloads(self, payloads: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Each payload tensor summed over the peers, element by element, the same bits on every peer.
+    def _update_ef(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
+                   last_payload: list[list[torch.Tensor]]) -> None:
+        for i, k in enumerate(keys):
+            slot = self.slot(k)
+            if slot.ef is not None:
+                slot.ef.update(xs[i], self.c.sent(xs[i], last_payload[i], slot.state, self.ctx(k, step)))
+
+    def _start_sum(self, payloads: dict[int, list[torch.Tensor]]) -> _Travelling:
+        """Start summing each payload tensor over the peers, element by element, the same bits on
+        every peer; :meth:`_finish_sum` waits for the sums (the collectives are asynchronous, so the
+        caller works while they travel).
 
         Payload tensors of one dtype travel as one buffer: summed by the library where the group sums
         that dtype natively (its result is one reduction, copied to every rank), else gathered as bytes
@@ -216,18 +242,29 @@ class Exchange:
         for i, pl in payloads.items():
             for j, t in enumerate(pl):
                 by_dtype.setdefault(t.dtype, []).append((i, j))
-        result = {i: [torch.empty(0)] * len(pl) for i, pl in payloads.items()}
+        out = _Travelling(payloads)
         for dtype, where in by_dtype.items():
             flat = torch.cat([payloads[i][j].reshape(-1) for i, j in where])
             if flat.numel() == 0:
-                summed = flat
+                out.buffers.append((dtype, where, flat, None, False))
             elif self._sums_natively(dtype):
-                self._all_reduce(flat)
-                summed = self._decode_device(flat)
+                out.buffers.append((dtype, where, flat, self._all_reduce(flat, async_op=True), False))
             else:
                 raw = _as_bytes(flat)
                 rows = torch.empty(self.peers * raw.numel(), dtype=torch.uint8, device=raw.device)
-                self._all_gather(rows, raw)
+                out.buffers.append((dtype, where, rows, self._all_gather(rows, raw, async_op=True), True))
+        return out
+
+    def _finish_sum(self, travelling: _Travelling) -> dict[int, list[torch.Tensor]]:
+        payloads = travelling.payloads
+        result = {i: [torch.empty(0)] * len(pl) for i, pl in payloads.items()}
+        for dtype, where, buf, work, gathered in travelling.buffers:
+            if work is not None:
+                work.wait()
+            if not gathered:
+                summed = self._decode_device(buf) if buf.numel() else buf
+            else:
+                rows = buf
                 vals = self._decode_device(rows).view(self.peers, -1).view(dtype)
                 acc = torch.float32 if dtype.is_floating_point and torch.finfo(dtype).bits < 32 else dtype
                 summed = vals[0].to(acc)
