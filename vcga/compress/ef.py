@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vcga.compress import fused
 from vcga.compress.exact import two_diff_, two_sum_
 
 __all__ = ["ErrorFeedback", "EFRecord", "Scratch"]
@@ -104,6 +105,10 @@ class ErrorFeedback:
         x, lo, hi = self._x, self.lo, self.hi
         assert x is not None and lo is not None
         gf, xf, hf, lf = (t.reshape(-1) for t in (g, x, hi, lo))  # views: all contiguous
+        if fused.usable(gf, xf, hf, lf) and (k := fused.kernels()) is not None:
+            k[0](gf.numpy(), hf.numpy(), lf.numpy(), xf.numpy())  # the same operations, one pass
+            self._fresh = False
+            return x
         e1, tmp = self.scratch.get(g)
         for b in _blocks(gf.numel(), g.device):
             xb, lb = xf[b], lf[b]
@@ -121,6 +126,9 @@ class ErrorFeedback:
         if self.record:  # the identity is checked on (h, l) before the pending part joins them
             pending = self.lo.clone()
             lf = torch.empty_like(lf)
+        if not self.record and fused.usable(xf, sf, hf, lf) and (k := fused.kernels()) is not None:
+            k[1](xf.numpy(), sf.numpy(), hf.numpy(), lf.numpy(), self._fresh)  # the same operations, one pass
+            return
         l2, tmp = self.scratch.get(x)
         for b in _blocks(xf.numel(), x.device):
             lb = lf[b]
