@@ -222,7 +222,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
-           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9))
+           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum))
     times, link = [], []
     per = args.batch
     for step in range(args.steps):
@@ -337,10 +337,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--optim", choices=("adam", "sgd"), default="sgd")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     ap.add_argument("--noise", type=float, default=0.0, help="label noise (standard deviation)")
     ap.add_argument("--teacher-rank", type=int, default=TEACHER_RANK, help="the teacher's tanh units")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--per-node", type=int, default=2, choices=(1, 2),
+                    help="nodes mode: ranks per node (1: each node's rank has a core of this host to itself)")
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -364,7 +367,7 @@ def main() -> None:
 
 
 def run_nodes(args: argparse.Namespace) -> None:
-    """2 namespace nodes x 2 ranks, nccl ranks on node 0 and hccl ranks on node 1, link at ``--rate``."""
+    """2 namespace nodes x ``--per-node`` ranks, nccl ranks on node 0 and hccl ranks on node 1, link at ``--rate``."""
     import shutil
     import tempfile
     import threading
@@ -382,11 +385,11 @@ def run_nodes(args: argparse.Namespace) -> None:
                 argv = [os.path.abspath(__file__), "rank", "--variants", ";".join(args.variants),
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
-                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--noise", str(args.noise),
+                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
                         "--teacher-rank", str(args.teacher_rank), "--out", os.path.join(out, "r.json")]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-                launch = cluster.torchrun(argv, nproc_per_node=2, env=env,
+                launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,
                                           node_env=[{"VCGA_BACKEND": "sim-nccl", "VCGA_BENCH_NODES": "1"},
                                                     {"VCGA_BACKEND": "sim-hccl", "VCGA_BENCH_NODES": "1"}])
                 result["nodes"] = launch.wait(timeout=3000)
@@ -406,7 +409,7 @@ def run_nodes(args: argparse.Namespace) -> None:
             results = json.load(f)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    title = (f"2 nodes x 2 ranks (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
+    title = (f"2 nodes x {args.per_node} rank{'s' if args.per_node > 1 else ''} (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
              f"depth {args.depth}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps "
              f"({args.warmup} untimed)")
     from vcga.testing.multinode import parse_rate
