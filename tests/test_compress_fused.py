@@ -96,3 +96,6 @@ def test_vcga_fused_0_turns_the_loops_off_and_other_tensors_never_take_them(fres
     assert not fused.usable(torch.zeros(4, dtype=torch.bfloat16))
     assert not fused.usable(torch.zeros(4, 4).t())  # not contiguous
     assert not fused.usable(torch.zeros(4), torch.zeros(4, dtype=torch.float64))  # mixed dtypes
+    assert not fused.usable(torch.zeros(4, requires_grad=True))  # numpy cannot view it
+    assert not fused.usable(torch.zeros(4)._neg_view())  # a lazy negation: numpy would see the wrong sign
+    assert fused.usable(torch.zeros(4), torch.zeros(2, 2))

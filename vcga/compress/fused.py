@@ -165,8 +165,10 @@ def kernels() -> tuple[Any, Any, Any] | None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Can the loops take these tensors (all on the host, float32 or float64 alike, contiguous)?"""
+    """Can the loops take these tensors (all on the host, float32 or float64 alike, contiguous,
+    plain memory that numpy can view: no autograd, no lazy negation)?"""
     dt = tensors[0].dtype
     if dt not in (torch.float32, torch.float64):
         return False
-    return all(t.device.type == "cpu" and t.dtype == dt and t.is_contiguous() for t in tensors)
+    return all(t.device.type == "cpu" and t.dtype == dt and t.is_contiguous() and not t.requires_grad
+               and not t.is_neg() for t in tensors)
