@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,14 +61,24 @@ class _Slot:
     server: dict[int, tuple[dict[str, Any], ErrorFeedback | None]] = field(default_factory=dict)
 
 
+class _InFlight(NamedTuple):
+    """One payload dtype's buffer in flight: where its tensors sit in it, the collective's work
+    (None: nothing to send), and whether it was gathered (to be added here in peer order) rather
+    than summed by the library."""
+
+    dtype: torch.dtype
+    where: list[tuple[int, int]]
+    buf: torch.Tensor
+    work: Any
+    gathered: bool
+
+
 @dataclass
 class _Travelling:
-    """Payload sums in flight (:meth:`Exchange._start_sum`): per payload dtype, where its tensors
-    sit in the one buffer, the buffer, the collective's work, and whether it was gathered (to be
-    added here in peer order) rather than summed by the library."""
+    """Payload sums in flight (:meth:`Exchange._start_sum`), one buffer per payload dtype."""
 
     payloads: dict[int, list[torch.Tensor]]
-    buffers: list[tuple[torch.dtype, list[tuple[int, int]], torch.Tensor, Any, bool]] = field(default_factory=list)
+    buffers: list[_InFlight] = field(default_factory=list)
 
 
 class Exchange:
@@ -216,9 +226,8 @@ class Exchange:
         if pending:
             raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "
                             f"its {c.rounds} round(s)")
-        for i in range(len(keys)):
-            if forms is not None:  # before the next call of any kind can touch the state
-                forms.append(c.decoded_form(out[i], self.slot(keys[i]).state))  # type: ignore[arg-type]
+        if forms is not None:  # before the next call of any kind can touch the state
+            forms.extend(c.decoded_form(o, self.slot(k).state) for o, k in zip(out, keys))  # type: ignore[arg-type]
         if not ef_done:  # every tensor decoded before the last round (PowerSGD: all of them 1-D)
             self._update_ef(xs, keys, step, last_payload)
         return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
@@ -246,16 +255,17 @@ class Exchange:
         for dtype, where in by_dtype.items():
             flat = torch.cat([payloads[i][j].reshape(-1) for i, j in where])
             if flat.numel() == 0:
-                out.buffers.append((dtype, where, flat, None, False))
+                out.buffers.append(_InFlight(dtype, where, flat, None, False))
             elif self._sums_natively(dtype):
-                out.buffers.append((dtype, where, flat, self._all_reduce(flat, async_op=True), False))
+                out.buffers.append(_InFlight(dtype, where, flat, self._all_reduce(flat, async_op=True), False))
             else:
                 raw = _as_bytes(flat)
                 rows = torch.empty(self.peers * raw.numel(), dtype=torch.uint8, device=raw.device)
-                out.buffers.append((dtype, where, rows, self._all_gather(rows, raw, async_op=True), True))
+                out.buffers.append(_InFlight(dtype, where, rows, self._all_gather(rows, raw, async_op=True), True))
         return out
 
     def _finish_sum(self, travelling: _Travelling) -> dict[int, list[torch.Tensor]]:
+        """Wait for :meth:`_start_sum`'s collectives; each payload tensor's sum over the peers."""
         payloads = travelling.payloads
         result = {i: [torch.empty(0)] * len(pl) for i, pl in payloads.items()}
         for dtype, where, buf, work, gathered in travelling.buffers:
@@ -264,8 +274,7 @@ class Exchange:
             if not gathered:
                 summed = self._decode_device(buf) if buf.numel() else buf
             else:
-                rows = buf
-                vals = self._decode_device(rows).view(self.peers, -1).view(dtype)
+                vals = self._decode_device(buf).view(self.peers, -1).view(dtype)
                 acc = torch.float32 if dtype.is_floating_point and torch.finfo(dtype).bits < 32 else dtype
                 summed = vals[0].to(acc)
                 for p in range(1, self.peers):  # left to right in peer order
