@@ -292,6 +292,17 @@ class PyWork(dist._Work):
 # active exception") -- plain gloo with a ``then`` does the same. It happens when a process leaves
 # with a collective in flight, or within a few ms of one completing. So both are counted while
 # they exist, and an atexit hook -- atexit runs before finalization -- waits for the count to drop.
+#
+# A counted thread must drop every native object it holds *before* it leaves the count: what it
+# still holds after ``_release()`` goes when the thread finishes (``threading.Thread.run`` deletes
+# its target, and with it the closure), and by then the drain may have returned and the interpreter
+# begun to finalize. Dropping the last reference to a c10d ``Work`` (or a group) goes through
+# torch's ``IntrusivePtrNoGilDestructor``: it releases the GIL, runs the C++ destructor (freeing the
+# work's tensors) and takes the GIL back in ``~gil_scoped_release`` -- ``noexcept``; if finalization
+# began meanwhile, Python ends the thread there and the process aborts ("terminate called without an
+# active exception": a rare SIGABRT of tests/exit_soak.py, after correct results). So each counted
+# thread below takes its objects out of a box, lets go of them, and only then calls ``_release()``;
+# what runs after that touches no native object.
 
 _IN_FLIGHT = threading.Condition()
 _LIVE = [0]  # callbacks and watchers alive
@@ -359,9 +370,11 @@ def run_counted(fn: Callable[[], Any], name: str) -> threading.Thread:
     destructor joins its worker threads): the caller returns at once, and a process that exits
     meanwhile gives it up to :data:`EXIT_DRAIN_SECONDS` before it finalizes."""
 
+    box = [fn]  # the thread's only reference: gone before _release() (see above)
+
     def run() -> None:
         try:
-            fn()
+            box.pop()()
         except BaseException:  # noqa: BLE001 - teardown is best effort; nobody waits for a result
             log.debug("vcga: %s failed", name, exc_info=True)
         finally:
@@ -391,6 +404,9 @@ class _NativeDone:
         return work._on_native_done(fut)
 
     def __del__(self) -> None:
+        # The work (and its native works) goes first, while still counted (see above): the slot
+        # would otherwise be cleared only after __del__ returns, past the drain.
+        self._work = None
         _release()
 
 
@@ -404,15 +420,23 @@ def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
         if "not implemented" not in str(e).lower():
             raise
     fut: torch.futures.Future = torch.futures.Future()
+    # The thread's only references to the work and the future: a closure would keep the work until
+    # the thread ends, after _release(), and its destructor could then run during finalization
+    # (see above).
+    box = [work, fut]
 
     def watch() -> None:
+        w, f = box
+        box.clear()
         try:
-            work.wait()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
+            try:
+                w.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                f.set_exception(e)
+            else:
+                f.set_result(None)
         finally:
+            del w, f  # the work's destructor (if this was the last reference) runs here, counted
             _release()
 
     _hold()
