@@ -3,7 +3,8 @@
 The model is our own teacher–student regression: a fixed random teacher (two tanh layers) maps
 Gaussian inputs to targets; the student is an MLP of ``depth`` square ``width × width`` layers
 (ReLU), trained with DDP and SGD with momentum 0.9 (``--optim adam`` for Adam) on a fresh batch per
-rank and step. Every variant
+rank and step (``--features V --active a``: sparse inputs, ``a`` of ``V`` features on, the
+student's first layer ``V`` wide -- gradients in few columns per step). Every variant
 starts from the same student, sees the same batches in the same order, and runs the same number of
 steps on the same ranks, in one job:
 
@@ -13,6 +14,9 @@ steps on the same ranks, in one job:
   ``powerSGD_hook`` (``PowerSGDState(matrix_approximation_rank=rank, start_powerSGD_iter=2,
   random_seed=seed)``: torch's smallest start with error feedback; seed 0 by default) on the same
   ranks -- the anchors;
+- ``ref-topk:<ratio>``: a textbook top-k hook (error feedback, the bucket's largest magnitudes,
+  all-gathered; GRACE's TopKCompressor with ResidualMemory) -- no library ships one, so this is
+  the field's top-k for comparison with vcga's;
 - ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
   every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
   parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
@@ -59,23 +63,24 @@ DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "to
 # -- the task ----------------------------------------------------------------------------------------
 
 
-def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK) -> tuple[Any, Any]:
-    """(teacher, student), the same on every rank (fixed seeds)."""
+def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK, features: int = 0, active: int = 16) -> tuple[Any, Any]:
+    """(teacher, student), the same on every rank (fixed seeds); inputs as :func:`inputs`."""
     import torch
     import torch.nn as nn
 
+    inp = features or width
     torch.manual_seed(1234)
-    teacher = nn.Sequential(nn.Linear(width, teacher_rank), nn.Tanh(), nn.Linear(teacher_rank, width))
+    teacher = nn.Sequential(nn.Linear(inp, teacher_rank), nn.Tanh(), nn.Linear(teacher_rank, width))
     with torch.no_grad():  # targets of unit variance: the loss starts near 1
         for p in teacher.parameters():
             p.requires_grad_(False)
-        x = torch.randn(1024, width, generator=torch.Generator().manual_seed(7))
+        x = inputs(1024, width, torch.Generator().manual_seed(7), features, active)
         teacher[2].weight.mul_(1 / float(teacher(x).std()))
         teacher[2].bias.zero_()
     torch.manual_seed(42)
     layers: list[Any] = []
     for i in range(depth):
-        lin = nn.Linear(width, width)
+        lin = nn.Linear(inp if i == 0 else width, width)
         if i < depth - 1:  # He initialisation keeps the signal's scale through the ReLUs
             nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")
         nn.init.zeros_(lin.bias)
@@ -85,12 +90,28 @@ def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK) -> tuple[Any
     return teacher, nn.Sequential(*layers)
 
 
-def batch(teacher: Any, width: int, n: int, seed: int, noise: float = 0.0) -> tuple[Any, Any]:
+def inputs(n: int, width: int, g: Any, features: int = 0, active: int = 16) -> Any:
+    """``n`` Gaussian inputs of ``width``; with ``features`` > 0 (``--features``), sparse ones
+    instead -- ``active`` of ``features`` entries on, as a bag of words or a recommender's
+    categorical fields, each sqrt(features / active) so that |x|² = features as for Gaussian ones.
+    The student's first layer then gets gradients in few columns per step."""
+    import torch
+
+    if not features:
+        return torch.randn(n, width, generator=g)
+    x = torch.zeros(n, features)
+    idx = torch.randint(0, features, (n, active), generator=g)
+    x.scatter_(1, idx, (features / active) ** 0.5)
+    return x
+
+
+def batch(teacher: Any, width: int, n: int, seed: int, noise: float = 0.0, features: int = 0,
+          active: int = 16) -> tuple[Any, Any]:
     """A batch of inputs and the teacher's targets, plus label noise of standard deviation ``noise``."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, width, generator=g)
+    x = inputs(n, width, g, features, active)
     with torch.no_grad():
         y = teacher(x)
         if noise:
@@ -122,12 +143,47 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
         state = ps.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=int(rank), start_powerSGD_iter=2,
                                  random_seed=int(seed or 0))
         return state, ps.powerSGD_hook, None
+    if variant.startswith("ref-topk:"):
+        return None, _reference_topk(float(variant.split(":", 1)[1])), None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
 
         state, hook = ddp_hook(variant[5:], meter=meter)
         return state, hook, state.close
     raise SystemExit(f"unknown variant {variant!r}")
+
+
+def _reference_topk(ratio: float) -> Any:
+    """A textbook top-k DDP hook, for comparison (no library ships one: torch's hooks stop at
+    PowerSGD, DeepSpeed and Horovod have none): per bucket, error feedback in one float tensor, the
+    ``ratio`` largest magnitudes of the whole bucket (GRACE's ``TopKCompressor`` with
+    ``ResidualMemory``), all-gathered from every rank and summed in rank order. Scope ``all``:
+    every rank's values cross every link."""
+    import torch
+    import torch.distributed as dist
+
+    residual: dict[int, Any] = {}
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def] # no annotations: DDP checks them against GradBucket
+        x = bucket.buffer() + residual.get(bucket.index(), 0)
+        k = max(1, math.ceil(ratio * x.numel()))
+        idx = torch.topk(x.abs(), k, sorted=False).indices
+        val = x[idx]
+        r = x.clone()
+        r[idx] = 0
+        residual[bucket.index()] = r
+        world = dist.get_world_size()
+        idxs, vals = [torch.empty_like(idx) for _ in range(world)], [torch.empty_like(val) for _ in range(world)]
+        dist.all_gather(idxs, idx)
+        dist.all_gather(vals, val)
+        out = torch.zeros_like(x)
+        for i, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
+            out.index_add_(0, i, v)
+        fut: Any = torch.futures.Future()
+        fut.set_result(out.div_(world))
+        return fut
+
+    return hook
 
 
 def _link_bytes() -> int:
@@ -210,7 +266,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
 
     from vcga.compress import WireMeter
 
-    teacher, student = build(args.width, args.depth, args.teacher_rank)
+    teacher, student = build(args.width, args.depth, args.teacher_rank, args.features, args.active)
     work = _local_work(variant[len("compute+"):], student, rank, world) if variant.startswith("compute+") else None
     compute_only = variant == "compute" or work is not None
     # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
@@ -223,10 +279,11 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
         ddp.register_comm_hook(state, hook)
     opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
            else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum))
-    times, link = [], []
+    times = []
     per = args.batch
     for step in range(args.steps):
-        x, y = batch(teacher, args.width, per, seed=1_000_003 * step + rank, noise=args.noise)
+        x, y = batch(teacher, args.width, per, seed=1_000_003 * step + rank, noise=args.noise, features=args.features,
+                     active=args.active)
         if step == args.warmup:
             meter.reset()
             dist.barrier()
@@ -244,7 +301,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     dist.barrier()
     link1 = _link_bytes()
     timed = max(args.steps - args.warmup, 1)
-    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF)
+    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF, features=args.features, active=args.active)
     with torch.no_grad():
         final = float(loss_fn(student(xe), ye))
     digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in student.parameters()]).numpy().tobytes()).hexdigest()
@@ -340,6 +397,8 @@ def main() -> None:
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     ap.add_argument("--noise", type=float, default=0.0, help="label noise (standard deviation)")
     ap.add_argument("--teacher-rank", type=int, default=TEACHER_RANK, help="the teacher's tanh units")
+    ap.add_argument("--features", type=int, default=0, help="sparse inputs: this many features, --active on")
+    ap.add_argument("--active", type=int, default=16, help="features on per example (with --features)")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--per-node", type=int, default=2, choices=(1, 2),
@@ -360,7 +419,9 @@ def main() -> None:
         world = sum(int(p.split(":")[1]) for p in args.vendors.split(","))
         results = run_ranks(rank_main, world, args)
         title = (f"{world} ranks ({args.vendors}, one node), width {args.width} x depth {args.depth}, teacher rank "
-                 f"{args.teacher_rank}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps")
+                 f"{args.teacher_rank}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps"
+                 + (f", label noise {args.noise}" if args.noise else "")
+                 + (f", sparse inputs ({args.active} of {args.features} features on)" if args.features else ""))
         print(report(results, args.markdown, title))
         return
     run_nodes(args)
@@ -386,7 +447,8 @@ def run_nodes(args: argparse.Namespace) -> None:
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
                         "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
-                        "--teacher-rank", str(args.teacher_rank), "--out", os.path.join(out, "r.json")]
+                        "--teacher-rank", str(args.teacher_rank), "--features", str(args.features),
+                        "--active", str(args.active), "--out", os.path.join(out, "r.json")]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
                 launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,
