@@ -310,6 +310,9 @@ class WorkQueue:
                     with self._cv:
                         self._running = False
                         self._cv.notify_all()
+                    # let go of the job before it leaves the exit drain's count: what it holds must
+                    # not be freed after the drain returned (vcga/pypg.py, above run_counted)
+                    fn = work = touches = error = None  # type: ignore[assignment]
                     if not handed:
                         pypg._release()
 
@@ -379,6 +382,7 @@ class WorkQueue:
                         # by identity: equal ranges never coexist (they overlap), but be exact
                         del self._in_stage2[next(i for i, h in enumerate(self._in_stage2) if h is touches)]
                         self._cv.notify_all()
+                    cont = work = touches = error = _ = None  # type: ignore[assignment] # as in _loop
                     pypg._release()
 
     # -- ending -----------------------------------------------------------------------------------
