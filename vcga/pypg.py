@@ -18,6 +18,7 @@ This module imports torch; import it only where torch is needed (never from ``vc
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -300,9 +301,10 @@ class PyWork(dist._Work):
 # torch's ``IntrusivePtrNoGilDestructor``: it releases the GIL, runs the C++ destructor (freeing the
 # work's tensors) and takes the GIL back in ``~gil_scoped_release`` -- ``noexcept``; if finalization
 # began meanwhile, Python ends the thread there and the process aborts ("terminate called without an
-# active exception": a rare SIGABRT of tests/exit_soak.py, after correct results). So each counted
-# thread below takes its objects out of a box, lets go of them, and only then calls ``_release()``;
-# what runs after that touches no native object.
+# active exception": a rare SIGABRT of tests/exit_soak.py, after correct results). So the counted
+# threads all start through :func:`run_counted`, which holds their function (and what it holds)
+# only in a box it empties, lets go of it, and only then calls ``_release()``; what runs after that
+# touches no native object.
 
 _IN_FLIGHT = threading.Condition()
 _LIVE = [0]  # callbacks and watchers alive
@@ -364,11 +366,13 @@ atexit.register(_at_exit)
 
 
 def run_counted(fn: Callable[[], Any], name: str) -> threading.Thread:
-    """Run ``fn`` in a daemon thread counted by the exit drain, like a watcher (see above).
+    """Run ``fn`` in a daemon thread counted by the exit drain (see above), and drop it -- with
+    what it holds -- before the thread leaves the count.
 
-    For teardown that may block on a collective still running in a native library (a group's
-    destructor joins its worker threads): the caller returns at once, and a process that exits
-    meanwhile gives it up to :data:`EXIT_DRAIN_SECONDS` before it finalizes."""
+    For a work's watcher (:func:`_future_of`) and for teardown that may block on a collective still
+    running in a native library (a group's destructor joins its worker threads): the caller returns
+    at once, and a process that exits meanwhile gives it up to :data:`EXIT_DRAIN_SECONDS` before it
+    finalizes."""
 
     box = [fn]  # the thread's only reference: gone before _release() (see above)
 
@@ -410,6 +414,20 @@ class _NativeDone:
         _release()
 
 
+def _complete(work: Any, fut: torch.futures.Future) -> None:
+    """A watcher's body (:func:`_future_of`): wait for ``work``, complete ``fut`` with the outcome."""
+    try:
+        work.wait()
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        fut.set_exception(e)
+    else:
+        fut.set_result(None)
+    finally:
+        # a failure's traceback keeps this frame alive in the future: not the work with it (its
+        # destructor must run now, while the thread is counted; see above)
+        del work, fut
+
+
 def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
     """``(work.get_future(), False)``, or -- for a work that has none -- ``(a future completed by a
     daemon thread that waits for the work, True)`` (see :meth:`PyWork._watched`). The watcher is
@@ -420,27 +438,7 @@ def _future_of(work: Any) -> tuple[torch.futures.Future, bool]:
         if "not implemented" not in str(e).lower():
             raise
     fut: torch.futures.Future = torch.futures.Future()
-    # The thread's only references to the work and the future: a closure would keep the work until
-    # the thread ends, after _release(), and its destructor could then run during finalization
-    # (see above).
-    box = [work, fut]
-
-    def watch() -> None:
-        w, f = box
-        box.clear()
-        try:
-            try:
-                w.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                f.set_exception(e)
-            else:
-                f.set_result(None)
-        finally:
-            del w, f  # the work's destructor (if this was the last reference) runs here, counted
-            _release()
-
-    _hold()
-    threading.Thread(target=watch, name="vcga-work-watch", daemon=True).start()
+    run_counted(functools.partial(_complete, work, fut), "vcga-work-watch")
     return fut, True
 
 
