@@ -136,6 +136,9 @@ def _issue(call: dict[str, Any], rank: int, world: int, pool: Pool) -> tuple[lis
 
     coll, dt, n, offs = call["coll"], call["dtype"], call["n"], call["offs"]
     aop = call["async"]
+    # torch 2.13's names for the one-tensor forms (the old ones print a FutureWarning per call)
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[call["op"]]
 
     def mine(r: int, length: int = n) -> Any:
@@ -147,11 +150,11 @@ def _issue(call: dict[str, Any], rank: int, world: int, pool: Pool) -> tuple[lis
         return [w], lambda: torch.equal(t, _reduce([mine(r) for r in range(world)], call["op"]))
     if coll == "all_gather_into_tensor":
         out = torch.empty(n * world, dtype=getattr(torch, dt))
-        w = dist.all_gather_into_tensor(out, mine(rank).clone(), async_op=aop)
+        w = gather_single(out, mine(rank).clone(), async_op=aop)
         return [w], lambda: all(torch.equal(out[r * n:(r + 1) * n], mine(r)) for r in range(world))
     if coll == "reduce_scatter_tensor":
         out = torch.empty(n, dtype=getattr(torch, dt))
-        w = dist.reduce_scatter_tensor(out, mine(rank, n * world).clone(), op=red, async_op=aop)
+        w = scatter_single(out, mine(rank, n * world).clone(), op=red, async_op=aop)
         return [w], lambda: torch.equal(out, _reduce([mine(r, n * world)[rank * n:(rank + 1) * n]
                                                       for r in range(world)], call["op"]))
     if coll == "broadcast":

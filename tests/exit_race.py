@@ -48,7 +48,8 @@ def rank(r: int, world: int, port: int) -> int:
     store = dist.TCPStore("127.0.0.1", port, world, r == 0, timeout=timeout)
     dist.init_process_group("vcga", store=store, rank=r, world_size=world, timeout=timeout)
     out = torch.empty(N)
-    work = dist.reduce_scatter_tensor(out, torch.ones(N * world), async_op=True)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13's name
+    work = scatter(out, torch.ones(N * world), async_op=True)
     work.get_future().wait()
     del work
     ok = torch.equal(out, torch.full((N,), float(world)))

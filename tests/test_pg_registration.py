@@ -100,7 +100,8 @@ def test_cli_help_does_not_import_torch() -> None:
 
 
 def test_init_single_process_and_communicator() -> None:
-    """vcga.init() without torchrun: a world of one; the Communicator runs real collectives."""
+    """vcga.init() without torchrun: a world of one; the Communicator runs real collectives, and
+    under torch's current names (no FutureWarning from vcga's own calls)."""
     out = _py("""
         import torch, vcga
         comm = vcga.init("gloo")
@@ -109,12 +110,19 @@ def test_init_single_process_and_communicator() -> None:
         parts = comm.all_gather(x)
         comm.barrier(); comm.monitored_barrier(timeout_s=5)
         print(comm.rank, comm.world_size, comm.backend, comm.device, x.tolist(), len(parts))
+        import warnings
+        warnings.simplefilter("error", FutureWarning)  # torch's deprecated names warn from inside vcga
+        g, s = torch.empty(4), torch.empty(4)
+        comm.all_gather_into(g, x)
+        comm.reduce_scatter(s, torch.full((4,), 2.0))
+        print(g.tolist(), s.tolist())
         import torch.distributed as dist
         print(type(dist.group.WORLD).__name__, dist.get_backend())
         comm.close()
         print(dist.is_initialized())
     """)
-    assert out.splitlines() == ["0 1 gloo cpu [0.0, 1.0, 2.0, 3.0] 1", "VcgaProcessGroup vcga", "False"]
+    assert out.splitlines() == ["0 1 gloo cpu [0.0, 1.0, 2.0, 3.0] 1", "[0.0, 1.0, 2.0, 3.0] [2.0, 2.0, 2.0, 2.0]",
+                                "VcgaProcessGroup vcga", "False"]
 
 
 def test_init_reads_torchrun_environment() -> None:

@@ -60,6 +60,7 @@ from vcga.bench_spec import (
     parse_size,
     sizes,
 )
+from vcga.comm import all_gather_single, reduce_scatter_single
 from vcga.errors import VcgaError
 
 __all__ = [
@@ -96,21 +97,6 @@ class Unit:
         return self.group is not None
 
 
-def _all_gather(out: Any, inp: Any, group: Any) -> None:
-    import torch.distributed as dist
-
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _reduce_scatter(out: Any, inp: Any, op: Any, group: Any) -> None:
-    import torch.distributed as dist
-
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=op, group=group)
-
-
 class _Collective:
     """Buffers and calls for one (collective, dtype, op, size) on one group (this rank's part)."""
 
@@ -144,9 +130,9 @@ class _Collective:
                 r.copy_(s)
             dist.all_reduce(r, op=self.rop, group=grp)
         elif op == "all_gather":
-            _all_gather(r, r[self.me * p:(self.me + 1) * p] if in_place else s, group=grp)
+            all_gather_single(r, r[self.me * p:(self.me + 1) * p] if in_place else s, group=grp)
         elif op == "reduce_scatter":
-            _reduce_scatter(s[self.me * p:(self.me + 1) * p] if in_place else r, s, op=self.rop, group=grp)
+            reduce_scatter_single(s[self.me * p:(self.me + 1) * p] if in_place else r, s, op=self.rop, group=grp)
         elif op == "broadcast":
             if not in_place and self.me == self.root:
                 r.copy_(s)
@@ -292,7 +278,6 @@ def run(spec: BenchSpec, *, device: Any, backend: str, on_rows: OnRow | None = N
     :param device: this rank's device (tensors live there; the gloo comparison runs on the CPU).
     :param backend: this rank's VCGA backend name.
     """
-    import torch
     import torch.distributed as dist
 
     spec.validate()

@@ -33,9 +33,31 @@ from vcga.errors import VcgaConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["init", "Communicator"]
+__all__ = ["init", "Communicator", "all_gather_single", "reduce_scatter_single"]
 
 _OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``torch.distributed``'s one-tensor all-gather under its current name.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and deprecated the old
+    name: calling it prints a FutureWarning from inside vcga into the user's log. Older torch has
+    only the old name."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, op: Any = None, group: Any = None,
+                          async_op: bool = False) -> Any:
+    """``torch.distributed``'s one-tensor reduce-scatter under its current name (torch 2.13:
+    ``reduce_scatter_single``, formerly ``reduce_scatter_tensor``; see :func:`all_gather_single`)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
 def _env_int(env: dict[str, str] | os._Environ[str], key: str, default: int | None) -> int | None:
@@ -166,11 +188,11 @@ class Communicator:
         return out
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Any:
-        return self._dist.all_gather_into_tensor(output, tensor, group=self.group, async_op=async_op)
+        return all_gather_single(output, tensor, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False) -> Any:
         """Reduce ``tensor`` (world_size chunks along dim 0) and keep this rank's chunk in ``output``."""
-        return self._dist.reduce_scatter_tensor(output, tensor, op=self._op(op), group=self.group, async_op=async_op)
+        return reduce_scatter_single(output, tensor, op=self._op(op), group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int] | None = None,
                    input_splits: list[int] | None = None, async_op: bool = False) -> Any:

@@ -7,7 +7,6 @@ can show a layout's plan without it. The package docstring (:mod:`vcga.bridge`) 
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vcga.comm import all_gather_single
 from vcga.contract import Combine, Compressor
 from vcga.compress.exchange import Exchange, mix_seed
-from vcga.compress.layout import Layout, declared_sent
+from vcga.compress.layout import Layout
 from vcga.compress.meter import WireMeter
 from vcga.compress.spec import CompressionSpec
 from vcga.errors import VcgaConfigError
@@ -400,7 +401,7 @@ class Reducer:
         blob = torch.cat(mine) if len(mine) > 1 else mine[0]
         k = len(self.island)
         rows = torch.empty(k * total, dtype=torch.uint8, device=device)
-        dist.all_gather_into_tensor(rows, blob, group=self.island_group)
+        all_gather_single(rows, blob, group=self.island_group)
         dev = torch.device("cpu") if self.exchange.host_decode else device
         rows = rows.view(k, total)
         base = 0
