@@ -65,10 +65,10 @@ def _call(op: str, bufs: tuple[Any, Any], group: Any) -> None:
         dist.all_reduce(a, group=group)
     elif op == "broadcast":
         dist.broadcast(a, 0, group=group)
-    elif op == "all_gather":
-        dist.all_gather_into_tensor(a, b, group=group)
+    elif op == "all_gather":  # torch 2.13's names (the old ones print a FutureWarning per call)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(a, b, group=group)
     else:
-        dist.reduce_scatter_tensor(a, b, group=group)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(a, b, group=group)
 
 
 def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:

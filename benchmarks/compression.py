@@ -17,6 +17,12 @@ steps on the same ranks, in one job:
 - ``ref-topk:<ratio>``: a textbook top-k hook (error feedback, the bucket's largest magnitudes,
   all-gathered; GRACE's TopKCompressor with ResidualMemory) -- no library ships one, so this is
   the field's top-k for comparison with vcga's;
+- ``ref-dgc:<ratio>[:<warmup>]``: Deep Gradient Compression's top-k (Lin et al., 2018; GRACE's
+  DgcMemory): the hook keeps SGD's momentum per rank (momentum correction: the velocity, not the
+  gradient, is accumulated and sparsified), clears the sent entries' momentum (factor masking)
+  and, over the first ``warmup`` steps, sends 25%, 6.25%, 1.6%, ... of the entries before
+  settling at ``ratio`` (DGC's exponential warm-up, four stages); the optimizer then runs without
+  momentum, since the hook applies it -- the field's recipe for top-k at 99%+ sparsity;
 - ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
   every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
   parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
@@ -126,8 +132,9 @@ def loss_fn(out: Any, y: Any) -> Any:
 # -- one rank ------------------------------------------------------------------------------------------
 
 
-def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
-    """(state, hook, closer) for a variant; (None, None, None) for exact."""
+def _hook_for(variant: str, meter: Any, momentum: float = 0.0) -> tuple[Any, Any, Any]:
+    """(state, hook, closer) for a variant; (None, None, None) for exact. ``momentum``: SGD's, for
+    the hooks that apply it themselves (``ref-dgc``)."""
     import torch.distributed as dist
 
     if variant == "exact":
@@ -145,6 +152,9 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
         return state, ps.powerSGD_hook, None
     if variant.startswith("ref-topk:"):
         return None, _reference_topk(float(variant.split(":", 1)[1])), None
+    if variant.startswith("ref-dgc:"):
+        ratio, _, warmup = variant.split(":", 1)[1].partition(":")
+        return None, _reference_topk(float(ratio), momentum=momentum, warmup=int(warmup or 0)), None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
 
@@ -153,32 +163,54 @@ def _hook_for(variant: str, meter: Any) -> tuple[Any, Any, Any]:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def _reference_topk(ratio: float) -> Any:
+def _reference_topk(ratio: float, momentum: float = 0.0, warmup: int = 0) -> Any:
     """A textbook top-k DDP hook, for comparison (no library ships one: torch's hooks stop at
     PowerSGD, DeepSpeed and Horovod have none): per bucket, error feedback in one float tensor, the
     ``ratio`` largest magnitudes of the whole bucket (GRACE's ``TopKCompressor`` with
     ``ResidualMemory``), all-gathered from every rank and summed in rank order. Scope ``all``:
-    every rank's values cross every link."""
+    every rank's values cross every link.
+
+    With ``momentum`` > 0, Deep Gradient Compression's top-k (Lin et al., 2018, section 3; GRACE's
+    ``DgcMemory``): the velocity ``u = momentum * u + g`` is accumulated (``v += u``) and ``v``'s
+    largest entries are sent; the sent entries of ``u`` and ``v`` are cleared (momentum factor
+    masking). The optimizer must then run without momentum. ``warmup`` > 0: DGC's warm-up, the
+    share sent falls 25%, 6.25%, 1.5625%, 0.39% over four equal stages of that many steps, never
+    below ``ratio``."""
     import torch
     import torch.distributed as dist
 
     residual: dict[int, Any] = {}
+    velocity: dict[int, Any] = {}
+    calls: dict[int, int] = {}
 
     def hook(state, bucket):  # type: ignore[no-untyped-def] # no annotations: DDP checks them against GradBucket
-        x = bucket.buffer() + residual.get(bucket.index(), 0)
-        k = max(1, math.ceil(ratio * x.numel()))
+        i = bucket.index()
+        step = calls[i] = calls.get(i, -1) + 1
+        g = bucket.buffer()
+        if momentum:
+            u = velocity[i] = velocity[i].mul_(momentum).add_(g) if i in velocity else g.clone()
+            x = residual[i].add_(u) if i in residual else u.clone()
+        else:
+            x = g + residual.get(i, 0)
+        share = ratio
+        if warmup and step < warmup:
+            share = max(ratio, 0.25 ** (1 + 4 * step // warmup))
+        k = max(1, math.ceil(share * x.numel()))
         idx = torch.topk(x.abs(), k, sorted=False).indices
         val = x[idx]
-        r = x.clone()
+        r = x.clone() if not momentum else x
         r[idx] = 0
-        residual[bucket.index()] = r
+        residual[i] = r
+        if momentum:
+            u[idx] = 0
         world = dist.get_world_size()
-        idxs, vals = [torch.empty_like(idx) for _ in range(world)], [torch.empty_like(val) for _ in range(world)]
+        idxs = [torch.empty_like(idx) for _ in range(world)]
+        vals = [torch.empty_like(val) for _ in range(world)]
         dist.all_gather(idxs, idx)
         dist.all_gather(vals, val)
         out = torch.zeros_like(x)
-        for i, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
-            out.index_add_(0, i, v)
+        for j, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
+            out.index_add_(0, j, v)
         fut: Any = torch.futures.Future()
         fut.set_result(out.div_(world))
         return fut
@@ -272,13 +304,17 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
     # every variant's step (its loss is one rank's own training: not compared); "compute+SPEC": plus
     # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
-    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb)  # no buffers to sync
     meter = WireMeter()
-    state, hook, closer = _hook_for("exact" if compute_only else variant, meter)
+    # ref-dgc applies SGD's momentum inside its hook (momentum correction): its optimizer has none
+    in_hook = variant.startswith("ref-dgc:")
+    if in_hook and args.optim != "sgd":
+        raise SystemExit("ref-dgc applies SGD's momentum in its hook: use --optim sgd")
+    state, hook, closer = _hook_for("exact" if compute_only else variant, meter, args.momentum)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
-           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum))
+           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum))
     times = []
     per = args.batch
     for step in range(args.steps):

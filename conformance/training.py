@@ -110,7 +110,8 @@ class Gradients(Check):
         acc = ctx.backend.accelerator()
         device = acc.device(ctx.rank % max(acc.device_count(), 1)) if acc.device_type != "cpu" else torch.device("cpu")
         model = _model(torch.float32).to(device)
-        kwargs: dict[str, Any] = {"bucket_cap_mb": float(self.opt(ctx, "bucket_cap_mb")), "broadcast_buffers": False}
+        # the model has no buffers: no broadcast_buffers=False (deprecated since torch 2.13, a FutureWarning)
+        kwargs: dict[str, Any] = {"bucket_cap_mb": float(self.opt(ctx, "bucket_cap_mb"))}
         if device.type != "cpu":
             kwargs["device_ids"] = [device]
         state["ddp"] = DDP(model, **kwargs)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from vcga.comm import all_gather_single
 from vcga.contract import Combine, CompressContext, Compressor, Support
 from vcga.compress.ef import ErrorFeedback, Scratch
 from vcga.compress.layout import chunks, declared_sent
@@ -122,7 +123,7 @@ class Exchange:
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
         self._count("all_gather", inp.numel())
-        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+        return all_gather_single(out, inp, group=self.group, async_op=async_op)
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         self._count("all_to_all", inp.numel())
