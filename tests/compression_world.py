@@ -105,3 +105,60 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
     dist.destroy_process_group()
     if rank == 0:
         queue.put(out)
+
+
+def failing_main(rank: int, world: int, port: int, vendors: str, overlap: bool, fault: str, queue: Any) -> None:
+    """Two good DDP steps through vcga's hook, then one whose compressed exchange fails: ``fault``
+    "injected" -- on every rank, a fault injected into the reducer's finish; "peer-absent" -- rank 1
+    never starts the step, so rank 0's exchange times out (collective timeout 3 s). Rank 0 reports
+    what its ``loss.backward()`` raised. (Two good steps: DDP's second forward rebuilds its buckets
+    with a collective of its own.)"""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import vcga  # noqa: F401
+    from vcga.compress import ddp_hook
+    from vcga.compress.engine import Reducer
+    from vcga.errors import typed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="3" if fault == "peer-absent" else "60")
+    torch.set_num_threads(1)
+    dist.init_process_group("vcga")
+    store = dist.distributed_c10d._get_default_store()
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(24, 16))
+    state, hook = ddp_hook("powersgd:rank=2", overlap=overlap)
+    ddp.register_comm_hook(state, hook)
+    g = torch.Generator().manual_seed(rank)
+    out: dict[str, Any] = {}
+    for step in range(3):
+        if step == 2 and fault == "injected":
+            def broken(self: Any, pending: Any) -> None:
+                raise ValueError("injected fault")
+
+            Reducer.finish = broken  # type: ignore[method-assign]
+        if step == 2 and fault == "peer-absent" and rank == 1:
+            store.wait(["reported"], timedelta(seconds=120))  # rank 0 has what it needs
+            break
+        loss = ddp(torch.randn(4, 24, generator=g)).square().mean()
+        try:
+            loss.backward()
+            out[f"step {step}"] = "ok"
+        except Exception as e:  # noqa: BLE001 - what a training script would catch
+            err = typed(e)
+            out[f"step {step}"] = {"raised": type(e).__name__, "text": str(e), "typed": type(err).__name__,
+                                   "typed_text": str(err), "cause": repr(err.__cause__)}
+    if rank == 0:
+        queue.put(out)
+        store.set("reported", "1")
+    if fault == "peer-absent":  # the group saw a timeout: leave without a teardown that waits on peers
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+    state.close()
+    dist.destroy_process_group()

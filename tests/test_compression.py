@@ -485,3 +485,27 @@ def test_link_figures_come_from_the_transport_in_either_form():
     assert (got.alpha_s, got.beta_Bps) == (2e-4, 5e7 * 1.5)  # leaders; 2(P-1)/P bytes sent per byte
     assert link_from_transport(G({"calibration": None}), "cross-node") is None
     assert link_from_transport(object(), "cross-node") is None
+
+
+@pytest.mark.parametrize("fault,overlap", [("injected", True), ("injected", False), ("peer-absent", True)],
+                         ids=["injected-worker-thread", "injected-inline", "peer-absent"])
+def test_a_failed_compressed_exchange_reaches_backward_as_a_typed_vcga_error(fault: str, overlap: bool):
+    """The compressed exchange fails at DDP's third step -- a fault injected into the reducer on
+    every rank, or a peer that never starts the step (rank 0 times out): ``loss.backward()`` raises
+    torch's callback wrapper, whose text names the failure and from which ``vcga.errors.typed``
+    recovers the VcgaError -- not torch's "Unable to cast <exception> to Tensor", which a future
+    completed with ``set_exception`` gives DDP's C++ reducer."""
+    from compression_world import failing_main
+
+    from vcga.spawn import run_ranks
+
+    out = run_ranks(failing_main, 2, "nccl:1,hccl:1", overlap, fault, timeout=300)
+    assert out["step 0"] == out["step 1"] == "ok", out
+    got = out["step 2"]
+    assert got["raised"] == "RuntimeError" and "Unable to cast" not in got["text"], got
+    if fault == "injected":
+        assert "VcgaError: compressed reduction failed: ValueError('injected fault')" in got["text"], got
+        assert got["typed"] == "VcgaError" and got["cause"] == "ValueError('injected fault')", got
+    else:
+        assert "VcgaTimeoutError: rank 0: all_reduce" in got["text"], got
+        assert got["typed"] == "VcgaTimeoutError" and "did not complete within 3 s" in got["typed_text"], got

@@ -199,9 +199,7 @@ class CompressionState:
                         f.set_result(b)
                     held = []
             except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
-                self._error = e if isinstance(e, VcgaError) else VcgaError(f"compressed reduction failed: {e!r}")
-                if self._error is not e:
-                    self._error.__cause__ = e
+                self._error = _failure(e)
                 for _, _, _, f in held:
                     f.set_exception(self._error)
                 held = []
@@ -214,13 +212,13 @@ class CompressionState:
             try:
                 fut.set_result(self.reduce(buffer, shapes, index, last))
             except BaseException as e:  # noqa: BLE001
-                fut.set_exception(e)
-            return fut
+                fut.set_exception(_failure(e))
+            return fut.then(_value)
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._worker, name="vcga-compress", daemon=True)
             self._thread.start()
         self._queue.put((buffer, shapes, index, last, fut))
-        return fut
+        return fut.then(_value)
 
     def close(self) -> None:
         """Stop the worker thread and the meter."""
@@ -240,6 +238,24 @@ class CompressionState:
         if self.cost is not None:
             d["compress_cost"] = self.cost.to_json()
         return d
+
+
+def _failure(e: BaseException) -> VcgaError:
+    """A VCGA error as it is, anything else wrapped in one (its cause kept)."""
+    if isinstance(e, VcgaError):
+        return e
+    err = VcgaError(f"compressed reduction failed: {e!r}")
+    err.__cause__ = e
+    return err
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    """The reduced bucket, or the failure raised. torch's ``Future.set_exception`` stores the
+    exception as the future's *value* (Python's ``wait()`` raises it; DDP's C++ reducer reads the
+    value and fails with "Unable to cast <message> to Tensor", which ``vcga.errors.typed`` cannot
+    trace back). A ``then()`` callback that raises marks the chained future failed in C++, so
+    ``loss.backward()`` raises torch's callback wrapper around the VCGA error, which ``typed`` finds."""
+    return fut.wait()
 
 
 def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
