@@ -27,6 +27,7 @@ peer (:mod:`vcga.compress.exact`), and the results are copied.
 from __future__ import annotations
 
 import bisect
+import enum
 import logging
 import math
 import socket
@@ -102,18 +103,26 @@ def discover_layout(group: Any) -> Layout:
 # ===================================================================================================
 
 
+class CopyBack(enum.Enum):
+    """How the decoded result of a :class:`Pending` gets back to the whole island."""
+
+    NONE = "none"  #: nothing to copy: the island is this rank, or it holds the whole result already
+    BROADCAST = "broadcast"  #: unequal layouts: the island's first rank exchanged, it broadcasts
+    GATHER = "gather"  #: every island rank decoded its own part: the parts are all-gathered
+    COMPACT = "compact"  #: as GATHER, but the compressor's compact form of each part travels
+
+
 @dataclass
 class Pending:
     """A buffer between :meth:`Reducer.begin` and :meth:`Reducer.finish`: the tensors its
     compressed exchange replaces (views into the buffer or its island part) and how the result
-    gets back to the whole island (``after``: "" nothing, "broadcast", "gather" the decoded values,
-    "compact" the compressor's compact form)."""
+    gets back to the whole island (``after``)."""
 
     flat: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
     keys: list[Any] = field(default_factory=list)
     exchange: bool = False
-    after: str = ""
+    after: CopyBack = CopyBack.NONE
     part: torch.Tensor | None = None
     cuts: list[int] = field(default_factory=list)
     width: int = 0
@@ -452,7 +461,7 @@ class Reducer:
             if self.island_group is not None:
                 dist.all_reduce(flat, group=self.island_group)
             p = self._pending(flat, flat, shapes, offsets, 0, n, key, 0) if self.local == 0 else Pending(flat)
-            p.after = "broadcast" if self.island_group is not None else ""
+            p.after = CopyBack.BROADCAST if self.island_group is not None else CopyBack.NONE
             return p
         k = len(self.island)
         if k == 1:
@@ -470,7 +479,7 @@ class Reducer:
         self._island_reduce_scatter(part, send, k)  # exact, inside the island
         p = self._pending(flat, part, shapes, offsets, a, b, key, self.local)
         p.plan = self._compact_plan(n, shapes, offsets, cuts, k, flat.dtype)
-        p.after = "compact" if p.plan is not None else "gather"
+        p.after = CopyBack.COMPACT if p.plan is not None else CopyBack.GATHER
         p.part, p.cuts, p.width, p.direct = part, cuts, width, direct
         return p
 
@@ -484,19 +493,19 @@ class Reducer:
         inside the island (see :meth:`begin`)."""
         views = [v for p in pending for v in p.views]
         keys = [kk for p in pending for kk in p.keys]
-        compact = [p for p in pending if p.after == "compact"]
+        compact = [p for p in pending if p.after is CopyBack.COMPACT]
         forms: list[list[torch.Tensor]] | None = None
         if any(p.exchange for p in pending):
             forms = self.exchange.run(views, keys, self.step, forms=bool(compact))
         if compact and forms is None:  # the exchange had nothing to say: copy the values back
             for p in compact:
-                p.after = "gather"
+                p.after = CopyBack.GATHER
             compact = []
         if compact:
             assert forms is not None
             at, per = 0, []
             for p in pending:
-                if p.after == "compact":
+                if p.after is CopyBack.COMPACT:
                     per.append((p, forms[at:at + len(p.views)]))
                 at += len(p.views)
             for p, _ in per:  # this rank's part: decoded in place by the exchange
@@ -504,9 +513,9 @@ class Reducer:
                 p.flat[a:b].copy_(p.part[:b - a])  # type: ignore[index]
             self._compact_all_gather(per)
         for p in pending:
-            if p.after == "broadcast":
+            if p.after is CopyBack.BROADCAST:
                 dist.broadcast(p.flat, src=self.island[0], group=self.island_group)
-            elif p.after == "gather":
+            elif p.after is CopyBack.GATHER:
                 k = len(self.island)
                 if p.direct:
                     all_gather_single(p.flat, p.part, group=self.island_group)
