@@ -317,6 +317,9 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
            else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum))
     times = []
     per = args.batch
+    # --curve K: the held-out loss every K steps (the same batch as the final loss)
+    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF, features=args.features, active=args.active)
+    curve: list[tuple[int, float]] = []
     for step in range(args.steps):
         x, y = batch(teacher, args.width, per, seed=1_000_003 * step + rank, noise=args.noise, features=args.features,
                      active=args.active)
@@ -333,11 +336,13 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
             work(step)
         opt.step()
         times.append(time.perf_counter() - t0)
+        if args.curve and (step + 1) % args.curve == 0 and not compute_only:  # untimed
+            with torch.no_grad():
+                curve.append((step + 1, float(loss_fn(student(xe), ye))))
     cpu1 = time.process_time()  # every thread of this rank: training, hook, library, bridge
     dist.barrier()
     link1 = _link_bytes()
     timed = max(args.steps - args.warmup, 1)
-    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF, features=args.features, active=args.active)
     with torch.no_grad():
         final = float(loss_fn(student(xe), ye))
     digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in student.parameters()]).numpy().tobytes()).hexdigest()
@@ -355,7 +360,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     if closer is not None:
         closer()
     grad_bytes = sum(p.numel() * p.element_size() for p in student.parameters())
-    return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med),
+    return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med), "curve": curve,
             "cpu_s": float(cpu),
             "grad_bytes": grad_bytes,
             "meter_cross_bytes_per_step": float(cross) if variant.startswith("vcga:") else None,
@@ -387,7 +392,30 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue:
 # -- the two modes -------------------------------------------------------------------------------------
 
 
-def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: float = 0.0) -> str:
+def _steps_to_target(results: list[dict[str, Any]], base: dict[str, Any], target_step: int, markdown: bool) -> str:
+    """Time to accuracy in steps: the first step (of those ``--curve`` evaluated) at which each
+    variant's held-out loss is at most exact's at ``target_step``, and its ratio to ``target_step``;
+    with the step times, the wall time to that loss against exact's."""
+    from _ranks import table
+
+    want = dict(base["curve"]).get(target_step)
+    if want is None:
+        raise SystemExit(f"--target-step {target_step} is not a step --curve evaluated (a multiple of it, <= --steps)")
+    rows = []
+    for r in results:
+        if r["variant"].startswith("compute"):
+            continue
+        hit = next((st for st, loss in r["curve"] if loss <= want), None)
+        rows.append([r["variant"], "not within " + str(r["curve"][-1][0]) if hit is None else str(hit),
+                     "–" if hit is None else f"{hit / target_step:.2f}",
+                     "–" if hit is None else f"{hit * r['step_s'] / (target_step * base['step_s']):.2f}"])
+    head = [f"variant (exact's loss at step {target_step}: {want:.5f})", "steps to it", "steps / exact's",
+            "time / exact's (steps x this run's step times)"]
+    return table(head, rows, markdown)
+
+
+def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: float = 0.0,
+           target_step: int = 0) -> str:
     from _ranks import table
 
     base = next(r for r in results if r["variant"] == "exact")
@@ -404,6 +432,8 @@ def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: 
     head = ["variant", "loss", "loss / exact", "step", "step / exact", "CPU/step", "link bytes/step", "metered cross/step",
             "ranks identical"]
     out = title + "\n" + table(head, lines, markdown)
+    if target_step and base["curve"]:
+        out += "\n\n" + _steps_to_target(results, base, target_step, markdown)
     comp = next((r for r in results if r["variant"] == "compute"), None)
     if rate_bps and comp is not None:
         # The floors: exact DDP moves every gradient byte across the link each way at least once
@@ -439,6 +469,10 @@ def main() -> None:
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--per-node", type=int, default=2, choices=(1, 2),
                     help="nodes mode: ranks per node (1: each node's rank has a core of this host to itself)")
+    ap.add_argument("--curve", type=int, default=0, metavar="K",
+                    help="evaluate the held-out loss every K steps (for --target-step)")
+    ap.add_argument("--target-step", type=int, default=0, metavar="T",
+                    help="with --curve: report the steps each variant takes to reach exact's loss at step T")
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -458,7 +492,7 @@ def main() -> None:
                  f"{args.teacher_rank}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps"
                  + (f", label noise {args.noise}" if args.noise else "")
                  + (f", sparse inputs ({args.active} of {args.features} features on)" if args.features else ""))
-        print(report(results, args.markdown, title))
+        print(report(results, args.markdown, title, target_step=args.target_step))
         return
     run_nodes(args)
 

@@ -57,14 +57,22 @@ def test_host_exchange_benchmark_runs_at_a_toy_size() -> None:
 def test_compression_benchmark_runs_every_kind_of_variant_at_a_toy_size() -> None:
     """benchmarks/compression.py's converge mode with vcga's hook, torch's hooks and the reference
     top-k / DGC hooks, on an uneven mixed world (an island of two and one of one): every variant
-    ends with ranks bitwise identical, and no deprecated torch name warns (vcga's island
-    collectives use torch 2.13's names)."""
+    ends with ranks bitwise identical, the steps-to-target table (``--curve``/``--target-step``)
+    lists every variant with exact at its own target step, and no deprecated torch name warns
+    (vcga's island collectives use torch 2.13's names)."""
     variants = ["exact", "vcga:topk:ratio=0.1", "vcga:powersgd:rank=2", "ref-topk:0.1", "ref-dgc:0.1:2",
                 "torch-powersgd:2", "torch-fp16"]
     r = _run(["benchmarks/compression.py", "converge", "--vendors", "nccl:2,hccl:1", "--steps", "4", "--warmup", "1",
-              "--width", "32", "--depth", "2", "--markdown", "--variants", ";".join(variants)])
+              "--width", "32", "--depth", "2", "--curve", "1", "--target-step", "2", "--markdown",
+              "--variants", ";".join(variants)])
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in r.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| variant")}
-    assert rows == {v: "yes" for v in variants}, r.stdout
+    main, _, to_target = r.stdout.partition("\n\n")  # the results, then the steps to exact's loss at step 2
+
+    def rows(text: str) -> dict[str, list[str]]:
+        return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                if line.startswith("| ") and not line.startswith("| variant"))}
+
+    assert {v: cells[-1] for v, cells in rows(main).items()} == {v: "yes" for v in variants}, r.stdout
+    steps = rows(to_target)
+    assert set(steps) == set(variants) and steps["exact"][:2] == ["2", "1.00"], r.stdout
     assert "FutureWarning" not in r.stderr, r.stderr
