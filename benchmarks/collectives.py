@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+from vcga.comm import all_gather_single, reduce_scatter_single  # torch 2.13's names (no FutureWarning)
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
@@ -65,10 +67,10 @@ def _call(op: str, bufs: tuple[Any, Any], group: Any) -> None:
         dist.all_reduce(a, group=group)
     elif op == "broadcast":
         dist.broadcast(a, 0, group=group)
-    elif op == "all_gather":  # torch 2.13's names (the old ones print a FutureWarning per call)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(a, b, group=group)
+    elif op == "all_gather":
+        all_gather_single(a, b, group=group)
     else:
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(a, b, group=group)
+        reduce_scatter_single(a, b, group=group)
 
 
 def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -189,28 +189,25 @@ def _reference_topk(ratio: float, momentum: float = 0.0, warmup: int = 0) -> Any
         i = bucket.index()
         step = calls[i] = calls.get(i, -1) + 1
         g = bucket.buffer()
-        if momentum:
-            u = velocity[i] = velocity[i].mul_(momentum).add_(g) if i in velocity else g.clone()
-            x = residual[i].add_(u) if i in residual else u.clone()
-        else:
-            x = g + residual.get(i, 0)
+        if momentum:  # DGC: the velocity is what accumulates and is sent
+            g = velocity[i] = velocity[i].mul_(momentum).add_(g) if i in velocity else g.clone()
+        x = g + residual[i] if i in residual else g.clone()
         share = ratio
         if warmup and step < warmup:
             share = max(ratio, 0.25 ** (1 + 4 * step // warmup))
         k = max(1, math.ceil(share * x.numel()))
         idx = torch.topk(x.abs(), k, sorted=False).indices
         val = x[idx]
-        r = x.clone() if not momentum else x
-        r[idx] = 0
-        residual[i] = r
+        x[idx] = 0  # what was not sent: the residual
+        residual[i] = x
         if momentum:
-            u[idx] = 0
+            g[idx] = 0  # momentum factor masking
         world = dist.get_world_size()
         idxs = [torch.empty_like(idx) for _ in range(world)]
         vals = [torch.empty_like(val) for _ in range(world)]
         dist.all_gather(idxs, idx)
         dist.all_gather(vals, val)
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(g)
         for j, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
             out.index_add_(0, j, v)
         fut: Any = torch.futures.Future()
@@ -520,7 +517,7 @@ def run_nodes(args: argparse.Namespace) -> None:
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
                         "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
                         "--teacher-rank", str(args.teacher_rank), "--features", str(args.features),
-                        "--active", str(args.active), "--out", os.path.join(out, "r.json")]
+                        "--active", str(args.active), "--curve", str(args.curve), "--out", os.path.join(out, "r.json")]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
                 launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,
@@ -548,7 +545,7 @@ def run_nodes(args: argparse.Namespace) -> None:
              f"({args.warmup} untimed)")
     from vcga.testing.multinode import parse_rate
 
-    print(report(results, args.markdown, title, parse_rate(args.rate)))
+    print(report(results, args.markdown, title, parse_rate(args.rate), target_step=args.target_step))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ N = 1 << 24
 def rank(r: int, world: int, port: int) -> int:
     import vcga  # noqa: F401 - registers backend "vcga"
     from vcga import pypg
+    from vcga.comm import reduce_scatter_single
 
     release = pypg._release
 
@@ -48,8 +49,7 @@ def rank(r: int, world: int, port: int) -> int:
     store = dist.TCPStore("127.0.0.1", port, world, r == 0, timeout=timeout)
     dist.init_process_group("vcga", store=store, rank=r, world_size=world, timeout=timeout)
     out = torch.empty(N)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13's name
-    work = scatter(out, torch.ones(N * world), async_op=True)
+    work = reduce_scatter_single(out, torch.ones(N * world), async_op=True)
     work.get_future().wait()
     del work
     ok = torch.equal(out, torch.full((N,), float(world)))

@@ -21,6 +21,7 @@ the same semantics and the same typed errors.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import replace
@@ -38,16 +39,21 @@ __all__ = ["init", "Communicator", "all_gather_single", "reduce_scatter_single"]
 _OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 
 
+@functools.cache
+def _current(name: str, old: str) -> Any:
+    """torch.distributed's function ``name``, else (older torch) ``old``; looked up once."""
+    import torch.distributed as dist
+
+    return getattr(dist, name, None) or getattr(dist, old)
+
+
 def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
     """``torch.distributed``'s one-tensor all-gather under its current name.
 
     torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and deprecated the old
     name: calling it prints a FutureWarning from inside vcga into the user's log. Older torch has
     only the old name."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, tensor, group=group, async_op=async_op)
+    return _current("all_gather_single", "all_gather_into_tensor")(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, op: Any = None, group: Any = None,
@@ -56,8 +62,8 @@ def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, op: Any = 
     ``reduce_scatter_single``, formerly ``reduce_scatter_tensor``; see :func:`all_gather_single`)."""
     import torch.distributed as dist
 
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
+    return _current("reduce_scatter_single", "reduce_scatter_tensor")(
+        output, tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
 def _env_int(env: dict[str, str] | os._Environ[str], key: str, default: int | None) -> int | None:
