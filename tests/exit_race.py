@@ -3,7 +3,7 @@
 Run as ``python tests/exit_race.py JOBS``; prints one JSON line ``{"codes": [[rank codes] per job]}``.
 
 Each job is 2 ranks forked from this process. Each rank starts one asynchronous
-``reduce_scatter_tensor`` (a gloo work without a future of its own: vcga watches it on a counted
+reduce-scatter (``reduce_scatter_single``: a gloo work without a future of its own: vcga watches it on a counted
 thread, ``vcga-work-watch``), waits for its future, drops the handle, destroys the group and leaves
 through the end of this script. The input is large (2 x 64 MiB), so the work's C++ destructor takes
 a while, and the watcher is made to pause for 0.3 s right before it leaves the exit drain's count

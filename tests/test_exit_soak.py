@@ -24,8 +24,8 @@ RACE = Path(__file__).with_name("exit_race.py")
 
 
 def _fatal_lines(stderr: str) -> str:
-    """The lines of an abort, wherever they are in stderr: each rank prints kilobytes of torch's
-    deprecation warnings, which push them out of any tail."""
+    """The lines of an abort, wherever they are in stderr: other ranks' output (tracebacks, torch's
+    warnings) can push them out of any tail."""
     keys = ("terminate called", "Fatal Python error", "Aborted")
     return "\n".join(line for line in stderr.splitlines() if any(k in line for k in keys))
 
