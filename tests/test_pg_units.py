@@ -19,7 +19,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from vcga.config import Config
 from vcga.contract import CapabilityTable, Collective, ReduceOp
 from vcga import pypg
-from vcga.errors import VcgaTimeoutError, VcgaUnsupportedError
+from vcga.errors import VcgaError, VcgaTimeoutError, VcgaUnsupportedError, typed
 from vcga.pypg import PyWork, completed_work, reduce_op_of, torch_reduce_op
 
 from pg_world import free_port
@@ -50,6 +50,27 @@ def test_pywork_future_runs_the_steps_without_wait() -> None:
     assert w.get_future().wait()[0].tolist() == [5.0, 5.0]
     w.wait()
     assert t.tolist() == [5.0, 5.0]  # and not twice
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-works", "no-native-works"])
+def test_a_failed_pywork_fails_for_a_cpp_consumer_of_its_future(native: bool) -> None:
+    """DDP's reducer and c10d read a work's future in C++. A future completed with
+    ``Future.set_exception`` looks successful there (the exception is its value): a c10d work made
+    from it reports success (``isSuccess`` reads the future's error in C++). Both of PyWork's paths
+    -- with native works, and a work whose steps ran inline -- must fail where C++ looks, and carry
+    the VCGA error for ``typed``."""
+    err = VcgaError("completion step failed")
+
+    def step() -> None:
+        raise err
+
+    t = torch.zeros(2)
+    w = PyWork([_work([t])] if native else [], [step], [t])
+    fut = w.get_future()
+    assert not _create_work_from_future(fut).is_success()
+    with pytest.raises(RuntimeError) as got:
+        fut.value()
+    assert typed(got.value) is err
 
 
 class _CopyOnWaitWork(dist._Work):

@@ -37,6 +37,7 @@ log = logging.getLogger("vcga.work")
 __all__ = [
     "PyWork",
     "completed_work",
+    "failed_future",
     "reduce_op_of",
     "torch_reduce_op",
     "options",
@@ -252,13 +253,13 @@ class PyWork(dist._Work):
         """A future completed with the output tensors once the work (and its steps) finished."""
         if self._future is None:
             if not self._works:
-                fut: torch.futures.Future = torch.futures.Future()
                 try:
                     self.wait()
-                    fut.set_result(self._result)
                 except BaseException as e:  # noqa: BLE001
-                    fut.set_exception(e)
-                self._future = fut
+                    self._future = failed_future(e)
+                else:
+                    self._future = torch.futures.Future()
+                    self._future.set_result(self._result)
             else:
                 futs = self._watched()
                 base = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
@@ -281,6 +282,25 @@ class PyWork(dist._Work):
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self._done else "pending")
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
+
+
+def failed_future(error: BaseException) -> torch.futures.Future:
+    """A completed future that failed with ``error`` for every consumer, C++ ones included.
+
+    ``Future.set_exception`` is not that: it stores the exception as the future's *value* and only
+    Python's ``wait()`` raises it. DDP's reducer, or a ``Work`` made from the future, reads the value:
+    the work reports success, or DDP fails with "Unable to cast <exception> to Tensor". A callback
+    that raises inside ``then()`` marks the chained future failed in C++ as well; its waiters get
+    torch's wrapper ("Got the following error when running the callback: ..."), as from a work whose
+    native works failed (``_on_native_done``), and :func:`vcga.errors.typed` recovers ``error``.
+    """
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+
+    def _raise(_: torch.futures.Future) -> None:
+        raise error
+
+    return done.then(_raise)
 
 
 # -- leaving the process with work in flight -------------------------------------------------------
