@@ -162,3 +162,103 @@ def failing_main(rank: int, world: int, port: int, vendors: str, overlap: bool, 
         os._exit(0)
     state.close()
     dist.destroy_process_group()
+
+
+def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple[str, bool]], root: str,
+                queue: Any) -> None:
+    """For each (spec, DDP's find_unused_parameters): DDP through vcga's hook for 6 steps straight;
+    the same job stopped after 3 steps (vcga.checkpoint.save of the model and the compression
+    state) and resumed in fresh objects from a differently initialised model; and resumed without
+    the compression state. Reports digests of the parameters (identical across ranks?), the
+    state's bucket keys, and what loading a state kept for another spec does."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import vcga  # noqa: F401
+    from vcga import checkpoint
+    from vcga.compress import ddp_hook
+    from vcga.errors import VcgaCheckpointError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="60")
+    torch.set_num_threads(1)
+    dist.init_process_group("vcga")
+
+    def job(spec: str, init_seed: int) -> tuple[Any, Any, Any, Any]:
+        torch.manual_seed(init_seed)
+        model = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        # several buckets; without find_unused_parameters DDP's first step has one bucket of all
+        ddp = DDP(model, bucket_cap_mb=0.004, find_unused_parameters=unused)
+        state, hook = ddp_hook(spec)
+        ddp.register_comm_hook(state, hook)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    def train(ddp: Any, opt: Any, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(8, 24, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    def digest(model: Any) -> str:
+        d = _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, d)
+        return d if len(set(every)) == 1 else "ranks differ"
+
+    out: dict[str, Any] = {}
+    for spec, unused in runs:
+        got: dict[str, Any] = {}
+        model, ddp, state, opt = job(spec, 0)
+        train(ddp, opt, range(6))
+        got["straight"] = digest(model)
+        got["straight keys"] = sorted(map(repr, state.reducer.exchange.slots))
+        state.close()
+
+        model, ddp, state, opt = job(spec, 0)
+        train(ddp, opt, range(3))
+        where = os.path.join(root, f"{spec}-{unused}".replace(":", "_").replace(",", "_").replace("=", "-"))
+        checkpoint.save({"model": model.state_dict(), "compression": state}, where, step=3)
+        mine = state.state_dict()
+        got["entry"] = sorted(mine)
+        state.close()
+
+        for with_state in (True, False):
+            model, ddp, state, opt = job(spec, 1)  # another init: the checkpoint must bring the model back
+            wanted: dict[str, Any] = {"model": model.state_dict()}
+            if with_state:
+                wanted["compression"] = state
+            got["loaded step" if with_state else "loaded step, no state"] = checkpoint.load_latest(wanted, where)
+            train(ddp, opt, range(3, 6))
+            got["resumed" if with_state else "resumed without the state"] = digest(model)
+            if with_state:
+                got["resumed keys"] = sorted(map(repr, state.reducer.exchange.slots))
+            state.close()
+
+        # a state kept for another compression: a warning and a fresh start, or (strict) a typed error
+        other, _ = ddp_hook("bf16" if not spec.startswith("bf16") else "fp16")
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("vcga.compress.hook").addHandler(handler)
+        try:
+            other.load_state_dict(mine)
+        finally:
+            logging.getLogger("vcga.compress.hook").removeHandler(handler)
+        got["other spec warned"] = records
+        got["other spec step"] = other.step
+        try:
+            other.load_state_dict(mine, strict=True)
+            got["other spec strict"] = None
+        except VcgaCheckpointError as e:
+            got["other spec strict"] = str(e)
+        other.close()
+        out[f"{spec} {unused}"] = got
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)

@@ -464,3 +464,21 @@ def test_a_failed_background_copy_fails_the_save_through_dcp_and_publishes_nothi
                                                   "failed: MemoryError"):
         fut.result(timeout=120)
     assert ckpt.latest_step(root) == 1 and sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]
+
+
+def test_a_ranks_compression_entry_that_a_smaller_world_did_not_save_is_left_to_its_owner(tmp_path):
+    """Resuming on more ranks (elastic): rank 1's ``vcga-compression-rank1`` entry is not in a
+    checkpoint one rank saved. The load succeeds and leaves that entry as the template it was
+    (CompressionState.load_state_dict then starts afresh, with a warning); any other key missing
+    from the checkpoint still fails the load."""
+    ckpt.save({"model": {"w": torch.arange(4.0)}, "compression": {"vcga-compression-rank0": b"rank 0's state"}},
+              tmp_path, step=1)
+    template = b"rank 1's fresh state"
+    state = {"model": {"w": torch.zeros(4)}, "compression": {"vcga-compression-rank1": template}}
+    assert ckpt.load_latest(state, tmp_path) == 1
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
+    assert state["compression"]["vcga-compression-rank1"] is template
+    mine = {"model": {"w": torch.zeros(4)}, "compression": {"vcga-compression-rank0": b""}}
+    assert ckpt.load_latest(mine, tmp_path) == 1 and mine["compression"]["vcga-compression-rank0"] == b"rank 0's state"
+    with pytest.raises(VcgaCheckpointError, match="model.v"):
+        ckpt.load_latest({"model": {"w": torch.zeros(4), "v": torch.zeros(2)}}, tmp_path)

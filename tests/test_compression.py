@@ -509,3 +509,40 @@ def test_a_failed_compressed_exchange_reaches_backward_as_a_typed_vcga_error(fau
     else:
         assert "VcgaTimeoutError: rank 0: all_reduce" in got["text"], got
         assert got["typed"] == "VcgaTimeoutError" and "did not complete within 3 s" in got["typed_text"], got
+
+
+def test_a_job_resumed_from_a_checkpoint_with_the_compression_state_ends_bitwise_like_the_straight_run(tmp_path):
+    """Simulated vendors (nccl:2,hccl:2, scope bridge: every island rank keeps its part's residual).
+    Three steps, ``vcga.checkpoint.save`` of the model and the hook's state, a resume in fresh
+    objects from another initialisation, three more steps.
+
+    With DDP's buckets the same from its first step (``find_unused_parameters=True``) the
+    parameters equal the straight six steps' bit for bit -- residuals, PowerSGD's warm start and
+    its ``start=`` count, QSGD's per-step seeds and the two-phase exchange's server residuals all
+    carried over; resumed without the state they differ (what the state carries matters). With
+    DDP's default (one bucket of all parameters in a new process's first step, rebuilt after it)
+    the loaded residuals outlive that step and carry on: the resumed run ends with the straight
+    run's buckets and differs from a resume without them. A state kept for another spec is not
+    applied: a warning, or with ``strict`` a VcgaCheckpointError."""
+    from compression_world import resume_main
+
+    from vcga.spawn import run_ranks
+
+    runs = [("powersgd:rank=2,start=2", True), ("topk:ratio=0.1", True), ("qsgd:levels=16", True), ("sign", True),
+            ("topk:ratio=0.1", False)]
+    out = run_ranks(resume_main, 4, "nccl:2,hccl:2", runs, str(tmp_path), timeout=600)
+    for spec, unused in runs:
+        got = out[f"{spec} {unused}"]
+        assert got["entry"] == ["vcga-compression-rank0"], (spec, got)
+        assert got["loaded step"] == got["loaded step, no state"] == 3, (spec, got)
+        assert "ranks differ" not in (got["straight"], got["resumed"], got["resumed without the state"]), (spec, got)
+        assert got["resumed without the state"] != got["straight"], (spec, got)
+        if unused:
+            assert got["resumed"] == got["straight"], (spec, got)
+        else:
+            assert got["resumed"] != got["resumed without the state"], (spec, got)
+        assert got["resumed keys"] == got["straight keys"] and got["straight keys"], (spec, got)
+        assert got["other spec step"] == 0, (spec, got)
+        assert len(got["other spec warned"]) == 1 and "another compression or layout" in got["other spec warned"][0] \
+            and "start afresh" in got["other spec warned"][0], (spec, got)
+        assert got["other spec strict"] is not None and "strict=False" in got["other spec strict"], (spec, got)

@@ -100,7 +100,9 @@ class Compressor(abc.ABC):
     payload then has the same layout; the driver moves them as bytes). ``decompress`` is also
     called on this rank's own payload (``sent``) and, for a GATHER compressor, on each peer's
     with this rank's ``state`` for the same tensor: keep in ``state`` only what any peer's payload
-    of that tensor decodes with (its length, the shared Q, ...).
+    of that tensor decodes with (its length, the shared Q, ...). ``state`` is saved with the hook's
+    state in checkpoints and read back with ``torch.load(weights_only=True)``: keep tensors and
+    plain values in it (numbers, strings, tuples, lists, dicts).
     """
 
     #: How payloads of several ranks combine.

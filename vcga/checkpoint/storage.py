@@ -478,6 +478,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     the checkpoint's pickle names would run. Checksums prove the bytes are the ones written, not
     who wrote them."""
 
+    def create_local_plan(self) -> Any:
+        # A rank's own entry that the checkpoint lacks -- vcga.compress's state of a rank that a
+        # smaller world did not have -- is left as the template it is: its owner starts afresh
+        # (CompressionState.load_state_dict). Any other missing key still fails the load.
+        from vcga.compress.hook import STATE_KEY_PREFIX
+
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        for fqn in [k for k in self.state_dict if k not in saved and k.rpartition(".")[2].startswith(STATE_KEY_PREFIX)]:
+            del self.state_dict[fqn]
+        return super().create_local_plan()
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element
 

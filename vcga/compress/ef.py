@@ -144,6 +144,23 @@ class ErrorFeedback:
             self.last = EFRecord(x.detach().clone(), sent.detach().clone(), self.hi.clone(), lo.clone())
             self.lo = lo if self._fresh else lo.add_(pending)
 
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual between steps, exactly: ``(hi, lo)`` (None before the first step)."""
+        return None if self.hi is None else (self.hi, self.lo)  # type: ignore[return-value]
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Carry on from a residual :meth:`saved` gave (a resumed job): the next :meth:`input` adds it."""
+        if saved is None:
+            self.hi = self.lo = self._x = None
+            return
+        hi, lo = saved
+        if hi.shape != lo.shape or hi.dtype != lo.dtype:
+            raise ValueError(f"a residual's two parts differ: {tuple(hi.shape)} {hi.dtype} and {tuple(lo.shape)} {lo.dtype}")
+        c = torch.contiguous_format
+        self.hi, self.lo = hi.contiguous(memory_format=c), lo.contiguous(memory_format=c)
+        self._x = torch.empty_like(self.hi, memory_format=c)  # input()'s output buffer
+        self._fresh = False
+
     def residual(self) -> torch.Tensor | None:
         """The residual rounded to one tensor (for inspection)."""
         return None if self.hi is None else self.hi + self.lo

@@ -167,6 +167,27 @@ class Exchange:
         for k in [k for k in self.slots if not keep(k)]:
             del self.slots[k]
 
+    def saved(self) -> dict[Any, dict[str, Any]]:
+        """Every tensor's state between steps, as plain values (:meth:`restore` takes it back):
+        the compressor's dict, the residual's exact parts, and the two-phase exchange's chunks."""
+        return {k: {"state": s.state, "ef": s.ef.saved() if s.ef is not None else None, "chunks": s.chunks,
+                    "server": {j: (st, ef.saved() if ef is not None else None) for j, (st, ef) in s.server.items()}}
+                for k, s in self.slots.items()}
+
+    def restore(self, saved: dict[Any, dict[str, Any]]) -> None:
+        """Replace every tensor's state with what :meth:`saved` gave."""
+        def ef_of(parts: Any) -> ErrorFeedback | None:
+            if not self.c.error_feedback:
+                return None
+            ef = ErrorFeedback(record=self.record, scratch=self._scratch)
+            ef.restore(parts)
+            return ef
+
+        self.slots = {k: _Slot(state=dict(v["state"]), ef=ef_of(v["ef"]),
+                               chunks={j: dict(st) for j, st in v["chunks"].items()},
+                               server={j: (dict(st), ef_of(parts)) for j, (st, parts) in v["server"].items()})
+                      for k, v in saved.items()}
+
     def ctx(self, key: Any, step: int, role: str = "worker") -> CompressContext:
         return CompressContext(self.peers, self.peer, step, mix_seed(self.seed, repr(key)), role)
 

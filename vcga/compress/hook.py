@@ -18,11 +18,12 @@ The result is the average over the group, bitwise identical on every rank.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,13 +34,18 @@ from vcga.compress.engine import Pending, Reducer
 from vcga.compress.meter import WireMeter, sent_bytes
 from vcga.compress.spec import CompressionSpec, parse_spec
 from vcga.contract import Combine
-from vcga.errors import VcgaError
+from vcga.errors import VcgaCheckpointError, VcgaError
 
-__all__ = ["ddp_hook", "CompressionState"]
+__all__ = ["ddp_hook", "CompressionState", "STATE_KEY_PREFIX"]
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+#: A rank's entry in a checkpoint (:meth:`CompressionState.state_dict`): the prefix and the rank.
+STATE_KEY_PREFIX = "vcga-compression-rank"
+#: The layout of that entry's value; a change that older readers cannot follow changes it.
+STATE_FORMAT = "vcga.compression/1"
 
 
 class CompressionState:
@@ -73,6 +79,7 @@ class CompressionState:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._offered: bytes | None = None  # the value state_dict() last handed out
         if self.reducer is not None and spec.when == "auto":
             self._measure()
 
@@ -219,6 +226,102 @@ class CompressionState:
             self._thread.start()
         self._queue.put((buffer, shapes, index, last, fut))
         return fut.then(_value)
+
+    # -- checkpointing -------------------------------------------------------------------------------
+
+    def _entry(self) -> str:
+        return f"{STATE_KEY_PREFIX}{dist.get_rank(self.group)}"
+
+    def _identity(self) -> dict[str, Any]:
+        """What a saved state must match to be carried on: the compression and the layout it was
+        kept for (a residual is this rank's share of its island's sum in the exchange among peers)."""
+        r = self.reducer
+        return {"spec": self.spec.canonical(), "world": self.world, "rank": dist.get_rank(self.group),
+                "islands": [list(i) for i in r.layout.islands] if r is not None else None,
+                "scope": r.scope if r is not None else None}
+
+    def state_dict(self) -> dict[str, bytes]:
+        """This rank's compression state, to resume a job where it stopped, bit for bit.
+
+        ``{"vcga-compression-rank<r>": bytes}``: every rank's state differs (its error-feedback
+        residuals, its share of PowerSGD's warm start), so each sits under a key of its own, as one
+        opaque value: ``vcga.checkpoint.save`` / ``torch.distributed.checkpoint`` keep every
+        rank's entry (a tensor under the same key on every rank would be kept once, as replicated),
+        and ``torch.save`` takes it as it is. Take it between steps (after ``loss.backward()``)."""
+        if self._keys:
+            raise VcgaError("the compression state was asked for in the middle of a step (some of DDP's "
+                            "buckets are reduced, others not): take it between steps, after loss.backward()")
+        r = self.reducer
+        payload = {"format": STATE_FORMAT, **self._identity(), "step": self.step, "stats": dict(self.stats),
+                   "decisions": dict(self._decisions),
+                   "link": [self.link.name, self.link.alpha_s, self.link.beta_Bps, self.link.source]
+                   if self.link is not None else None,
+                   "cost": [self.cost.fixed_s, self.cost.per_byte_s, self.cost.source] if self.cost is not None else None,
+                   "slots": r.exchange.saved() if r is not None else {}}
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        self._offered = buf.getvalue()
+        return {self._entry(): self._offered}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = False) -> None:
+        """Carry on from :meth:`state_dict`'s value saved by the same rank of an earlier run.
+
+        Bit for bit when DDP's buckets at the resumed step are those the state was saved with: DDP
+        in a new process reduces its first step in one bucket of all parameters and rebuilds its
+        buckets after it -- unless ``find_unused_parameters=True``, which keeps one layout from the
+        first step. Otherwise that first step's bucket starts without a residual, and the loaded
+        residuals carry on from DDP's rebuild (docs/compression.md, "Checkpoints").
+
+        A state kept for another compression spec or another layout (the job resumed on another
+        world: elastic) cannot be carried on -- a residual is this rank's share in *that* layout's
+        exchange: the residuals then start at zero, as at a job's first step, with a warning (with
+        ``strict``: :class:`~vcga.errors.VcgaCheckpointError`). So does a rank the checkpoint has no
+        entry for (it was saved by a smaller world).
+
+        :raises VcgaCheckpointError: the entry is not a compression state this version can read.
+        """
+        rank = dist.get_rank(self.group)
+        value = state_dict.get(self._entry())
+        if value is None or value is self._offered:  # absent, or left as the template we handed a loader
+            self._start_afresh(f"the checkpoint holds no compression state for rank {rank} (it was saved by "
+                               "a smaller world, or without it)", strict)
+            return
+        if not isinstance(value, (bytes, bytearray)):
+            raise VcgaCheckpointError(f"the compression state of rank {rank} is a {type(value).__name__}, not the "
+                                      "bytes CompressionState.state_dict() gives: save what it returns, as it is")
+        try:
+            payload = torch.load(io.BytesIO(bytes(value)), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler says, as the reason
+            raise VcgaCheckpointError(f"the compression state of rank {rank} could not be read: {e}") from e
+        if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
+            got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+            raise VcgaCheckpointError(f"the compression state of rank {rank} has format {got!r}; this version of "
+                                      f"vcga reads {STATE_FORMAT!r}")
+        mine = self._identity()
+        differ = [f"{k} {payload.get(k)!r} (now {v!r})" for k, v in mine.items() if payload.get(k) != v]
+        if differ:
+            self._start_afresh(f"the compression state of rank {rank} was kept for another compression or layout: "
+                               + "; ".join(differ), strict)
+            return
+        self.step = int(payload["step"])
+        self.stats = dict(payload["stats"])
+        # DDP in a new process runs its first step with all parameters in one bucket and rebuilds
+        # its buckets after it (unless find_unused_parameters): that step's bucket starts afresh,
+        # and the loaded ones must outlive it to carry on from the rebuild (see _end).
+        self._last_keys = set()
+        self._decisions = dict(payload["decisions"])
+        if payload["link"] is not None:
+            self.link = LinkCost(*payload["link"])
+        if payload["cost"] is not None:
+            self.cost = CompressCost(*payload["cost"])
+        if self.reducer is not None:
+            self.reducer.exchange.restore(payload["slots"])
+
+    def _start_afresh(self, reason: str, strict: bool) -> None:
+        if strict:
+            raise VcgaCheckpointError(reason + ". Resume with the spec and world it was saved with, or load "
+                                      "it with strict=False to start the residuals at zero")
+        log.warning("%s: error-feedback residuals and warm starts start afresh (at zero)", reason)
 
     def close(self) -> None:
         """Stop the worker thread and the meter."""
