@@ -42,15 +42,41 @@ def _read(path: Path) -> dict:
 
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
 def test_lightning_ddp_and_fsdp_strategies(tmp_path, vendors):
-    """DDPStrategy(process_group_backend="vcga") and FSDP (ModelParallelStrategy + fully_shard)."""
+    """DDPStrategy(process_group_backend="vcga"), vcga.integrations.lightning.DDPStrategy with
+    the configured compression (VCGA_COMPRESSION; on CPU, where Lightning's own registers no
+    hook), and FSDP (ModelParallelStrategy + fully_shard)."""
     pytest.importorskip("pytorch_lightning")
-    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path)], vendors)
-    for strategy in ("DDPStrategy", "ModelParallelStrategy"):
+    # VCGA's strategy is given no spec: it takes the configured one (Lightning's ignore it)
+    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path)],
+         {**vendors, "VCGA_COMPRESSION": "powersgd:rank=2,min_rate=0"})
+    digests = {}
+    for strategy in ("pytorch_lightning.DDPStrategy", "vcga.DDPStrategy", "pytorch_lightning.ModelParallelStrategy"):
         ranks = [_read(tmp_path / f"{strategy}-{r}.json") for r in (0, 1)]
         assert ranks[0]["sha256"] == ranks[1]["sha256"], strategy
         assert ranks[0]["sha256"] != ranks[0]["start_sha256"] and ranks[0]["steps"] == 4  # it trained
         for x in ranks:
             assert x["backend"] == "vcga" and x["transport"] == (BRIDGE if vendors else "gloo") and x["world"] == 2
+        digests[strategy] = ranks[0]["sha256"]
+    plain, compressed = (_read(tmp_path / f"{s}-0.json")["compression"] for s in ("pytorch_lightning.DDPStrategy",
+                                                                                   "vcga.DDPStrategy"))
+    assert plain is None
+    # every bucket of the 4 steps went through the PowerSGD hook (mixed: scope bridge)
+    assert compressed["spec"].startswith("powersgd") and compressed["step"] == 4, compressed
+    assert compressed["stats"]["compressed"] >= 4 and compressed["stats"]["plain"] == 0, compressed
+    assert compressed["scope"] == ("bridge" if vendors else "all"), compressed
+    assert digests["vcga.DDPStrategy"] != digests["pytorch_lightning.DDPStrategy"]  # rank 2 of 32x8: lossy
+
+
+def test_vcga_lightning_strategy_refuses_compression_beside_a_hook_of_its_own():
+    """DDP takes one communication hook: a compression spec and Lightning's ddp_comm_hook together
+    are a typed error at construction, not one of them silently dropped."""
+    pytest.importorskip("pytorch_lightning")
+    from vcga.errors import VcgaConfigError
+    from vcga.integrations.lightning import DDPStrategy
+
+    with pytest.raises(VcgaConfigError, match="one communication hook"):
+        DDPStrategy(compression="bf16", ddp_comm_hook=lambda state, bucket: None)
+    assert DDPStrategy(compression="bf16").compression_state is None  # made when the model is wrapped
 
 
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])

@@ -1,4 +1,5 @@
-"""PyTorch Lightning on backend vcga: DDPStrategy, then FSDP, in one 2-process CPU job.
+"""PyTorch Lightning on backend vcga: DDPStrategy, VCGA's DDPStrategy with compression, then
+FSDP, in one 2-process CPU job.
 
 FSDP on CPU: Lightning's FSDPStrategy wraps FSDP1, which torch 2.13 refuses without an
 accelerator ("FSDP needs a non-CPU accelerator device"), and Lightning refuses FSDPStrategy with
@@ -6,7 +7,7 @@ accelerator="cpu" anyway. So FSDP here is Lightning's ModelParallelStrategy with
 on a data-parallel mesh of both ranks -- the same process_group_backend="vcga" plumbing.
 
 argv: out_dir. Lightning's own launcher starts rank 1 (it re-runs this script); each rank writes
-out_dir/<strategy>-<rank>.json with the sha256 of its full weights after training and what its
+out_dir/<package>.<strategy>-<rank>.json with the sha256 of its full weights after training and what its
 process group was. VCGA_SIM_VENDORS=nccl:1,hccl:1 in the environment makes it a mixed-vendor job.
 """
 
@@ -64,10 +65,13 @@ class Model(pl.LightningModule):
     def on_train_end(self) -> None:
         digest = self._digest()  # FSDP: every rank gathers the full weights (DTensor.full_tensor)
         pg = dist.group.WORLD
-        name = type(self.trainer.strategy).__name__
+        strategy = self.trainer.strategy
+        state = getattr(strategy, "compression_state", None)
+        name = f"{type(strategy).__module__.split('.')[0]}.{type(strategy).__name__}"
         with open(os.path.join(sys.argv[1], f"{name}-{self.global_rank}.json"), "w") as f:
             json.dump({"sha256": digest, "start_sha256": self._start, "backend": dist.get_backend(), "transport": pg.transport.backend_name,
-                       "world": dist.get_world_size(), "steps": self.trainer.global_step}, f)
+                       "world": dist.get_world_size(), "steps": self.trainer.global_step,
+                       "compression": state.describe() if state is not None else None}, f)
 
 
 def fit(strategy) -> None:
@@ -78,5 +82,10 @@ def fit(strategy) -> None:
 
 
 if __name__ == "__main__":
+    from vcga.integrations.lightning import DDPStrategy as CompressedDDPStrategy
+
     fit(DDPStrategy(process_group_backend="vcga"))
+    # Lightning's own DDPStrategy registers a comm hook only on CUDA; VCGA's registers its
+    # compression hook on any device (here the CPU)
+    fit(CompressedDDPStrategy(process_group_backend="vcga"))  # the configured compression: VCGA_COMPRESSION
     fit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="vcga"))
