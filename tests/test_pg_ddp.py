@@ -16,11 +16,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# torch's own gloo aborts now and then as a process exits, after training and after
+# destroy_process_group(): "terminate called without an active exception", SIGABRT, with no Python
+# frame left (the family of pytorch/pytorch PR 179291). Measured under load with train_ddp.py:
+# 1 of 60 runs on plain torch (vcga never imported, TORCH_DEVICE_BACKEND_AUTOLOAD=0), 1 of 40
+# with vcga imported. The gloo twin is only the reference, so that one signature reruns it once;
+# the vcga run gets no second chance.
+_TORCH_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(backend: str, out: Path) -> None:
     env = {**os.environ, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": "120", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_ddp.py"), "--backend", backend, "--parallel", "both", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if backend == "gloo" and proc.returncode != 0 and _TORCH_GLOO_EXIT_ABORT in proc.stderr:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"torchrun --backend {backend} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
