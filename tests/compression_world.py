@@ -168,7 +168,7 @@ def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple
                 queue: Any) -> None:
     """For each (spec, DDP's find_unused_parameters): DDP through vcga's hook for 6 steps straight;
     the same job stopped after 3 steps (vcga.checkpoint.save of the model and the compression
-    state) and resumed in fresh objects from a differently initialised model; and resumed without
+    state; for "sign" async_save, with a fourth step taken while it is in flight) and resumed in fresh objects from a differently initialised model; and resumed without
     the compression state. Reports digests of the parameters (identical across ranks?), the
     state's bucket keys, and what loading a state kept for another spec does."""
     import logging
@@ -223,8 +223,16 @@ def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple
         model, ddp, state, opt = job(spec, 0)
         train(ddp, opt, range(3))
         where = os.path.join(root, f"{spec}-{unused}".replace(":", "_").replace(",", "_").replace("=", "-"))
-        checkpoint.save({"model": model.state_dict(), "compression": state}, where, step=3)
-        mine = state.state_dict()
+        if spec == "sign":
+            # async_save takes the state when called: a step taken while the save is in flight
+            # must not reach the checkpoint
+            fut = checkpoint.async_save({"model": model.state_dict(), "compression": state}, where, step=3)
+            mine = state.state_dict()
+            train(ddp, opt, range(3, 4))
+            fut.result(120)
+        else:
+            checkpoint.save({"model": model.state_dict(), "compression": state}, where, step=3)
+            mine = state.state_dict()
         got["entry"] = sorted(mine)
         state.close()
 

@@ -513,8 +513,9 @@ def test_a_failed_compressed_exchange_reaches_backward_as_a_typed_vcga_error(fau
 
 def test_a_job_resumed_from_a_checkpoint_with_the_compression_state_ends_bitwise_like_the_straight_run(tmp_path):
     """Simulated vendors (nccl:2,hccl:2, scope bridge: every island rank keeps its part's residual).
-    Three steps, ``vcga.checkpoint.save`` of the model and the hook's state, a resume in fresh
-    objects from another initialisation, three more steps.
+    Three steps, ``vcga.checkpoint.save`` of the model and the hook's state (for ``sign``
+    ``async_save``, with a fourth step taken while it is in flight), a resume in fresh objects
+    from another initialisation, three more steps.
 
     With DDP's buckets the same from its first step (``find_unused_parameters=True``) the
     parameters equal the straight six steps' bit for bit -- residuals, PowerSGD's warm start and
