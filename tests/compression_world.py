@@ -11,6 +11,28 @@ def _digest(t: Any) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).numpy().tobytes()).hexdigest()
 
 
+def as_if_saved_on(blob: bytes, location: str) -> bytes:
+    """``torch.save`` bytes made on this CPU-only host, as if their tensors had been saved on
+    ``location`` (e.g. "cuda:0"): every storage's location tag in the archive's pickle rewritten,
+    which is what ``torch.save`` writes on that device. ``torch.load`` of the result on this host
+    fails as it would for a real checkpoint from a GPU (the caller checks that it does)."""
+    import io
+    import zipfile
+
+    tag = b"X\x03\x00\x00\x00cpu"  # pickle protocol 2's BINUNICODE 'cpu' (torch.save's default protocol)
+    new = location.encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/data.pkl"):
+                if tag not in data:
+                    raise AssertionError("no storage location 'cpu' in the archive's pickle")
+                data = data.replace(tag, b"X" + len(new).to_bytes(4, "little") + new)
+            zout.writestr(info.filename, data)
+    return out.getvalue()
+
+
 def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -165,12 +187,14 @@ def failing_main(rank: int, world: int, port: int, vendors: str, overlap: bool, 
 
 
 def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple[str, bool]], root: str,
-                queue: Any) -> None:
+                relocate: tuple[str, ...], queue: Any) -> None:
     """For each (spec, DDP's find_unused_parameters): DDP through vcga's hook for 6 steps straight;
     the same job stopped after 3 steps (vcga.checkpoint.save of the model and the compression
     state; for "sign" async_save, with a fourth step taken while it is in flight) and resumed in fresh objects from a differently initialised model; and resumed without
-    the compression state. Reports digests of the parameters (identical across ranks?), the
+    the compression state; for the specs in ``relocate``, resumed from the state's bytes as if saved
+    on a GPU (:func:`as_if_saved_on`). Reports digests of the parameters (identical across ranks?), the
     state's bucket keys, and what loading a state kept for another spec does."""
+    import io
     import logging
 
     import torch
@@ -246,6 +270,22 @@ def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple
             got["resumed" if with_state else "resumed without the state"] = digest(model)
             if with_state:
                 got["resumed keys"] = sorted(map(repr, state.reducer.exchange.slots))
+            state.close()
+
+        if spec in relocate:
+            # the same state as if saved on a GPU, resumed on this CPU-only host: torch.load alone fails
+            entry = next(iter(mine))
+            moved = {entry: as_if_saved_on(mine[entry], "cuda:0")}
+            try:
+                torch.load(io.BytesIO(moved[entry]), weights_only=True)
+                got["cuda bytes load here"] = True
+            except RuntimeError:
+                got["cuda bytes load here"] = False
+            model, ddp, state, opt = job(spec, 1)
+            checkpoint.load_latest({"model": model.state_dict()}, where)
+            state.load_state_dict(moved, strict=True)
+            train(ddp, opt, range(3, 6))
+            got["resumed from cuda bytes"] = digest(model)
             state.close()
 
         # a state kept for another compression: a warning and a fresh start, or (strict) a typed error

@@ -524,14 +524,16 @@ def test_a_job_resumed_from_a_checkpoint_with_the_compression_state_ends_bitwise
     DDP's default (one bucket of all parameters in a new process's first step, rebuilt after it)
     the loaded residuals outlive that step and carry on: the resumed run ends with the straight
     run's buckets and differs from a resume without them. A state kept for another spec is not
-    applied: a warning, or with ``strict`` a VcgaCheckpointError."""
+    applied: a warning, or with ``strict`` a VcgaCheckpointError. The state's bytes as if saved on
+    CUDA (which ``torch.load`` cannot read on this host) resume bit for bit as well."""
     from compression_world import resume_main
 
     from vcga.spawn import run_ranks
 
     runs = [("powersgd:rank=2,start=2", True), ("topk:ratio=0.1", True), ("qsgd:levels=16", True), ("sign", True),
             ("topk:ratio=0.1", False)]
-    out = run_ranks(resume_main, 4, "nccl:2,hccl:2", runs, str(tmp_path), timeout=600)
+    relocate = ("powersgd:rank=2,start=2", "sign")
+    out = run_ranks(resume_main, 4, "nccl:2,hccl:2", runs, str(tmp_path), relocate, timeout=600)
     for spec, unused in runs:
         got = out[f"{spec} {unused}"]
         assert got["entry"] == ["vcga-compression-rank0"], (spec, got)
@@ -547,3 +549,6 @@ def test_a_job_resumed_from_a_checkpoint_with_the_compression_state_ends_bitwise
         assert len(got["other spec warned"]) == 1 and "another compression or layout" in got["other spec warned"][0] \
             and "start afresh" in got["other spec warned"][0], (spec, got)
         assert got["other spec strict"] is not None and "strict=False" in got["other spec strict"], (spec, got)
+        if spec in relocate:  # saved on a GPU, resumed here: read onto the host, carried on bit for bit
+            assert got["cuda bytes load here"] is False, (spec, got)
+            assert got["resumed from cuda bytes"] == got["straight"], (spec, got)

@@ -102,7 +102,9 @@ class Compressor(abc.ABC):
     with this rank's ``state`` for the same tensor: keep in ``state`` only what any peer's payload
     of that tensor decodes with (its length, the shared Q, ...). ``state`` is saved with the hook's
     state in checkpoints and read back with ``torch.load(weights_only=True)``: keep tensors and
-    plain values in it (numbers, strings, tuples, lists, dicts).
+    plain values in it (numbers, strings, tuples, lists, dicts). Read back, its tensors are on the
+    host (CPU) -- the checkpoint may come from another vendor's device: move a state tensor to
+    ``x``'s device where you use it (``state["q"].to(x.device)``), as the built-ins do.
     """
 
     #: How payloads of several ranks combine.

@@ -290,7 +290,10 @@ class CompressionState:
             raise VcgaCheckpointError(f"the compression state of rank {rank} is a {type(value).__name__}, not the "
                                       "bytes CompressionState.state_dict() gives: save what it returns, as it is")
         try:
-            payload = torch.load(io.BytesIO(bytes(value)), weights_only=True)
+            # onto the host: a state saved on one vendor's device is read where that device does not
+            # exist (resumed on another vendor's chips, or on CPU); each tensor goes to the
+            # gradients' device at the next step (ErrorFeedback.input, the compressors' state)
+            payload = torch.load(io.BytesIO(bytes(value)), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - whatever the unpickler says, as the reason
             raise VcgaCheckpointError(f"the compression state of rank {rank} could not be read: {e}") from e
         if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
