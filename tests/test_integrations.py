@@ -82,7 +82,8 @@ def test_vcga_lightning_strategy_refuses_compression_beside_a_hook_of_its_own():
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
 def test_accelerate_helper_runs_vcga_and_says_so(tmp_path, vendors):
     """vcga.integrations.accelerate.accelerator(cpu=True) under torchrun: DDP over vcga, and
-    Accelerate reports backend vcga (it would say gloo: it forces gloo on CPU)."""
+    Accelerate reports backend vcga (it would say gloo: it forces gloo on CPU); with
+    ``compression=``, DDP reduces through vcga's hook (Accelerate's comm_hook takes torch's only)."""
     pytest.importorskip("accelerate")
     _run([str(VENV_BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
           str(SCRIPTS / "accelerate_run.py"), str(tmp_path), "helper"], vendors)
@@ -93,6 +94,29 @@ def test_accelerate_helper_runs_vcga_and_says_so(tmp_path, vendors):
         assert x["state_backend"] == x["partial_state_backend"] == x["torch_backend"] == "vcga"
         assert x["transport"] == (BRIDGE if vendors else "gloo")
         assert x["num_processes"] == 2 and x["steps"] == 4 and x["distributed_type"].endswith("MULTI_CPU")
+    # accelerator(compression=...): every bucket through vcga's hook, the user's DDP setting kept
+    compressed = [x["compressed"] for x in ranks]
+    assert compressed[0]["sha256"] == compressed[1]["sha256"] != ranks[0]["sha256"]  # lossy, ranks identical
+    for c in compressed:
+        assert c["steps"] == 4 and c["gradient_as_bucket_view"] is True and len(c["states"]) == 1, c
+        state = c["states"][0]
+        assert state["spec"].startswith("powersgd") and state["step"] == 4, state
+        assert state["stats"]["compressed"] >= 4 and state["stats"]["plain"] == 0, state
+        assert state["scope"] == ("bridge" if vendors else "all"), state
+
+
+def test_accelerate_helper_refuses_compression_beside_torchs_hook():
+    """DDP takes one communication hook: ``compression=`` beside Accelerate's own
+    ``DistributedDataParallelKwargs(comm_hook=...)`` is a typed error, not one of them dropped."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    from vcga.errors import VcgaConfigError
+    from vcga.integrations.accelerate import accelerator
+
+    handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
+    with pytest.raises(VcgaConfigError, match="one communication hook"):
+        accelerator(cpu=True, compression="bf16", kwargs_handlers=[handler])
 
 
 def test_accelerate_alone_refuses_vcga_on_cpu():

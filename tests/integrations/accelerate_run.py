@@ -2,7 +2,7 @@
 
 argv: out_dir mode -- mode "helper": vcga.integrations.accelerate.accelerator(cpu=True) and a few
 training steps, each rank writing out_dir/<rank>.json (weights' sha256, the backend Accelerate
-reports, the group's transport); mode "plain": what Accelerate does by itself when asked for vcga
+reports, the group's transport; then the same steps with ``compression=``: the hook's states); mode "plain": what Accelerate does by itself when asked for vcga
 on CPU (InitProcessGroupKwargs(backend="vcga")), written as the error it raises.
 """
 
@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,25 +48,44 @@ def main() -> None:
     vcga.init()
     before = PartialState(cpu=True).backend
     acc = accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
-    loader = torch.utils.data.DataLoader(data, batch_size=8)
-    model, opt, loader = acc.prepare(model, opt, loader)  # DDP over the default (vcga) group; sharded loader
-    steps = 0
-    for x, y in loader:
-        opt.zero_grad()
-        acc.backward(nn.functional.mse_loss(model(x), y))
-        opt.step()
-        steps += 1
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in acc.unwrap_model(model).parameters())).hexdigest()
+
+    def train(acc: Any) -> tuple[str, int, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        model, opt, loader = acc.prepare(model, opt, loader)  # DDP over the default (vcga) group; sharded loader
+        steps = 0
+        for x, y in loader:
+            opt.zero_grad()
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            steps += 1
+        params = acc.unwrap_model(model).parameters()
+        return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest(), steps, model
+
+    digest, steps, _ = train(acc)
+    result = {"sha256": digest, "reported_without_helper": before, "steps": steps, "state_backend": acc.state.backend,
+              "partial_state_backend": PartialState().backend, "distributed_type": str(acc.distributed_type),
+              "num_processes": acc.num_processes, "torch_backend": dist.get_backend(),
+              "transport": dist.group.WORLD.transport.backend_name}
+    # the same training with vcga's compression, beside a DDP setting of the user's own (kept)
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from vcga.integrations.accelerate import compression_states
+
+    acc = accelerator(cpu=True, compression="powersgd:rank=2,min_rate=0",
+                      kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    digest, steps, model = train(acc)
+    states = compression_states(acc)
+    result["compressed"] = {"sha256": digest, "steps": steps, "states": [s.describe() for s in states],
+                            "gradient_as_bucket_view": model.gradient_as_bucket_view}
+    for s in states:
+        s.close()
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"sha256": digest, "reported_without_helper": before, "steps": steps, "state_backend": acc.state.backend,
-                   "partial_state_backend": PartialState().backend, "distributed_type": str(acc.distributed_type),
-                   "num_processes": acc.num_processes, "torch_backend": dist.get_backend(),
-                   "transport": dist.group.WORLD.transport.backend_name}, f)
+        json.dump(result, f)
     acc.wait_for_everyone()
 
 

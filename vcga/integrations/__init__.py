@@ -10,8 +10,9 @@ Three adapters, each in its own module (importing it imports that framework, whi
 dependency of vcga):
 
 - :mod:`vcga.integrations.accelerate`: Hugging Face Accelerate forces gloo on CPU and reports
-  gloo even when the group is vcga; :func:`~vcga.integrations.accelerate.accelerator` makes the
-  ``vcga`` group and an ``Accelerator`` that says so;
+  gloo even when the group is vcga, and its DDP comm hooks are torch's four;
+  :func:`~vcga.integrations.accelerate.accelerator` makes the ``vcga`` group and an ``Accelerator``
+  that says so, and takes a ``compression`` spec;
 - :mod:`vcga.integrations.lightning`: Lightning registers a DDP communication hook on CUDA only;
   its :class:`~vcga.integrations.lightning.DDPStrategy` takes a ``compression`` spec and registers
   :func:`vcga.compress.ddp_hook` on any device;
