@@ -23,6 +23,13 @@ examples/train_mixed.py with the summation depth G−1. ``--record-bound F`` mak
 final parameters and, per step, Σⱼ|gⱼ|, |m| and |p|; ``--compare-with F`` makes a run that resumed
 on another world size check max|p − p_ref| ≤ max Δp over the steps it ran (exit status 1 if not).
 
+``--compression SPEC`` (DDP; e.g. ``powersgd:rank=4``, docs/compression.md) reduces through
+:func:`vcga.compress.ddp_hook` instead of the sum hook (it averages, so the loss is scaled by W)
+and checkpoints the hook's state (error-feedback residuals, PowerSGD's warm start) with the model:
+a run resumed on the same world carries on bit for bit, as the uninterrupted run. DDP is then
+built with ``find_unused_parameters=True``: without it, DDP's first step in a new process reduces
+all parameters in one bucket, whose compression differs from the uninterrupted run's.
+
 Fault injection (documented in vcga/fault.py): ``VCGA_FAULT=kill:rank=R:step=S[:at=mid|save]``,
 ``hang:rank=R:step=S``; off when unset.
 """
@@ -109,7 +116,12 @@ def main() -> None:
     p.add_argument("--events", help="append JSON lines (start, first step, failure, done; with times) here")
     p.add_argument("--record-bound", help="save final parameters and per-step magnitudes here (DDP)")
     p.add_argument("--compare-with", help="check the final parameters against a --record-bound file")
+    p.add_argument("--compression", help="DDP: compress the gradient reduction, e.g. powersgd:rank=4 (checkpointed)")
     args = p.parse_args()
+    if args.compression and args.parallel != "ddp":
+        raise SystemExit("--compression needs --parallel ddp (it is a DDP communication hook)")
+    if args.compression and args.record_bound:
+        raise SystemExit("--record-bound bounds exact sums: not with --compression")
 
     dist.init_process_group(backend=args.backend)
     world = dist.get_world_size()
@@ -118,8 +130,16 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)  # the same initial weights everywhere; the checkpoint replaces them on resume
     module = TinyTransformer()
-    if args.parallel == "ddp":
-        model: nn.Module = nn.parallel.DistributedDataParallel(module)
+    compression = None
+    if args.parallel == "ddp" and args.compression:
+        from vcga.compress import ddp_hook
+
+        # one bucket layout from the first step on, also in a resumed process (see the docstring)
+        model: nn.Module = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+        compression, hook = ddp_hook(args.compression)
+        model.register_comm_hook(compression, hook)
+    elif args.parallel == "ddp":
+        model = nn.parallel.DistributedDataParallel(module)
         model.register_comm_hook(dist.group.WORLD, sum_hook)
     else:
         from torch.distributed.fsdp import fully_shard
@@ -133,7 +153,8 @@ def main() -> None:
 
     def state() -> dict:
         msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd}
+        # the hook's state is torch's Stateful: one entry per rank, its residuals are this rank's
+        return {"model": msd, "optim": osd, **({"compression": compression} if compression is not None else {})}
 
     sd = state()
     resumed = ckpt.load_latest(sd, args.root)
@@ -152,7 +173,7 @@ def main() -> None:
         event(args.events, every_rank=True, event="failed", attempt=attempt, error=type(err).__name__,
               message=str(err)[:500])
         raise
-    finish(args, model, resumed, start, final_step, history, attempt)
+    finish(args, model, resumed, start, final_step, history, attempt, compression)
 
 
 def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[int, list[dict]]:
@@ -167,9 +188,10 @@ def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[in
     history: list[dict[str, torch.Tensor]] = []
     done = start
     lo, hi = rank * G // world, (rank + 1) * G // world
-    # DDP's hook sums the ranks' gradients; FSDP2's reduce-scatter averages them (a sum with a
-    # divide factor, which needs PREMUL_SUM, is not on every backend): scale its loss by W.
-    scale = 1.0 if args.parallel == "ddp" else float(world)
+    # DDP's hook sums the ranks' gradients; FSDP2's reduce-scatter and the compression hook average
+    # them (a sum with a divide factor, which needs PREMUL_SUM, is not on every backend): scale
+    # their loss by W.
+    scale = 1.0 if args.parallel == "ddp" and not args.compression else float(world)
     for step in range(start, args.steps):
         fault.point("step", step)
         opt.zero_grad(set_to_none=True)
@@ -213,7 +235,8 @@ def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[in
     return done, history
 
 
-def finish(args, model, resumed, start: int, final_step: int, history: list[dict], attempt: int) -> None:
+def finish(args, model, resumed, start: int, final_step: int, history: list[dict], attempt: int,
+           compression=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     record = args.record_bound is not None
 
@@ -225,6 +248,9 @@ def finish(args, model, resumed, start: int, final_step: int, history: list[dict
               "final_step": final_step, "digest": digest,
               "identical_on_every_rank": len(set(digests)) == 1,
               "backend": describe_backend()}
+    if compression is not None:  # this attempt's share: its steps and buckets, compressed or not
+        result["compression"] = {k: v for k, v in compression.describe().items() if k in ("spec", "scope", "step", "stats")}
+        compression.close()
     ok = result["identical_on_every_rank"]
     if rank == 0:
         flat = torch.cat([t.reshape(-1) for t in full])
