@@ -7,6 +7,7 @@ sim-nccl and sim-hccl) and that every rank ends with bitwise identical weights.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -67,6 +68,23 @@ def test_lightning_ddp_and_fsdp_strategies(tmp_path, vendors):
     assert digests["vcga.DDPStrategy"] != digests["pytorch_lightning.DDPStrategy"]  # rank 2 of 32x8: lossy
 
 
+def test_lightning_package_trainer_compresses_through_vcgas_strategy_for_it(tmp_path):
+    """``lightning.pytorch``'s Trainer takes only strategies of its own package (ours for
+    ``pytorch_lightning`` is refused with a ValueError): vcga.integrations.lightning.pytorch's
+    DDPStrategy is the same adapter for it. Mixed vendors, configured compression."""
+    pytest.importorskip("lightning")
+    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path), "lightning.pytorch"],
+         {**MIXED, "VCGA_COMPRESSION": "powersgd:rank=2,min_rate=0"})
+    ranks = [_read(tmp_path / f"vcga.DDPStrategy-{r}.json") for r in (0, 1)]
+    assert ranks[0]["sha256"] == ranks[1]["sha256"] != ranks[0]["start_sha256"]
+    for x in ranks:
+        assert x["trainer_package"] == "lightning.pytorch" and x["steps"] == 4
+        assert x["backend"] == "vcga" and x["transport"] == BRIDGE and x["world"] == 2
+        c = x["compression"]
+        assert c["spec"].startswith("powersgd") and c["step"] == 4 and c["scope"] == "bridge", c
+        assert c["stats"]["compressed"] >= 4 and c["stats"]["plain"] == 0, c
+
+
 def test_vcga_lightning_strategy_refuses_compression_beside_a_hook_of_its_own():
     """DDP takes one communication hook: a compression spec and Lightning's ddp_comm_hook together
     are a typed error at construction, not one of them silently dropped."""
@@ -77,6 +95,11 @@ def test_vcga_lightning_strategy_refuses_compression_beside_a_hook_of_its_own():
     with pytest.raises(VcgaConfigError, match="one communication hook"):
         DDPStrategy(compression="bf16", ddp_comm_hook=lambda state, bucket: None)
     assert DDPStrategy(compression="bf16").compression_state is None  # made when the model is wrapped
+    if importlib.util.find_spec("lightning") is not None:  # the same for lightning.pytorch's
+        from vcga.integrations.lightning.pytorch import DDPStrategy as ForLightning
+
+        with pytest.raises(VcgaConfigError, match="one communication hook"):
+            ForLightning(compression="bf16", ddp_comm_hook=lambda state, bucket: None)
 
 
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])

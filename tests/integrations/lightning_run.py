@@ -6,9 +6,11 @@ accelerator ("FSDP needs a non-CPU accelerator device"), and Lightning refuses F
 accelerator="cpu" anyway. So FSDP here is Lightning's ModelParallelStrategy with fully_shard (FSDP2)
 on a data-parallel mesh of both ranks -- the same process_group_backend="vcga" plumbing.
 
-argv: out_dir. Lightning's own launcher starts rank 1 (it re-runs this script); each rank writes
+argv: out_dir [package]. Lightning's own launcher starts rank 1 (it re-runs this script); each rank writes
 out_dir/<package>.<strategy>-<rank>.json with the sha256 of its full weights after training and what its
 process group was. VCGA_SIM_VENDORS=nccl:1,hccl:1 in the environment makes it a mixed-vendor job.
+package "lightning.pytorch" (default "pytorch_lightning"): the Trainer of Lightning's other
+package, with VCGA's DDPStrategy for it (vcga.integrations.lightning.pytorch) only.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import os
 import sys
 import warnings
 
-import pytorch_lightning as pl
+import importlib
+
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
+
+PACKAGE = sys.argv[2] if len(sys.argv) > 2 else "pytorch_lightning"
+pl = importlib.import_module(PACKAGE)
+DDPStrategy, ModelParallelStrategy = pl.strategies.DDPStrategy, pl.strategies.ModelParallelStrategy
 
 warnings.filterwarnings("ignore")
 
@@ -70,7 +76,7 @@ class Model(pl.LightningModule):
         name = f"{type(strategy).__module__.split('.')[0]}.{type(strategy).__name__}"
         with open(os.path.join(sys.argv[1], f"{name}-{self.global_rank}.json"), "w") as f:
             json.dump({"sha256": digest, "start_sha256": self._start, "backend": dist.get_backend(), "transport": pg.transport.backend_name,
-                       "world": dist.get_world_size(), "steps": self.trainer.global_step,
+                       "world": dist.get_world_size(), "steps": self.trainer.global_step, "trainer_package": pl.__name__,
                        "compression": state.describe() if state is not None else None}, f)
 
 
@@ -82,6 +88,11 @@ def fit(strategy) -> None:
 
 
 if __name__ == "__main__":
+    if PACKAGE == "lightning.pytorch":
+        from vcga.integrations.lightning.pytorch import DDPStrategy as CompressedDDPStrategy
+
+        fit(CompressedDDPStrategy(process_group_backend="vcga"))
+        sys.exit(0)
     from vcga.integrations.lightning import DDPStrategy as CompressedDDPStrategy
 
     fit(DDPStrategy(process_group_backend="vcga"))

@@ -15,7 +15,8 @@ dependency of vcga):
   that says so, and takes a ``compression`` spec;
 - :mod:`vcga.integrations.lightning`: Lightning registers a DDP communication hook on CUDA only;
   its :class:`~vcga.integrations.lightning.DDPStrategy` takes a ``compression`` spec and registers
-  :func:`vcga.compress.ddp_hook` on any device;
+  :func:`vcga.compress.ddp_hook` on any device (``pytorch_lightning``; for ``lightning.pytorch``,
+  :class:`vcga.integrations.lightning.pytorch.DDPStrategy`);
 - :mod:`vcga.integrations.torchft`: torchft's reconfigurable process groups exist for NCCL and gloo
   only; :class:`~vcga.integrations.torchft.ProcessGroupVcga` is the same for ``vcga``.
 """
