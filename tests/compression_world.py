@@ -33,20 +33,30 @@ def as_if_saved_on(blob: bytes, location: str) -> bytes:
     return out.getvalue()
 
 
+def _join(rank: int, world: int, port: int, vendors: str, timeout_s: str = "60") -> None:
+    """This rank's default ``vcga`` group over simulated ``vendors`` (one torch thread: small worlds
+    on a 2-core machine)."""
+    import torch
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers backend "vcga" (torch's autoload does too; explicit here)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT=timeout_s)
+    torch.set_num_threads(1)
+    dist.init_process_group("vcga")
+
+
 def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import vcga  # noqa: F401
     from vcga.compress import WireMeter, ddp_hook, parse_spec
     from vcga.compress.engine import Reducer, Topology
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="60")
-    torch.set_num_threads(1)
-    dist.init_process_group("vcga")
+    _join(rank, world, port, vendors)
     out: dict[str, Any] = {"exact": {}, "ddp": {}, "wire": {}}
     topo = Topology.build()
     out["layout"] = topo.layout.describe()
@@ -142,15 +152,11 @@ def failing_main(rank: int, world: int, port: int, vendors: str, overlap: bool, 
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import vcga  # noqa: F401
     from vcga.compress import ddp_hook
     from vcga.compress.engine import Reducer
     from vcga.errors import typed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="3" if fault == "peer-absent" else "60")
-    torch.set_num_threads(1)
-    dist.init_process_group("vcga")
+    _join(rank, world, port, vendors, "3" if fault == "peer-absent" else "60")
     store = dist.distributed_c10d._get_default_store()
     torch.manual_seed(0)
     ddp = DDP(nn.Linear(24, 16))
@@ -202,15 +208,11 @@ def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import vcga  # noqa: F401
     from vcga import checkpoint
     from vcga.compress import ddp_hook
     from vcga.errors import VcgaCheckpointError
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      VCGA_SIM_VENDORS=vendors, VCGA_TIMEOUT="60")
-    torch.set_num_threads(1)
-    dist.init_process_group("vcga")
+    _join(rank, world, port, vendors)
 
     def job(spec: str, init_seed: int) -> tuple[Any, Any, Any, Any]:
         torch.manual_seed(init_seed)
