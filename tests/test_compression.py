@@ -94,6 +94,23 @@ def test_two_sum_is_error_free():
                for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist()))
 
 
+def test_a_residual_restored_on_the_host_is_carried_to_the_gradients_device_not_dropped():
+    """A checkpointed residual is read onto the CPU (it may come from another vendor's device); the
+    next gradient on another device must carry it there, not start afresh as for a changed layout.
+    torch's "meta" device stands in for an accelerator (this host has none): it tracks devices,
+    not values, so the test checks where the residual went and that it was kept."""
+    ef = ErrorFeedback()
+    ef.restore((torch.full((6,), 0.5), torch.zeros(6)))
+    x = ef.input(torch.zeros(6, device="meta"))
+    assert ef.hi.device.type == ef.lo.device.type == x.device.type == "meta"
+    assert not ef._fresh  # carried: a fresh start would have replaced the residual by zeros
+    ef.update(x, torch.zeros(6, device="meta"))
+    # on the same device, the carried residual is added exactly
+    ef = ErrorFeedback()
+    ef.restore((torch.full((6,), 0.5, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)))
+    assert torch.equal(ef.input(torch.ones(6, dtype=torch.float64)), torch.full((6,), 1.5, dtype=torch.float64))
+
+
 def test_error_feedback_is_exact_where_a_plain_residual_is_not():
     """sent + residual == input exactly at every step, for sent values far from the input; the
     naive fl(x - sent) residual fails the same rational check (so the check can fail)."""
