@@ -94,6 +94,61 @@ def test_two_sum_is_error_free():
                for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist()))
 
 
+def _same_selection(a: torch.Tensor, idx: torch.Tensor, k: int) -> None:
+    """``idx`` is k distinct indices whose values are the k largest of ``a`` (as a multiset: which
+    of equal values at the k-th is taken is free)."""
+    assert idx.numel() == k and torch.unique(idx).numel() == k
+    ref = torch.topk(a, k).values
+    got = torch.sort(a[idx], descending=True).values
+    assert torch.equal(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(ref, nan=-1.0))
+
+
+@pytest.mark.parametrize("case", ["gaussian", "heavy rows", "ties", "nan", "sample misjudges", "small", "large share"])
+def test_topk_narrowed_selection_keeps_exactly_the_k_largest(case):
+    """The sampled narrowing of top-k's selection (plugins/compressors.py ``largest``) selects what
+    torch.topk does on the whole tensor -- also where its strided sample misjudges the threshold
+    (every sampled element tiny, the large ones between the samples: the whole-tensor search)."""
+    from vcga.plugins.compressors import largest
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 400_000, 4_000
+    a = torch.randn(n, generator=g).abs()
+    if case == "heavy rows":
+        a = a.reshape(800, 500)
+        a[:3] *= 100
+        a = a.reshape(-1)
+    elif case == "ties":
+        a = torch.randint(0, 50, (n,), generator=g).float()
+    elif case == "nan":
+        a[torch.randint(0, n, (5,), generator=g)] = float("nan")
+    elif case == "sample misjudges":
+        stride = n // min(n // 16, max(4096, 64 * n // k))  # the sample is a[::stride]; its j-th largest the threshold
+        j = math.ceil(2 * k * len(range(0, n, stride)) / n)
+        a = torch.full((n,), 1e-3)
+        a[1::stride] = 2.0  # the large values sit between the samples
+        a[::stride] = 0.0
+        a[::stride][:j] = 3.0  # the sample's j largest: threshold 3.0, j < k candidates
+    elif case == "small":
+        n, k = 200_000, 2_000
+        a = a[:n]
+    elif case == "large share":
+        k = n // 10
+    whole: list[int] = []
+    real_topk = torch.topk
+
+    def counting_topk(t, *args, **kwargs):
+        if t.numel() == a.numel():
+            whole.append(1)
+        return real_topk(t, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "topk", counting_topk)
+        idx = largest(a, k)
+    _same_selection(a, idx, k)
+    # the whole tensor is searched only where narrowing cannot help or the sample misjudged
+    assert bool(whole) == (case in ("sample misjudges", "small", "large share")), case
+
+
 def test_a_residual_restored_on_the_host_is_carried_to_the_gradients_device_not_dropped():
     """A checkpointed residual is read onto the CPU (it may come from another vendor's device); the
     next gradient on another device must carry it there, not start afresh as for a changed layout.
