@@ -154,7 +154,8 @@ def test_accelerate_alone_refuses_vcga_on_cpu():
 
 def test_ray_train_torch_config_backend_vcga(tmp_path):
     """TorchTrainer(torch_config=TorchConfig(backend="vcga")) on ray.init(num_cpus=4): the workers
-    find backend vcga through torch's autoload alone, on two vendors. (Ray's cluster start is most
+    find backend vcga through torch's autoload alone, on two vendors; vcga's compression hook
+    registers on the model ``prepare_model`` returns. (Ray's cluster start is most
     of this test's cost, so it runs the mixed world only; `ray_run.py OUT --runs single,mixed` adds
     the one-vendor run, docs/integrations.md.)"""
     pytest.importorskip("ray.train")
@@ -163,6 +164,12 @@ def test_ray_train_torch_config_backend_vcga(tmp_path):
         ranks = [_read(tmp_path / f"{run}-{r}.json") for r in (0, 1)]
         assert ranks[0]["sha256"] == ranks[1]["sha256"], run
         assert all(x["backend"] == "vcga" and x["transport"] == transport and x["world"] == 2 for x in ranks)
+        # vcga's compression hook on the DDP model prepare_model returns: every bucket through it
+        assert ranks[0]["compressed_sha256"] == ranks[1]["compressed_sha256"] != ranks[0]["sha256"], run
+        for x in ranks:
+            c = x["compression"]
+            assert c["spec"].startswith("powersgd") and c["step"] == 4 and c["scope"] == "bridge", c
+            assert c["stats"]["compressed"] >= 4 and c["stats"]["plain"] == 0, c
 
 
 def test_torchft_heals_a_dead_replica_group_on_a_mixed_vendor_world(tmp_path):
