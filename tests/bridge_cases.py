@@ -147,6 +147,29 @@ def uneven_all_gather(group: Any, rank: int, size: int) -> list[str]:
     return failures
 
 
+def large_all_gather(group: Any, rank: int, size: int) -> list[str]:
+    """all_gather of a few MB per rank across vendors -- pieces in flight at once (bridge
+    ``pipelined_allgather``), split where the bytes do not divide evenly -- in both forms, the list
+    form with a different size per rank too: every rank's bytes in place on every rank."""
+    from vcga.bridge.group import GATHER_PIECE_BYTES
+    from vcga.comm import all_gather_single
+
+    failures = []
+    n = 5 * GATHER_PIECE_BYTES // 4 + 3  # float32: 5 pieces, the last ones uneven
+    want = [torch.arange(n, dtype=torch.float32).add_(1e6 * r) for r in range(size)]
+    out = torch.empty(size * n, dtype=torch.float32)
+    all_gather_single(out, want[rank].clone(), group=group)
+    if not torch.equal(out, torch.cat(want)):
+        failures.append("large all_gather (single tensor): bytes out of place")
+    sizes = [n - 7 * r for r in range(size)]
+    uneven = [w[:m].to(torch.int32) for w, m in zip(want, sizes)]
+    outs = [torch.full((m,), -1, dtype=torch.int32) for m in sizes]
+    dist.all_gather(outs, uneven[rank].clone(), group=group)
+    if not all(torch.equal(o, w) for o, w in zip(outs, uneven)):
+        failures.append("large uneven all_gather (list form): bytes out of place")
+    return failures
+
+
 def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]) -> dict[str, Any]:
     import vcga  # noqa: F401 - registers backend "vcga"
     from pg_cases import Matrix
@@ -160,6 +183,7 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
     out["matrix"] = Matrix(world, "mixed", matrix_dtypes).run()
     out["failures"] += out["matrix"]["failures"]
     out["failures"] += uneven_all_gather(world, rank, size)
+    out["failures"] += large_all_gather(world, rank, size)
     counts = {}
     from vcga.bridge import ALGORITHMS
 

@@ -36,6 +36,32 @@ log = logging.getLogger("vcga.bridge")
 # Host-side pieces
 # ===================================================================================================
 
+#: An all_gather of more bytes per rank than two pieces of this size travels as several all_gathers
+#: in flight at once (at most :data:`GATHER_MAX_PIECES`). gloo moves one large message per pair of
+#: ranks at ~0.6 of a shaped link's rate (8.4 MB between two nodes at 1 Gbit/s: 113 ms against the
+#: link's 67); pieces in flight keep the link busy (72 ms with 16). docs/benchmarks.md, "all_gather
+#: across nodes".
+GATHER_PIECE_BYTES = 512 * 1024
+GATHER_MAX_PIECES = 16
+
+
+def pipelined_allgather(pg: Any, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``pg._allgather_base(rows, src)`` (bytes: ``rows`` is the group's ``src`` one after another),
+    as pieces in flight at once when ``src`` is large; the same bytes either way."""
+    n = src.numel()
+    pieces = min(GATHER_MAX_PIECES, n // GATHER_PIECE_BYTES)
+    if pieces < 2:
+        pg._allgather_base(rows, src).wait()
+        return
+    size = rows.numel() // n
+    edges = [n * i // pieces for i in range(pieces + 1)]
+    outs = [torch.empty(size * (b - a), dtype=torch.uint8) for a, b in zip(edges, edges[1:])]
+    works = [pg._allgather_base(o, src[a:b]) for o, a, b in zip(outs, edges, edges[1:])]
+    table = rows.view(size, n)
+    for w, o, a, b in zip(works, outs, edges, edges[1:]):
+        w.wait()  # in order: later pieces travel while this one is copied into place
+        table[:, a:b].copy_(o.view(size, b - a))
+
 
 def _on_queue(result: Callable[..., Sequence[torch.Tensor]],
               two_stage: Callable[..., tuple[list[tuple[int, int]], Callable[[], Any]] | None] | None = None,
@@ -365,7 +391,7 @@ class BridgeGroup(AllReduceAlgorithms):
         src = _bytes(_host(inp))
         rows = torch.empty(self.size * src.numel(), dtype=torch.uint8)
         if src.numel():
-            self.world._allgather_base(rows, src).wait()
+            pipelined_allgather(self.world, rows, src)
         return rows.view(self.size, -1)
 
     @_on_queue(_first_of_first)
@@ -393,7 +419,7 @@ class BridgeGroup(AllReduceAlgorithms):
         mine = _bytes(_host(inp))
         src[: mine.numel()] = mine
         rows = torch.empty(self.size * width, dtype=torch.uint8)
-        self.world._allgather_base(rows, src).wait()
+        pipelined_allgather(self.world, rows, src)
         for r, o in enumerate(outs):
             if nbytes[r]:
                 o.copy_(rows[r * width: r * width + nbytes[r]].view(o.dtype).view(o.shape))
