@@ -94,6 +94,27 @@ def test_two_sum_is_error_free():
                for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist()))
 
 
+@pytest.mark.parametrize("n", [0, 1, 9, 4097, 100_003])
+def test_sign_host_path_gives_the_device_paths_bytes(n):
+    """``sign`` encodes and decodes on the host with numpy (packbits) and on a device with torch
+    expressions: the same payload bytes and decoded bits -- -0.0 and NaN included -- so ranks whose
+    payloads are made on different kinds of device still decode alike."""
+    from vcga.plugins.compressors import Sign, _packbits, _unpackbits
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3
+    if n > 8:
+        x[3], x[5] = -0.0, float("nan")
+    state: dict = {}
+    bits, scale = Sign(True, True).compress(x, state, CompressContext(2, 0, 0, 0, "worker"))
+    assert torch.equal(bits, _packbits(x >= 0))
+    assert torch.equal(scale.view(torch.int32), x.abs().to(torch.float64).mean().to(torch.float32).reshape(1).view(torch.int32)) \
+        if n else torch.equal(scale, torch.zeros(1))
+    decoded = Sign(True, True).decompress([bits, scale], state, CompressContext(2, 0, 0, 0, "worker"))
+    torch_way = (_unpackbits(bits, n).to(torch.float32) * 2 - 1) * scale
+    assert torch.equal(decoded.view(torch.int32), torch_way.view(torch.int32))
+
+
 def _same_selection(a: torch.Tensor, idx: torch.Tensor, k: int) -> None:
     """``idx`` is k distinct indices whose values are the k largest of ``a`` (as a multiset: which
     of equal values at the k-th is taken is free)."""
