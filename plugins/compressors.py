@@ -244,7 +244,9 @@ class Sign(Compressor):
         if flat.device.type == "cpu":  # numpy's packbits has _packbits' bit order (first element high)
             import numpy as np  # and takes ~1 ms for 4 M elements where the torch expressions take ~20
 
-            return [torch.from_numpy(np.packbits(flat.detach().numpy() >= 0)), scale]
+            # numpy has no bfloat16: the test in torch then (8 ms more for 4 M elements)
+            ge = (flat >= 0).numpy() if flat.dtype == torch.bfloat16 else flat.detach().numpy() >= 0
+            return [torch.from_numpy(np.packbits(ge)), scale]
         return [_packbits(flat >= 0), scale]
 
     def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,

@@ -94,15 +94,17 @@ def test_two_sum_is_error_free():
                for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("n", [0, 1, 9, 4097, 100_003])
-def test_sign_host_path_gives_the_device_paths_bytes(n):
+def test_sign_host_path_gives_the_device_paths_bytes(n, dtype):
     """``sign`` encodes and decodes on the host with numpy (packbits) and on a device with torch
-    expressions: the same payload bytes and decoded bits -- -0.0 and NaN included -- so ranks whose
-    payloads are made on different kinds of device still decode alike."""
+    expressions: the same payload bytes and decoded bits -- -0.0 and NaN included, for every
+    floating dtype a gradient comes in (numpy has no bfloat16) -- so ranks whose payloads are made
+    on different kinds of device still decode alike."""
     from vcga.plugins.compressors import Sign, _packbits, _unpackbits
 
     g = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=g) * 3
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
     if n > 8:
         x[3], x[5] = -0.0, float("nan")
     state: dict = {}
