@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, parse_spec
+from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, configured_spec, parse_spec
 
-__all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "compressors", "ddp_hook", "CompressionState",
+__all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "configured_spec", "compressors", "ddp_hook", "CompressionState",
            "Reducer", "Exchange", "Topology", "Layout", "create_compressor", "ErrorFeedback", "WireMeter",
            "sent_bytes", "LinkCost", "CompressCost"]
 

@@ -95,12 +95,13 @@ class ErrorFeedback:
 
     def input(self, g: torch.Tensor) -> torch.Tensor:
         """The compressor's input for gradient ``g``: ``g`` plus the residual."""
-        if self.hi is not None and self.hi.device != g.device and self.hi.shape == g.shape and self.hi.dtype == g.dtype:
-            # a residual restored from a checkpoint, read onto the host: carry it (a copy is exact)
+        if self.hi is not None and self.hi.device != g.device:
+            # a residual restored from a checkpoint, read onto the host: carry it to the gradients'
+            # device (a copy is exact); one kept for another layout is dropped just below
             assert self.lo is not None
             self.hi, self.lo = self.hi.to(g.device), self.lo.to(g.device)
             self._x = torch.empty_like(self.hi)
-        if self.hi is None or self.hi.shape != g.shape or self.hi.dtype != g.dtype or self.hi.device != g.device:
+        if self.hi is None or self.hi.shape != g.shape or self.hi.dtype != g.dtype:
             # first step, or the layout changed: nothing to carry
             c = torch.contiguous_format  # the passes below work on flat views of these
             self.hi, self.lo = torch.zeros_like(g, memory_format=c), torch.zeros_like(g, memory_format=c)

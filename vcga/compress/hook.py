@@ -32,7 +32,7 @@ import torch.distributed as dist
 from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
 from vcga.compress.engine import Pending, Reducer
 from vcga.compress.meter import WireMeter, sent_bytes
-from vcga.compress.spec import CompressionSpec, parse_spec
+from vcga.compress.spec import CompressionSpec, configured_spec, parse_spec
 from vcga.contract import Combine
 from vcga.errors import VcgaCheckpointError, VcgaError
 
@@ -389,13 +389,6 @@ def ddp_hook(spec: str | CompressionSpec | None = None, process_group: Any = Non
     :raises vcga.errors.VcgaConfigError: a bad spec, naming the key and what is allowed.
     :returns: ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
     """
-    if spec is None:
-        from vcga.config import load_config
-
-        cfg = load_config()
-        spec = parse_spec(cfg.compression, source="config compression / env VCGA_COMPRESSION") \
-            if cfg.compression else CompressionSpec(None)
-    else:
-        spec = parse_spec(spec)
+    spec = configured_spec() if spec is None else parse_spec(spec)
     state = CompressionState(spec, process_group, meter=meter, overlap=overlap, record=record)
     return state, _hook

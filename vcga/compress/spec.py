@@ -30,7 +30,7 @@ from vcga.errors import VcgaConfigError
 if TYPE_CHECKING:
     from vcga.contract import CompressorSpec
 
-__all__ = ["CompressionSpec", "DRIVER_KEYS", "SCOPES", "WHEN", "parse_spec", "split_spec", "NONE"]
+__all__ = ["CompressionSpec", "DRIVER_KEYS", "SCOPES", "WHEN", "parse_spec", "configured_spec", "split_spec", "NONE"]
 
 #: Scopes a spec may name.
 SCOPES = ("bridge", "all")
@@ -135,6 +135,18 @@ def split_spec(text: str, source: str = "") -> tuple[str | None, dict[str, str]]
                 raise VcgaConfigError("compression", text, f"each key once ({key!r} is given twice)", source)
             pairs[key] = value
     return name, pairs
+
+
+def configured_spec() -> CompressionSpec:
+    """The compression the configuration asks for (config ``compression`` / env
+    ``VCGA_COMPRESSION``), parsed; a disabled spec when it is unset or "none". What ``ddp_hook()``
+    and the framework adapters take when given no spec.
+
+    :raises VcgaConfigError: a bad configured spec, naming its source.
+    """
+    from vcga.config import load_config
+
+    return parse_spec(load_config().compression or None, source="config compression / env VCGA_COMPRESSION")
 
 
 def parse_spec(text: str | CompressionSpec | None, registry: Mapping[str, CompressorSpec] | None = None,

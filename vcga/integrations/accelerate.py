@@ -80,7 +80,7 @@ def _compression_handler(handlers: Any, compression: str | None) -> Any:
 
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
-    from vcga.compress import parse_spec
+    from vcga.compress import configured_spec, parse_spec
 
     theirs = next((h for h in handlers or () if isinstance(h, DistributedDataParallelKwargs)), None)
     their_hook = theirs is not None and theirs.comm_hook != DDPCommunicationHookType.NO
@@ -90,13 +90,10 @@ def _compression_handler(handlers: Any, compression: str | None) -> Any:
                                   "beside it: DDP takes one communication hook; drop comm_hook, or compression "
                                   "to use torch's")
         spec = parse_spec(compression)
+    elif their_hook:  # the configured compression gives way to the hook the user named
+        return None
     else:
-        from vcga.config import load_config
-
-        configured = load_config().compression
-        if not configured or their_hook:
-            return None
-        spec = parse_spec(configured, source="config compression / env VCGA_COMPRESSION")
+        spec = configured_spec()
     if not spec.enabled:
         return None
     states: list[Any] = []

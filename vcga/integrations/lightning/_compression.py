@@ -45,13 +45,10 @@ class CompressionMixin:
     def _register_ddp_hooks(self) -> None:
         spec = self._compression
         if spec is None and self._ddp_comm_hook is None:
-            from vcga.config import load_config
+            from vcga.compress import configured_spec
 
-            from vcga.compress import parse_spec
-
-            configured = load_config().compression
-            if configured and parse_spec(configured, source="config compression / env VCGA_COMPRESSION").enabled:
-                spec = configured
+            configured = configured_spec()
+            spec = configured if configured.enabled else None
         if spec is None:
             super()._register_ddp_hooks()  # type: ignore[misc]
             return
