@@ -99,3 +99,98 @@ def test_vcga_fused_0_turns_the_loops_off_and_other_tensors_never_take_them(fres
     assert not fused.usable(torch.zeros(4, requires_grad=True))  # numpy cannot view it
     assert not fused.usable(torch.zeros(4)._neg_view())  # a lazy negation: numpy would see the wrong sign
     assert fused.usable(torch.zeros(4), torch.zeros(2, 2))
+
+
+# -- QSGD's host loops (plugins/compressors.py) ------------------------------------------------------
+
+
+def _qsgd(levels: int, bucket: int = 512, norm: str = "max"):
+    from vcga.plugins.compressors import QSGD
+
+    return QSGD(levels, bucket, norm, ef=False, server=False)
+
+
+@pytest.mark.parametrize("levels,bucket,n,norm", [
+    (16, 512, 200_003, "max"),  # 8-bit levels, a partial last bucket
+    (7, 100, 4_001, "max"),     # 4-bit levels, an odd count: the last byte's low nibble is padding
+    (1, 3, 1_000, "max"),
+    (300, 64, 5_000, "l2"),     # 16-bit levels, the paper's norm
+    (127, 512, 511, "l2"),      # fewer elements than one bucket
+])
+def test_qsgd_host_loops_give_the_torch_operations_payload_and_decode(fresh_kernels, monkeypatch, levels, bucket, n, norm):
+    """The one-pass loops send the torch operations' bytes and decode to their bits; the torch
+    operations are not run at all on this host path (they would raise here)."""
+    pytest.importorskip("numba")
+    from vcga.contract import CompressContext
+
+    q = _qsgd(levels, bucket, norm)
+    x = _adversarial(n, levels) * 1e-20  # magnitudes 1e-50..1e10: subnormals, zeros, cancellations
+    x[n // 2] = -0.0
+    x[: min(n, bucket)] = torch.randn(min(n, bucket))  # one bucket of ordinary gradients
+    ctx = CompressContext(peers=3, peer=2, step=11, seed=5)
+    want = q._compress_ops(x, ctx)
+    dec_want = q._decompress_ops(want[0], want[1], n)
+
+    import vcga.plugins.compressors as pc
+
+    assert fused.checked("qsgd", pc._qsgd_loops, pc._qsgd_self_check) is not None  # compiled and self-checked
+
+    def not_here(*a, **k):
+        raise AssertionError("the torch operations ran on the host path")
+
+    monkeypatch.setattr(type(q), "_compress_ops", not_here)
+    monkeypatch.setattr(type(q), "_decompress_ops", not_here)
+    state: dict = {}
+    got = q.compress(x, state, ctx)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(q.decompress(want, state, ctx).view(torch.int32), dec_want.view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_qsgd_leaves_a_tensor_with_nan_or_inf_to_the_torch_operations(fresh_kernels, bad):
+    pytest.importorskip("numba")
+    from vcga.contract import CompressContext
+
+    q, ctx = _qsgd(16, 8), CompressContext(peers=2, peer=0, step=1, seed=3)
+    x = torch.randn(100)
+    x[17] = bad
+    got, want = q.compress(x, {}, ctx), q._compress_ops(x, ctx)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))  # NaN: bits
+    import vcga.plugins.compressors as pc
+
+    assert fused.checked("qsgd", pc._qsgd_loops, pc._qsgd_self_check) is not None  # the loops were there
+
+
+@pytest.mark.parametrize("flaw", ["decode reassociated", "nibbles swapped"])
+def test_qsgd_loops_that_do_not_reproduce_the_bits_are_not_used(fresh_kernels, monkeypatch, caplog, flaw):
+    """A decode that divides the scale first (``val * (sc / s)``, a reassociation) or packs the
+    4-bit levels low nibble first fails the self-check: the torch operations stay in use."""
+    pytest.importorskip("numba")
+    import numpy as np
+
+    import vcga.plugins.compressors as pc
+    from vcga.contract import CompressContext
+
+    absmax, quantize, dequantize = pc._qsgd_loops()
+
+    def dequantize_reassociated(packed, scale, s, bucket, n, bits, out):
+        if bits == 4:
+            lv = np.stack([packed >> 4, packed & 15], 1).reshape(-1)[:n].astype(np.float32) - np.float32(s)
+        else:
+            lv = packed[:n].astype(np.float32)
+        out[:] = lv * np.repeat(scale / np.float32(s), bucket)[:n]
+
+    def quantize_swapped(x, scale, u, s, bucket, bits, out):
+        quantize(x, scale, u, s, bucket, bits, out)
+        if bits == 4:
+            out[:] = (out % 16) * 16 + out // 16
+
+    loops = (absmax, quantize, dequantize_reassociated) if flaw.startswith("decode") else (absmax, quantize_swapped, dequantize)
+    monkeypatch.setattr(pc, "_qsgd_loops", lambda: loops)
+    with caplog.at_level(logging.WARNING, logger="vcga.compress.fused"):
+        assert fused.checked("qsgd", pc._qsgd_loops, pc._qsgd_self_check) is None
+    assert "does not reproduce" in caplog.text and "qsgd" in caplog.text
+    q, ctx = _qsgd(7, 16), CompressContext(peers=2, peer=0, step=1, seed=3)
+    x = torch.randn(999)
+    assert all(torch.equal(a, b) for a, b in zip(q.compress(x, {}, ctx), q._compress_ops(x, ctx)))

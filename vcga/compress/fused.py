@@ -26,16 +26,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["kernels", "usable"]
+__all__ = ["kernels", "usable", "checked", "enabled"]
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+T = TypeVar("T")
 
 
 def _compile() -> Any:
@@ -136,32 +137,48 @@ def _self_check(ef_input: Any, ef_update: Any, outer: Any) -> str | None:
     return None
 
 
-def kernels() -> tuple[Any, Any, Any] | None:
-    """``(ef_input, ef_update, outer_sum)`` compiled and checked, or None (numba missing, turned
-    off with ``VCGA_FUSED=0``, or a loop that did not reproduce the torch path's bits)."""
-    got = _state.get("k", ...)
+def enabled() -> bool:
+    """False when ``VCGA_FUSED=0`` (or ``false``, ``no``, ``off``) turns the loops off."""
+    return os.environ.get("VCGA_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def checked(name: str, build: Callable[[], T], check: Callable[[T], str | None]) -> T | None:
+    """Loops that ``build`` compiles (with numba), used only if ``check`` -- which runs them beside
+    the torch operations that define their bits and returns None or what differed -- finds every
+    bit the same; else None, and the caller keeps the torch operations. Decided once per process
+    and ``name``: None also when numba is missing, cannot compile here, or ``VCGA_FUSED=0``.
+
+    For plugins too: a compressor whose host path is a chain of element-wise torch operations can
+    ship a loop that does them in one pass, with the torch chain as the reference (as QSGD does)."""
+    got = _state.get(name, ...)
     if got is not ...:
-        return got
+        return got  # type: ignore[no-any-return]
     with _lock:
-        if "k" in _state:
-            return _state["k"]
-        k: tuple[Any, Any, Any] | None = None
-        if os.environ.get("VCGA_FUSED", "1").strip().lower() not in ("0", "false", "no", "off"):
+        if name in _state:
+            return _state[name]  # type: ignore[no-any-return]
+        k: T | None = None
+        if enabled():
             try:
-                k = _compile()
+                k = build()
             except ImportError:
                 k = None
             except Exception as e:  # noqa: BLE001 - a numba that cannot compile here: the torch path
-                log.warning("vcga: fused host loops unavailable (%s); using torch operations", e)
+                log.warning("vcga: fused host loops (%s) unavailable (%s); using torch operations", name, e)
                 k = None
             if k is not None:
-                bad = _self_check(*k)
+                bad = check(k)
                 if bad is not None:
                     log.warning("vcga: the fused host loop for %s does not reproduce the torch operations' bits "
                                 "here; using torch operations", bad)
                     k = None
-        _state["k"] = k
+        _state[name] = k
         return k
+
+
+def kernels() -> tuple[Any, Any, Any] | None:
+    """``(ef_input, ef_update, outer_sum)`` compiled and checked, or None (numba missing, turned
+    off with ``VCGA_FUSED=0``, or a loop that did not reproduce the torch path's bits)."""
+    return checked("k", lambda: _compile(), lambda k: _self_check(*k))
 
 
 def usable(*tensors: torch.Tensor) -> bool:
