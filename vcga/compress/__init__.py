@@ -9,6 +9,8 @@ Public API (a plugin and ``vcga verify`` use only these):
 - :class:`ErrorFeedback` -- exact error-feedback bookkeeping;
 - :class:`WireMeter`, :func:`sent_bytes` -- bytes counted at the transport;
 - :mod:`vcga.compress.exact` -- fixed-order arithmetic for decoders;
+- :func:`vcga.compress.fused.checked` -- compiled host loops, used only where a self-check finds
+  them giving the torch operations' bits (QSGD's host path uses it);
 - :func:`compressors` -- the registered compressors.
 
 Importing this package does not import torch; its members load on first use.
