@@ -312,3 +312,41 @@ def resume_main(rank: int, world: int, port: int, vendors: str, runs: list[tuple
     dist.destroy_process_group()
     if rank == 0:
         queue.put(out)
+
+
+def alone_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    """DDP through ``ddp_hook(spec)`` beside plain DDP on the same model and batches: per spec, the
+    hook's stats and whether every gradient equals plain DDP's, bit for bit (a world where nothing
+    crosses a link: the hook must reduce exactly and say so)."""
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import ddp_hook
+
+    _join(rank, world, port, vendors)
+    out: dict[str, Any] = {}
+    for spec in specs:
+        nets = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            nets.append(DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))))
+        state, hook = ddp_hook(spec)
+        nets[0].register_comm_hook(state, hook)
+        same = True
+        for step in range(3):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+            grads = []
+            for net in nets:
+                net.zero_grad()
+                net(x).square().mean().backward()
+                grads.append([p.grad.clone() for p in net.parameters()])
+            same = same and all(torch.equal(a, b) for a, b in zip(*grads))
+            with torch.no_grad():  # the same step for both: they stay equal
+                for net in nets:
+                    for p, g in zip(net.parameters(), grads[1]):
+                        p.sub_(0.1 * g)
+        state.close()
+        out[spec] = {"stats": dict(state.stats), "same": same}
+    if rank == 0:
+        queue.put(out)

@@ -422,6 +422,20 @@ def world_unequal():
                                                                         "powersgd:rank=2,iters=2"], timeout=600)
 
 
+def test_nothing_is_compressed_where_nothing_crosses_a_link():
+    """A world of one rank (scope all and scope bridge on its one island): the hook reduces
+    exactly -- every gradient equals plain DDP's, bit for bit -- and counts the buckets as plain."""
+    from compression_world import alone_main
+
+    from vcga.spawn import run_ranks
+
+    specs = ["topk:ratio=0.01", "topk:ratio=0.01,scope=bridge", "powersgd:rank=1", "sign", "qsgd:levels=4"]
+    got = run_ranks(alone_main, 1, "nccl:1", specs, timeout=300)
+    for spec in specs:
+        assert got[spec]["same"], spec
+        assert got[spec]["stats"]["compressed"] == 0 and got[spec]["stats"]["plain"] == 3, (spec, got[spec])
+
+
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
     lay = world_2x2["layout"]
     assert [i["ranks"] for i in lay["islands"]] == [[0, 1], [2, 3]] and lay["equal"]

@@ -217,6 +217,9 @@ class Reducer:
             self.exchange = Exchange(self.compressor, self.group, self.size, self.rank, seed=spec.seed,
                                      label="cross", meter=meter, record=record, host_decode=len(devices) > 1)
             self._attach(self.group, "cross")
+        # Does anything cross a link? Not in a world of one rank, nor with scope bridge on one
+        # island (the island's exact reduction is then the whole sum). The same on every rank.
+        self.crosses = len(self.layout.islands) > 1 if self.scope == "bridge" else self.size > 1
         self.step = 0
         self._cut_cache: dict[Any, tuple[Any, Any, list[int]]] = {}
         self._rows: dict[Any, torch.Tensor] = {}  # the island all_to_all's receive buffer, per size

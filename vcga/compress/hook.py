@@ -115,7 +115,7 @@ class CompressionState:
         """Compress a bucket of ``n`` elements? (``when=always``: yes; ``auto``: the cost model, from
         figures every rank agreed on and the bucket's layout, so every rank decides alike)."""
         r = self.reducer
-        if r is None:
+        if r is None or not r.crosses:  # nothing would cross a link: reduce exactly, lose nothing
             return False
         if self.spec.when != "auto":
             return True
