@@ -331,6 +331,19 @@ def test_topk_keeps_the_largest_and_sign_sends_the_mean_magnitude():
     assert torch.allclose(out, torch.where(x >= 0, m, -m).float())
 
 
+@pytest.mark.parametrize("ratio", [0.01, 0.05, 0.1, 0.5])
+def test_topk_sends_ascending_indices_of_the_largest_with_their_values(ratio):
+    """Both ways of ordering the indices (a sort for few, marks read back for many) send the k
+    largest magnitudes' indices in ascending order, and the values at them."""
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
+    c = _make("topk", ratio=ratio)
+    idx, val = c.compress(x, {}, CompressContext(2, 0, 0, 0))
+    k = c.k(x.numel())
+    want = torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values
+    assert idx.dtype == torch.int32 and torch.equal(idx.long(), want)
+    assert torch.equal(val, x[want])
+
+
 def test_qsgd_draws_are_reproducible_and_differ_by_peer_and_step():
     c = _make("qsgd", levels=4)
     x = torch.randn(3000)
