@@ -25,7 +25,7 @@ starts carry state:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
@@ -75,6 +75,16 @@ class Compression(Check):
         if not r.passed:
             return
         topology = state["topo"]
+        state["resets"] = ctx.group_resets
+
+        def current() -> Any:
+            # a case that raised had every rank rebuild the default group (Context.run_case); the
+            # islands and peer groups were made from the old one: build them again (every rank is at
+            # the same case, so every rank does)
+            if ctx.group_resets != state["resets"]:
+                state["topo"], state["resets"] = Topology.build(), ctx.group_resets
+            return state["topo"]
+
         # a world with a slow hop tests both scopes ("both"), or only its default ("default")
         scopes = ["bridge", "all"] if len(topology.layout.islands) > 1 else ["all"]
         if self.opt(ctx, "scopes") == "default":
@@ -89,7 +99,7 @@ class Compression(Check):
             for scope in scopes:
                 spec = parse_spec(f"{name}:scope={scope}{ef}", registry)
                 label = f"{name} scope={scope}"
-                yield from self._compressor(ctx, spec, label, topology)
+                yield from self._compressor(ctx, spec, label, current)
 
     # -- one compressor ------------------------------------------------------------------------------
 
@@ -98,7 +108,7 @@ class Compression(Check):
 
         return Reducer(spec, topology=topology, **kw)
 
-    def _compressor(self, ctx: Context, spec: Any, label: str, topology: Any) -> Iterator[CheckResult]:
+    def _compressor(self, ctx: Context, spec: Any, label: str, topology: Callable[[], Any]) -> Iterator[CheckResult]:
         import torch
 
         n = int(self.opt(ctx, "n"))
@@ -109,7 +119,7 @@ class Compression(Check):
         holder: dict[str, Any] = {}
 
         def identical() -> Verdict:
-            red = holder["red"] = self._reducer(spec, topology, record=True)
+            red = holder["red"] = self._reducer(spec, topology(), record=True)
             for step in range(steps):
                 g = data.generator("compression", label, step, ctx.rank)
                 flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.float32)
@@ -123,6 +133,24 @@ class Compression(Check):
                         f"rank {r}: {d.decode()[:12]}" for r, d in enumerate(digests)))
             return Verdict.ok(detail=f"{steps} steps")
 
+        def identical_bf16() -> Verdict:
+            # half-precision gradients (mixed-precision training): a payload the group cannot sum
+            # natively is gathered and added in float32 -- the compressor must still get, and give
+            # back, its own dtype, and every rank the same bits
+            red = self._reducer(spec, topology())
+            for step in range(steps):
+                g = data.generator("compression-bf16", label, step, ctx.rank)
+                flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.bfloat16)
+                red.step = step
+                red.all_reduce(flat, shapes, key="check-bf16")
+                if flat.dtype != torch.bfloat16 or not bool(torch.isfinite(flat).all()):
+                    return Verdict.fail(f"step {step}: {flat.dtype} result, or non-finite values in it")
+                digests = ctx.exchange(f"{label}:identical-bf16:{step}", data.digest(flat).encode())
+                if len(set(digests)) != 1:
+                    return Verdict.fail(f"step {step}: results differ across ranks: " + ", ".join(
+                        f"rank {r}: {d.decode()[:12]}" for r, d in enumerate(digests)))
+            return Verdict.ok(detail=f"{steps} steps")
+
         yield ctx.run_case(f"{label}: ranks identical", identical)
         red = holder.get("red")
         if red is None:
@@ -131,12 +159,13 @@ class Compression(Check):
         if comp.error_feedback:
             yield ctx.run_case(f"{label}: error feedback sent + residual == input", lambda: self._ef_identity(ctx, red))
             yield ctx.run_case(f"{label}: sent is what the others receive",
-                               lambda: self._truthful(ctx, spec, topology, shapes, total, label))
+                               lambda: self._truthful(ctx, spec, topology(), shapes, total, label))
         if comp.unbiased:
             yield ctx.run_case(f"{label}: unbiased (Hoeffding bound)",
-                               lambda: self._unbiased(ctx, spec, topology, shapes, total, label))
+                               lambda: self._unbiased(ctx, spec, topology(), shapes, total, label))
         yield ctx.run_case(f"{label}: bytes on the wire <= declared",
-                           lambda: self._wire(ctx, spec, topology, shapes, total))
+                           lambda: self._wire(ctx, spec, topology(), shapes, total))
+        yield ctx.run_case(f"{label}: ranks identical, bfloat16 gradients", identical_bf16)
 
     # -- the cases -----------------------------------------------------------------------------------
 

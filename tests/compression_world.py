@@ -350,3 +350,42 @@ def alone_main(rank: int, world: int, port: int, vendors: str, specs: list[str],
         out[spec] = {"stats": dict(state.stats), "same": same}
     if rank == 0:
         queue.put(out)
+
+
+def narrow_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    """DDP of a bfloat16 model and of a float16 one through ``ddp_hook(spec)``, four SGD steps:
+    per (dtype, spec), the error if one was raised, else whether every rank holds the same bits,
+    whether the parameters stayed finite, and the hook's stats."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import ddp_hook
+
+    _join(rank, world, port, vendors)
+    out: dict[str, Any] = {}
+    for dt in (torch.bfloat16, torch.float16):
+        for spec in specs:
+            torch.manual_seed(0)
+            net = DDP(nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8)).to(dt))
+            state, hook = ddp_hook(spec)
+            net.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            got: dict[str, Any] = {}
+            try:
+                for step in range(4):
+                    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(10 * step + rank)).to(dt)
+                    opt.zero_grad()
+                    net(x).float().square().mean().backward()
+                    opt.step()
+            except Exception as e:  # noqa: BLE001 - reported to the test, which names it
+                got["error"] = repr(e)[:400]
+            state.close()
+            flat = torch.cat([p.detach().float().reshape(-1) for p in net.parameters()])
+            digests: list[Any] = [None] * world
+            dist.all_gather_object(digests, _digest(flat))
+            got.update(identical=len(set(digests)) == 1, finite=bool(torch.isfinite(flat).all()), stats=dict(state.stats))
+            out[f"{str(dt).split('.')[1]} {spec}"] = got
+    if rank == 0:
+        queue.put(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -449,6 +450,22 @@ def test_nothing_is_compressed_where_nothing_crosses_a_link():
         assert got[spec]["stats"]["compressed"] == 0 and got[spec]["stats"]["plain"] == 3, (spec, got[spec])
 
 
+def test_bfloat16_and_float16_models_train_through_every_compressor_on_a_mixed_world():
+    """Half-precision gradients on two vendors: where the bridge cannot sum a payload's dtype
+    natively it gathers and adds in float32, and PowerSGD then got float32 sums to multiply with
+    its bfloat16 matrices (it raised). Every compressor runs, every rank holds the same bits."""
+    from compression_world import narrow_main
+
+    from vcga.spawn import run_ranks
+
+    specs = ["powersgd:rank=2", "powersgd:rank=2,scope=all", "fp16", "bf16", "sign", "topk:ratio=0.05", "qsgd:levels=8"]
+    got = run_ranks(narrow_main, 2, "nccl:1,hccl:1", specs, timeout=300)
+    assert len(got) == 2 * len(specs)
+    for case, r in got.items():
+        assert "error" not in r, (case, r.get("error"))
+        assert r["identical"] and r["finite"] and r["stats"]["compressed"] == 4, (case, r)
+
+
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
     lay = world_2x2["layout"]
     assert [i["ranks"] for i in lay["islands"]] == [[0, 1], [2, 3]] and lay["equal"]
@@ -568,6 +585,25 @@ def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_pat
     assert any("broken-wire" in f and "more bytes on the wire than declared" in f for f in fails)
     assert any("broken-bias" in f and "unbiased" in f and "biased beyond the bound" in f for f in fails)
     assert not any("topk" in f for f in fails)
+
+
+def test_verify_compression_confines_a_compressor_that_raises_to_its_own_cases(tmp_path: Path):
+    """On a world with islands (two vendors): a compressor that raises fails its case, every rank
+    rebuilds the default group, and the checks after it build their island and peer groups again
+    -- before, every later case failed on the destroyed group's islands."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: raises\ncollective_timeout_s: 10\nbackends: []\nworld_sizes: [2]\n"
+                    "mixed_vendor_sets: [\"nccl:1,hccl:1\"]\nother_checks: false\nchecks:\n  compression: {compressors: "
+                    "[broken-raise, topk], scopes: default, n: 256, steps: 2}\n")
+    r = run_vcga("verify", "--profile", str(prof), env={**_env("broken_compressors"), "TMPDIR": str(tmp_path)},
+                 timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    fails = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("FAIL ")]
+    assert any("broken-raise" in f and "decoding failed on purpose" in f for f in fails), r.stdout
+    assert not any("topk" in f for f in fails), fails
+    summary = re.search(r"(\d+) passed, (\d+) failed", r.stdout)
+    assert summary is not None and int(summary[2]) == len(fails), r.stdout
+    assert int(summary[1]) >= 5, r.stdout  # the layout and topk's own cases ran, and passed
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -104,6 +104,14 @@ class FloorQuant(Compressor):
         return (flat.abs().max() / self.levels).expand(flat.numel()).clone()
 
 
+class Raises(RankNoise):
+    """Raises while decoding, on every rank: the case fails and every rank rebuilds the default
+    group; the checks of the compressors after it must not inherit the old group's islands."""
+
+    def decompress(self, payload: list[Any], state: dict[str, Any], ctx: CompressContext, round: int = 0) -> Any:  # noqa: A002
+        raise RuntimeError("broken-raise: decoding failed on purpose")
+
+
 @hookimpl
 def vcga_compressors() -> list[CompressorSpec]:
     return [
@@ -112,4 +120,5 @@ def vcga_compressors() -> list[CompressorSpec]:
         CompressorSpec("broken-wire", "sends more than it declares", {"ef": CompressorOption(False, _flag)},
                        lambda ef: Oversize()),
         CompressorSpec("broken-bias", "biased, declared unbiased", {}, lambda: FloorQuant()),
+        CompressorSpec("broken-raise", "raises while decoding", {}, lambda: Raises()),
     ]

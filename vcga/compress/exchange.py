@@ -268,7 +268,8 @@ class Exchange:
 
         Payload tensors of one dtype travel as one buffer: summed by the library where the group sums
         that dtype natively (its result is one reduction, copied to every rank), else gathered as bytes
-        and added in peer order here (floats narrower than float32 in float32)."""
+        and added in peer order here (floats narrower than float32 in float32, then rounded to their
+        dtype once)."""
         by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}
         for i, pl in payloads.items():
             for j, t in enumerate(pl):
@@ -301,6 +302,10 @@ class Exchange:
                 summed = vals[0].to(acc)
                 for p in range(1, self.peers):  # left to right in peer order
                     summed = summed + vals[p].to(acc)
+                # rounded once to the payload's dtype: the compressor gets its sums in the dtype it
+                # sent, as from a library that sums that dtype natively (PowerSGD multiplies them
+                # with its bfloat16 / float16 gradients)
+                summed = summed.to(dtype)
             off = 0
             for i, j in where:
                 n = payloads[i][j].numel()
