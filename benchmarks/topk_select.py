@@ -1,5 +1,5 @@
 """Top-k's selection: ``torch.topk`` on the whole gradient against the sampled narrowing that the
-``topk`` compressor uses (plugins/compressors.py ``largest``), one CPU thread, side by side.
+``topk`` compressor uses (plugins/compressors/__init__.py ``largest``), one CPU thread, side by side.
 
 For each size and share kept: the median time of each over interleaved repetitions, their ratio,
 and whether both selected the same values (the narrowing is exact; the table says so per row).

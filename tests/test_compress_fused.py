@@ -131,7 +131,7 @@ def test_qsgd_host_loops_give_the_torch_operations_payload_and_decode(fresh_kern
     want = q._compress_ops(x, ctx)
     dec_want = q._decompress_ops(want[0], want[1], n)
 
-    import vcga.plugins.compressors as pc
+    import vcga.plugins.compressors.qsgd as pc
 
     assert fused.checked("qsgd", pc._qsgd_loops, pc._qsgd_self_check) is not None  # compiled and self-checked
 
@@ -157,7 +157,7 @@ def test_qsgd_leaves_a_tensor_with_nan_or_inf_to_the_torch_operations(fresh_kern
     x[17] = bad
     got, want = q.compress(x, {}, ctx), q._compress_ops(x, ctx)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))  # NaN: bits
-    import vcga.plugins.compressors as pc
+    import vcga.plugins.compressors.qsgd as pc
 
     assert fused.checked("qsgd", pc._qsgd_loops, pc._qsgd_self_check) is not None  # the loops were there
 
@@ -169,7 +169,7 @@ def test_qsgd_loops_that_do_not_reproduce_the_bits_are_not_used(fresh_kernels, m
     pytest.importorskip("numba")
     import numpy as np
 
-    import vcga.plugins.compressors as pc
+    import vcga.plugins.compressors.qsgd as pc
     from vcga.contract import CompressContext
 
     absmax, quantize, dequantize = pc._qsgd_loops()

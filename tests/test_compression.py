@@ -129,7 +129,7 @@ def _same_selection(a: torch.Tensor, idx: torch.Tensor, k: int) -> None:
 
 @pytest.mark.parametrize("case", ["gaussian", "heavy rows", "ties", "nan", "sample misjudges", "small", "large share"])
 def test_topk_narrowed_selection_keeps_exactly_the_k_largest(case):
-    """The sampled narrowing of top-k's selection (plugins/compressors.py ``largest``) selects what
+    """The sampled narrowing of top-k's selection (plugins/compressors/__init__.py ``largest``) selects what
     torch.topk does on the whole tensor -- also where its strided sample misjudges the threshold
     (every sampled element tiny, the large ones between the samples: the whole-tensor search)."""
     from vcga.plugins.compressors import largest

@@ -132,6 +132,7 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.wire",  # the tensor wire format
     "vcga.compress",  # gradient compression: spec strings, ddp_hook, the engine, the wire meter
     "vcga.compress.exact",  # fixed-order arithmetic for compressors' decoders
+    "vcga.compress.fused",  # compiled host loops, used where a self-check finds the torch operations' bits
 )
 
 #: pluggy project name; also the entry-point group plugins register under.
