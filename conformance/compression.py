@@ -118,38 +118,31 @@ class Compression(Check):
         steps = int(self.opt(ctx, "steps"))
         holder: dict[str, Any] = {}
 
-        def identical() -> Verdict:
-            red = holder["red"] = self._reducer(spec, topology(), record=True)
+        def identical_in(dtype: Any, tag: str, **kw: Any) -> Verdict:
+            red = self._reducer(spec, topology(), **kw)
+            if kw.get("record"):
+                holder["red"] = red  # its records serve the error-feedback case
             for step in range(steps):
-                g = data.generator("compression", label, step, ctx.rank)
-                flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.float32)
+                g = data.generator(f"compression{tag}", label, step, ctx.rank)
+                flat = torch.randn(total, generator=g, dtype=torch.float64).to(dtype)
                 red.step = step
-                red.all_reduce(flat, shapes, key="check")
-                if not bool(torch.isfinite(flat).all()):
-                    return Verdict.fail(f"step {step}: non-finite values in the result")
-                digests = ctx.exchange(f"{label}:identical:{step}", data.digest(flat).encode())
+                red.all_reduce(flat, shapes, key=f"check{tag}")
+                if flat.dtype != dtype or not bool(torch.isfinite(flat).all()):
+                    return Verdict.fail(f"step {step}: a {flat.dtype} result, or non-finite values in it")
+                digests = ctx.exchange(f"{label}:identical{tag}:{step}", data.digest(flat).encode())
                 if len(set(digests)) != 1:
                     return Verdict.fail(f"step {step}: results differ across ranks: " + ", ".join(
                         f"rank {r}: {d.decode()[:12]}" for r, d in enumerate(digests)))
             return Verdict.ok(detail=f"{steps} steps")
 
+        def identical() -> Verdict:
+            return identical_in(torch.float32, "", record=True)
+
         def identical_bf16() -> Verdict:
             # half-precision gradients (mixed-precision training): a payload the group cannot sum
             # natively is gathered and added in float32 -- the compressor must still get, and give
             # back, its own dtype, and every rank the same bits
-            red = self._reducer(spec, topology())
-            for step in range(steps):
-                g = data.generator("compression-bf16", label, step, ctx.rank)
-                flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.bfloat16)
-                red.step = step
-                red.all_reduce(flat, shapes, key="check-bf16")
-                if flat.dtype != torch.bfloat16 or not bool(torch.isfinite(flat).all()):
-                    return Verdict.fail(f"step {step}: {flat.dtype} result, or non-finite values in it")
-                digests = ctx.exchange(f"{label}:identical-bf16:{step}", data.digest(flat).encode())
-                if len(set(digests)) != 1:
-                    return Verdict.fail(f"step {step}: results differ across ranks: " + ", ".join(
-                        f"rank {r}: {d.decode()[:12]}" for r, d in enumerate(digests)))
-            return Verdict.ok(detail=f"{steps} steps")
+            return identical_in(torch.bfloat16, "-bf16")
 
         yield ctx.run_case(f"{label}: ranks identical", identical)
         red = holder.get("red")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -570,15 +571,22 @@ def test_verify_compression_passes_on_gloo_the_sim_backends_and_a_mixed_world(tm
         assert f"compression │ {backend}" in r.stdout, r.stdout
 
 
-def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_path: Path):
+def _verify_broken(tmp_path: Path, world: str, compression: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """``vcga verify`` of the compression family alone with the broken compressors' plugin, on
+    ``world`` (profile lines), failing; its output and its FAIL lines."""
     prof = tmp_path / "p.yaml"
-    prof.write_text("name: broken\ncollective_timeout_s: 10\nbackends: [gloo]\nworld_sizes: [2]\n"
-                    "mixed_vendor_sets: []\nother_checks: false\nchecks:\n  compression: {compressors: "
-                    "[broken-sent, broken-identity, broken-wire, broken-bias, topk], n: 256, steps: 2, trials: 32}\n")
+    prof.write_text(f"name: broken\ncollective_timeout_s: 10\n{world}world_sizes: [2]\nother_checks: false\n"
+                    f"checks:\n  compression: {{{compression}}}\n")
     r = run_vcga("verify", "--profile", str(prof), env={**_env("broken_compressors"), "TMPDIR": str(tmp_path)},
                  timeout=600)
     assert r.returncode == 1, r.stdout + r.stderr
-    fails = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("FAIL ")]
+    return r, [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("FAIL ")]
+
+
+def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_path: Path):
+    _, fails = _verify_broken(tmp_path, "backends: [gloo]\nmixed_vendor_sets: []\n",
+                              "compressors: [broken-sent, broken-identity, broken-wire, broken-bias, topk], n: 256, "
+                              "steps: 2, trials: 32")
     assert len(fails) == 4, fails
     assert any("broken-sent" in f and "sent is what the others receive" in f for f in fails)
     assert any("broken-identity" in f and "ranks identical" in f for f in fails)
@@ -591,14 +599,8 @@ def test_verify_compression_confines_a_compressor_that_raises_to_its_own_cases(t
     """On a world with islands (two vendors): a compressor that raises fails its case, every rank
     rebuilds the default group, and the checks after it build their island and peer groups again
     -- before, every later case failed on the destroyed group's islands."""
-    prof = tmp_path / "p.yaml"
-    prof.write_text("name: raises\ncollective_timeout_s: 10\nbackends: []\nworld_sizes: [2]\n"
-                    "mixed_vendor_sets: [\"nccl:1,hccl:1\"]\nother_checks: false\nchecks:\n  compression: {compressors: "
-                    "[broken-raise, topk], scopes: default, n: 256, steps: 2}\n")
-    r = run_vcga("verify", "--profile", str(prof), env={**_env("broken_compressors"), "TMPDIR": str(tmp_path)},
-                 timeout=600)
-    assert r.returncode == 1, r.stdout + r.stderr
-    fails = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("FAIL ")]
+    r, fails = _verify_broken(tmp_path, "backends: []\nmixed_vendor_sets: [\"nccl:1,hccl:1\"]\n",
+                              "compressors: [broken-raise, topk], scopes: default, n: 256, steps: 2")
     assert any("broken-raise" in f and "decoding failed on purpose" in f for f in fails), r.stdout
     assert not any("topk" in f for f in fails), fails
     summary = re.search(r"(\d+) passed, (\d+) failed", r.stdout)
