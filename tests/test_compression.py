@@ -346,6 +346,27 @@ def test_topk_sends_ascending_indices_of_the_largest_with_their_values(ratio):
     assert torch.equal(val, x[want])
 
 
+def test_topk_indices_widen_to_int64_past_two_to_the_31_elements(monkeypatch):
+    """Top-k's int32 indices would wrap past 2^31 elements (one bucket of a 2^31-entry embedding),
+    and the peers would write every value past the wrap to the wrong element. Past the limit the
+    indices travel as int64, the declared payload counts 8 bytes for each, and the decoder puts
+    every value back where it was. (The limit is lowered here: 2^31 float32 elements are 8 GiB.)"""
+    import vcga.plugins.compressors as pc
+
+    assert pc.index_dtype(2 ** 31) == torch.int32 and pc.index_dtype(2 ** 31 + 1) == torch.int64
+    c = _make("topk", ratio=0.1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(5))
+    for limit, dtype, width in ((5000, torch.int32, 4), (4999, torch.int64, 8)):
+        monkeypatch.setattr(pc, "INT32_INDEXED", limit)
+        st: dict = {}
+        payload = c.compress(x, st, CompressContext(2, 0, 0, 0))
+        assert payload[0].dtype == dtype
+        assert sum(t.numel() * t.element_size() for t in payload) == c.payload_nbytes((5000,), "float32") == 500 * (width + 4)
+        out = c.decompress(payload, st, CompressContext(2, 0, 0, 0))
+        keep = torch.topk(x.abs(), 500).indices
+        assert torch.equal(out[keep], x[keep]) and int((out != 0).sum()) == 500
+
+
 def test_qsgd_draws_are_reproducible_and_differ_by_peer_and_step():
     c = _make("qsgd", levels=4)
     x = torch.randn(3000)

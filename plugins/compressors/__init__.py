@@ -5,7 +5,8 @@
 ===========  =======  ======================================================================
  fp16        sum      n half floats, pre-divided by the number of peers (torch's fp16 hook)
  bf16        sum      n bfloat16
- topk        gather   the k = ⌈ratio·n⌉ largest magnitudes: k int32 indices + k values
+ topk        gather   the k = ⌈ratio·n⌉ largest magnitudes: k int32 indices + k values (int64
+                      indices for a tensor of more than 2^31 elements)
  sign        gather   1 bit per element + one float32 scale (mean |x|), two-phase with a
                       server-side compression, as 1-bit Adam's compressed allreduce
  qsgd        gather   a signed level in [-s, s] per element (4, 8 or 16 bits) + one float32
@@ -163,6 +164,20 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     return candidates[torch.topk(a[candidates], k, sorted=False).indices]
 
 
+#: The most elements a tensor may have for its indices to travel as int32 (the largest index is
+#: n - 1). Past it they travel as int64: int32 would wrap, and the peers would write the values
+#: to the wrong elements without a word (one bucket past 2^31 elements: a 2^31-entry embedding).
+INT32_INDEXED = 2 ** 31
+
+
+def index_dtype(n: int) -> torch.dtype:
+    """The dtype of top-k's indices into a tensor of ``n`` elements: every peer of an exchange
+    compresses a share of the same size, so all of them choose the same one."""
+    import torch
+
+    return torch.int32 if n <= INT32_INDEXED else torch.int64
+
+
 class TopK(Compressor):
     """The k largest magnitudes and their indices (Aji & Heafield 2017; Lin et al. 2018)."""
 
@@ -175,7 +190,8 @@ class TopK(Compressor):
         return min(n, max(1, math.ceil(self.ratio * n))) if n else 0
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        return self.k(_numel(shape)) * (4 + _itemsize(dtype))
+        n = _numel(shape)
+        return self.k(n) * ((4 if n <= INT32_INDEXED else 8) + _itemsize(dtype))
 
     def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
@@ -193,7 +209,7 @@ class TopK(Compressor):
             idx = mark.nonzero().squeeze(1)
         else:
             idx, _ = torch.sort(idx)
-        return [idx.to(torch.int32), flat[idx].contiguous()]
+        return [idx.to(index_dtype(flat.numel())), flat[idx].contiguous()]
 
     def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
                    round: int = 0) -> torch.Tensor:  # noqa: A002
