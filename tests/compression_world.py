@@ -389,3 +389,45 @@ def narrow_main(rank: int, world: int, port: int, vendors: str, specs: list[str]
             out[f"{str(dt).split('.')[1]} {spec}"] = got
     if rank == 0:
         queue.put(out)
+
+
+def overflow_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    """DDP through ``ddp_hook(spec)`` with torch.amp's GradScaler, eight steps; at step 3 rank 1's
+    loss overflows (times infinity, as a float16 overflow on one rank). Per spec: the scale after
+    every step (the scaler halves it for each step it skips), whether the parameters are finite
+    and the same bits on every rank at the end, and the hook's description."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import ddp_hook
+
+    _join(rank, world, port, vendors)
+    out: dict[str, Any] = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        net = DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)))
+        state, hook = ddp_hook(spec)
+        net.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        scales = []
+        for step in range(8):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            opt.zero_grad()
+            loss = net(x).square().mean()
+            if step == 3 and rank == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        state.close()
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, _digest(flat))
+        out[spec] = {"scales": scales, "identical": len(set(digests)) == 1,
+                     "finite": bool(torch.isfinite(flat).all()), "describe": state.describe()}
+    if rank == 0:
+        queue.put(out)

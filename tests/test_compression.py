@@ -488,6 +488,27 @@ def test_bfloat16_and_float16_models_train_through_every_compressor_on_a_mixed_w
         assert r["identical"] and r["finite"] and r["stats"]["compressed"] == 4, (case, r)
 
 
+def test_an_overflowed_step_is_skipped_and_training_goes_on_with_every_error_feedback_compressor():
+    """Fake-backed (nccl:2,hccl:2 simulated). One rank's gradients overflow at step 3, as float16
+    training's do now and then: torch.amp's GradScaler skips that step and halves its scale. The
+    overflow went into every residual and PowerSGD warm start it reached (``inf - inf`` is NaN), so
+    every later sum was NaN and the scaler skipped every step to the end. The buffers' state now
+    starts afresh after a non-finite sum: one step skipped, then training goes on, the same bits on
+    every rank."""
+    from compression_world import overflow_main
+
+    from vcga.spawn import run_ranks
+
+    specs = ["powersgd:rank=2,min_rate=0", "powersgd:rank=2,min_rate=0,scope=all", "topk:ratio=0.1",
+             "topk:ratio=0.1,server=1", "sign"]
+    got = run_ranks(overflow_main, 4, "nccl:2,hccl:2", specs, timeout=300)
+    for spec in specs:
+        r = got[spec]
+        assert r["scales"] == [1024.0] * 3 + [512.0] * 5, (spec, r["scales"])  # step 3 alone skipped
+        assert r["finite"] and r["identical"], (spec, r)
+        assert r["describe"]["restarted"] >= 1 and r["describe"]["stats"]["compressed"] > 0, (spec, r["describe"])
+
+
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
     lay = world_2x2["layout"]
     assert [i["ranks"] for i in lay["islands"]] == [[0, 1], [2, 3]] and lay["equal"]

@@ -338,7 +338,8 @@ class CompressionState:
         r = self.reducer
         d: dict[str, Any] = {"spec": self.spec.canonical(), "step": self.step, "stats": dict(self.stats)}
         if r is not None:
-            d.update({"scope": r.scope, "layout": r.layout.describe(), "compressor": r.compressor.describe()})
+            d.update({"scope": r.scope, "layout": r.layout.describe(), "compressor": r.compressor.describe(),
+                      "restarted": r.restarted})
         if self.link is not None:
             d["link"] = self.link.to_json()
         if self.cost is not None:
