@@ -159,8 +159,38 @@ class Compression(Check):
         yield ctx.run_case(f"{label}: bytes on the wire <= declared",
                            lambda: self._wire(ctx, spec, topology(), shapes, total))
         yield ctx.run_case(f"{label}: ranks identical, bfloat16 gradients", identical_bf16)
+        yield ctx.run_case(f"{label}: an overflow is seen, then forgotten", lambda: self._overflow(ctx, spec, topology(),
+                                                                                                   shapes, total, label))
 
     # -- the cases -----------------------------------------------------------------------------------
+
+    def _overflow(self, ctx: Context, spec: Any, topology: Any, shapes: list[tuple[int, ...]], total: int,
+                  label: str) -> Verdict:
+        """Float16 training's routine overflow: at step 1 the last rank's gradient holds an inf and a
+        NaN. That step's sum must not be finite (torch.amp's GradScaler must see it, to skip the
+        step), and the steps after it must be finite again, the same bits on every rank: no
+        residual or warm start may keep the overflow (``inf - inf`` is NaN, for good)."""
+        import torch
+
+        red = self._reducer(spec, topology)
+        for step in range(4):
+            g = data.generator("compression-overflow", label, step, ctx.rank)
+            flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.float32)
+            if step == 1 and ctx.rank == ctx.world_size - 1:
+                flat[3], flat[-1] = math.inf, math.nan
+            red.step = step
+            red.all_reduce(flat, shapes, key="overflow")
+            finite = bool(torch.isfinite(flat).all())
+            if step == 1 and finite:
+                return Verdict.fail("step 1: one rank's gradient held an inf and a NaN, and the sum came out finite: a "
+                                    "loss scaler cannot see the overflow")
+            if step != 1 and not finite:
+                return Verdict.fail(f"step {step}: non-finite values in the sum" + (
+                    " after the overflow of step 1 (a residual or warm start kept it)" if step > 1 else ""))
+            digests = ctx.exchange(f"{label}:overflow:{step}", data.digest(flat).encode())
+            if len(set(digests)) != 1:
+                return Verdict.fail(f"step {step}: results differ across ranks")
+        return Verdict.ok(detail="step 1 non-finite, steps 2-3 finite")
 
     def _ef_identity(self, ctx: Context, red: Any) -> Verdict:
         limit = int(self.opt(ctx, "rational_limit"))

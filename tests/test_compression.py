@@ -627,13 +627,21 @@ def _verify_broken(tmp_path: Path, world: str, compression: str) -> tuple[subpro
 
 def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_path: Path):
     _, fails = _verify_broken(tmp_path, "backends: [gloo]\nmixed_vendor_sets: []\n",
-                              "compressors: [broken-sent, broken-identity, broken-wire, broken-bias, topk], n: 256, "
-                              "steps: 2, trials: 32")
-    assert len(fails) == 4, fails
-    assert any("broken-sent" in f and "sent is what the others receive" in f for f in fails)
-    assert any("broken-identity" in f and "ranks identical" in f for f in fails)
-    assert any("broken-wire" in f and "more bytes on the wire than declared" in f for f in fails)
-    assert any("broken-bias" in f and "unbiased" in f and "biased beyond the bound" in f for f in fails)
+                              "compressors: [broken-sent, broken-identity, broken-wire, broken-bias, broken-sticky, "
+                              "topk], n: 256, steps: 2, trials: 32")
+
+    def failed(name: str) -> list[str]:
+        return [f.split(f"{name} scope=all: ", 1)[1].split(":")[0] for f in fails if f" {name} scope=" in f]
+
+    assert failed("broken-sent") == ["sent is what the others receive"], fails
+    # every case that compares ranks' bits
+    assert failed("broken-identity") == ["ranks identical", "an overflow is seen, then forgotten"], fails
+    assert failed("broken-wire") == ["bytes on the wire <= declared"], fails
+    assert failed("broken-bias") == ["unbiased (Hoeffding bound)"], fails
+    assert any("biased beyond the bound" in f for f in fails)
+    assert any("more bytes on the wire than declared" in f for f in fails)
+    assert failed("broken-sticky") == ["an overflow is seen, then forgotten"], fails
+    assert len(fails) == 6, fails
     assert not any("topk" in f for f in fails)
 
 

@@ -112,6 +112,33 @@ class Raises(RankNoise):
         raise RuntimeError("broken-raise: decoding failed on purpose")
 
 
+class Sticky(Compressor):
+    """Sends a decaying sum of its inputs, kept on the instance -- out of the driver's reach, so the
+    driver cannot make it forget an overflow: once an inf went in, every later sum is inf."""
+
+    combine = Combine.SUM
+
+    def __init__(self) -> None:
+        self.memory: dict[tuple[int, ...], Any] = {}
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        return 4 * n
+
+    def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
+        import torch
+
+        flat = x.reshape(-1).to(torch.float32)
+        old = self.memory.get(tuple(x.shape))
+        self.memory[tuple(x.shape)] = m = flat.clone() if old is None else old * 0.5 + flat
+        return [m.contiguous()]
+
+    def decompress(self, payload: list[Any], state: dict[str, Any], ctx: CompressContext, round: int = 0) -> Any:  # noqa: A002
+        return payload[0]
+
+
 @hookimpl
 def vcga_compressors() -> list[CompressorSpec]:
     return [
@@ -121,4 +148,5 @@ def vcga_compressors() -> list[CompressorSpec]:
                        lambda ef: Oversize()),
         CompressorSpec("broken-bias", "biased, declared unbiased", {}, lambda: FloorQuant()),
         CompressorSpec("broken-raise", "raises while decoding", {}, lambda: Raises()),
+        CompressorSpec("broken-sticky", "keeps an overflow in state of its own", {}, lambda: Sticky()),
     ]
