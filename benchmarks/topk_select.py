@@ -6,6 +6,10 @@ and whether both selected the same values (the narrowing is exact; the table say
 
     .venv/bin/python benchmarks/topk_select.py                 # the table in docs/benchmarks.md
     .venv/bin/python benchmarks/topk_select.py --reps 5 --sizes 65536,4194304 --ratios 0.01
+
+``--payload`` times the compressor's whole host payload instead (the selection, the ascending
+indices and their values): the torch path (``largest``, then a sort or marks read back) against
+the radix-select loop that float32 host tensors take, and whether both sent the same bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ def main() -> None:
     p.add_argument("--ratios", default="0.001,0.01,0.1", help="shares kept, comma-separated")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a rank's, in the benchmarks)")
+    p.add_argument("--payload", action="store_true", help="the whole payload: torch path against the host loop")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.payload:
+        payload(args)
+        return
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} interleaved repetitions")
     print("| elements | kept | torch.topk | narrowed | narrowed / topk | same values |")
@@ -47,6 +55,46 @@ def main() -> None:
             same = torch.equal(torch.sort(a[ref]).values, torch.sort(a[idx]).values)
             tw, tn = statistics.median(whole), statistics.median(narrowed)
             print(f"| {n:,} | {ratio:g} | {tw * 1e3:.2f} ms | {tn * 1e3:.2f} ms | {tn / tw:.2f} | {'yes' if same else 'NO'} |",
+                  flush=True)
+
+
+def payload(args: argparse.Namespace) -> None:
+    from vcga.plugins.compressors import TopK, _select, _select_loop, index_dtype
+
+    select = _select_loop()
+    if select is None:
+        raise SystemExit("the host loop is not in use here (numba missing, or VCGA_FUSED=0)")
+
+    def torch_path(flat: torch.Tensor, k: int) -> list[torch.Tensor]:  # TopK.compress without the loop
+        idx = largest(flat.abs(), k)
+        if k > flat.numel() // 16:
+            mark = torch.zeros(flat.numel(), dtype=torch.bool)
+            mark[idx] = True
+            idx = mark.nonzero().squeeze(1)
+        else:
+            idx, _ = torch.sort(idx)
+        return [idx.to(index_dtype(flat.numel())), flat[idx].contiguous()]
+
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} interleaved repetitions")
+    print("| elements | kept | torch path | radix-select loop | loop / torch path | same payload |")
+    print("|---|---|---|---|---|---|")
+    for n in (int(s) for s in args.sizes.split(",")):
+        x = torch.randn(n, generator=g)
+        for ratio in (float(r) for r in args.ratios.split(",")):
+            k = TopK(ratio, ef=True, server=False).k(n)
+            ops, loop = [], []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                want = torch_path(x, k)
+                t1 = time.perf_counter()
+                got = _select(select, x, k)
+                t2 = time.perf_counter()
+                ops.append(t1 - t0)
+                loop.append(t2 - t1)
+            same = all(torch.equal(a, b) for a, b in zip(want, got))
+            to, tl = statistics.median(ops), statistics.median(loop)
+            print(f"| {n:,} | {ratio:g} | {to * 1e3:.2f} ms | {tl * 1e3:.2f} ms | {tl / to:.2f} | {'yes' if same else 'NO'} |",
                   flush=True)
 
 

@@ -194,3 +194,68 @@ def test_qsgd_loops_that_do_not_reproduce_the_bits_are_not_used(fresh_kernels, m
     q, ctx = _qsgd(7, 16), CompressContext(peers=2, peer=0, step=1, seed=3)
     x = torch.randn(999)
     assert all(torch.equal(a, b) for a, b in zip(q.compress(x, {}, ctx), q._compress_ops(x, ctx)))
+
+
+@pytest.mark.parametrize("n", [5, 4097, 300_000])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.5, 1.0])
+def test_topk_selection_loop_sends_the_torch_paths_payload(fresh_kernels, monkeypatch, n, ratio):
+    """The radix-select loop (float32 on the host) sends the indices, ascending, and the values
+    that the torch path (``largest`` and an ordering) sends -- the torch path does not run (it
+    would raise here). Magnitudes 10^-30..10^30, zeros of both signs, an infinity and a NaN."""
+    pytest.importorskip("numba")
+    import vcga.plugins.compressors as pc
+    from vcga.contract import CompressContext
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.unique(_adversarial(n, n).abs())  # no two equal magnitudes: one set is the k largest
+    x = x[torch.randperm(x.numel(), generator=g)] * torch.where(torch.rand(x.numel(), generator=g) < 0.5, -1.0, 1.0)
+    if x.numel() > 4:
+        x[1], x[-2] = float("inf"), float("nan")
+    c = pc.TopK(ratio, ef=True, server=False)
+    k = c.k(x.numel())
+    want = torch.sort(pc.largest(x.abs(), k)).values
+    assert pc._select_loop() is not None  # compiled and self-checked
+
+    def not_here(*a, **kw):
+        raise AssertionError("the torch path ran on the host")
+
+    monkeypatch.setattr(pc, "largest", not_here)
+    idx, val = c.compress(x, {}, CompressContext(2, 0, 0, 0))
+    assert idx.dtype == torch.int32 and torch.equal(idx.long(), want)
+    assert torch.equal(val.view(torch.int32), x[want].view(torch.int32))
+
+
+def test_topk_selection_loop_takes_the_first_of_equal_magnitudes_at_the_kth(fresh_kernels):
+    """Where many elements share the k-th largest magnitude, the loop takes every larger one and
+    the first of the equal ones in index order, k in all."""
+    pytest.importorskip("numba")
+    import vcga.plugins.compressors as pc
+
+    x = torch.tensor([1.0, -3.0, 2.0, -2.0, 2.0, 5.0, -2.0, 0.0, 2.0])
+    idx, val = pc._select(pc._select_loop(), x, 4)  # 5, -3 and the first two of the four 2s
+    assert idx.tolist() == [1, 2, 3, 5] and val.tolist() == [-3.0, 2.0, -2.0, 5.0]
+
+
+def test_a_topk_selection_loop_that_does_not_select_the_largest_is_not_used(fresh_kernels, monkeypatch, caplog):
+    """A loop that orders the raw bits (the sign not cleared: a negative element's bits are the
+    largest integers) fails the self-check; the torch path stays in use."""
+    pytest.importorskip("numba")
+    import numpy as np
+
+    import vcga.plugins.compressors as pc
+    from vcga.contract import CompressContext
+
+    def signed(bits, k, idx, val, x):
+        order = np.argsort(-(bits.astype(np.int64) & 0xFFFFFFFF), kind="stable")[:k]
+        order.sort()
+        idx[:] = order
+        val[:] = x[order]
+        return k
+
+    monkeypatch.setattr(pc, "_build_select", lambda: signed)
+    with caplog.at_level(logging.WARNING, logger="vcga.compress.fused"):
+        assert pc._select_loop() is None
+    assert "topk selection" in caplog.text
+    x = torch.randn(1000)
+    idx, _ = pc.TopK(0.01, ef=True, server=False).compress(x, {}, CompressContext(2, 0, 0, 0))
+    assert torch.equal(idx.long(), torch.sort(torch.topk(x.abs(), 10).indices).values)
