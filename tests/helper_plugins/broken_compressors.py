@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from vcga.contract import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec, hookimpl
@@ -19,9 +20,7 @@ class ClaimsAll(Compressor):
     error_feedback = True
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         return 2 * n
 
     def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
@@ -44,9 +43,7 @@ class RankNoise(Compressor):
     combine = Combine.GATHER
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         return 4 * n
 
     def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
@@ -81,9 +78,7 @@ class FloorQuant(Compressor):
     levels = 4
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         return n + 4
 
     def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
@@ -122,9 +117,7 @@ class Sticky(Compressor):
         self.memory: dict[tuple[int, ...], Any] = {}
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         return 4 * n
 
     def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
