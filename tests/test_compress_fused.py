@@ -259,3 +259,25 @@ def test_a_topk_selection_loop_that_does_not_select_the_largest_is_not_used(fres
     x = torch.randn(1000)
     idx, _ = pc.TopK(0.01, ef=True, server=False).compress(x, {}, CompressContext(2, 0, 0, 0))
     assert torch.equal(idx.long(), torch.sort(torch.topk(x.abs(), 10).indices).values)
+
+
+def test_every_fused_loop_is_loaded_from_numba_cache_in_a_second_process(tmp_path):
+    """Each rank is a new process: a loop that misses numba's on-disk cache is compiled again in
+    every one of them (about 1.5 s of CPU per rank). The top-k loop once called another jitted
+    closure, and numba wrote a new cache entry in every process. A second process must add none."""
+    pytest.importorskip("numba")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import vcga.compress.fused as f, vcga.plugins.compressors as c, vcga.plugins.compressors.qsgd as q\n"
+            "assert f.kernels() and c._select_loop() and q._loops()\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "VCGA_FUSED": "1"}
+
+    def entries() -> list[str]:
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        return sorted(p.name for p in tmp_path.rglob("*.nbc"))
+
+    first = entries()
+    assert first, "nothing was cached"
+    assert entries() == first

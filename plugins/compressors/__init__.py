@@ -263,38 +263,28 @@ def _build_select() -> Any:
     # numba's on-disk cache records the module's import name (see qsgd._qsgd_loops)
     opts = dict(cache=__name__ == "vcga.plugins.compressors", nogil=True, boundscheck=False, error_model="numpy")
 
-    @numba.njit(**opts)
-    def digit(h: Any, need: int) -> tuple[int, int]:  # pragma: no cover - compiled
-        # the histogram's bucket (from the top) that holds the need-th largest, and what is still
-        # needed inside it
-        d = h.shape[0] - 1
-        while h[d] < need:
-            need -= h[d]
-            d -= 1
-        return d, need
-
+    # One function, calling no other jitted one: numba's cache keys a closure by what it refers to,
+    # and a call to another closure's dispatcher missed the cache in every new process (a 1.5 s
+    # compile per rank).
     @numba.njit(**opts)
     def select(bits: Any, k: int, idx: Any, val: Any, x: Any) -> int:  # pragma: no cover - compiled
         n = bits.shape[0]
-        h = np.zeros(2048, np.int64)  # the top 11 bits of the magnitude: exponent and 3 mantissa bits
-        for i in range(n):
-            h[(bits[i] & 0x7FFFFFFF) >> 20] += 1
-        d1, need = digit(h, k)
-        h = np.zeros(1024, np.int64)  # the next 10, of the elements in that bucket
-        for i in range(n):
-            m = bits[i] & 0x7FFFFFFF
-            if (m >> 20) == d1:
-                h[(m >> 10) & 1023] += 1
-        d2, need = digit(h, need)
-        top = (d1 << 10) | d2
-        h = np.zeros(1024, np.int64)  # the last 10
-        for i in range(n):
-            m = bits[i] & 0x7FFFFFFF
-            if (m >> 10) == top:
-                h[m & 1023] += 1
-        d3, need = digit(h, need)
-        t = (top << 10) | d3  # the k-th largest magnitude; ``need`` of the elements equal to it are taken
-        j = 0
+        need = k
+        t = 0  # the k-th largest magnitude's bits found so far, most significant first
+        for shift in (20, 10, 0):  # the top 11 bits (exponent, 3 mantissa bits), then 10, then 10
+            width = 2048 if shift == 20 else 1024
+            above = 31 if shift == 20 else shift + 10  # the bits already found: none at first
+            h = np.zeros(width, np.int64)
+            for i in range(n):
+                m = bits[i] & 0x7FFFFFFF
+                if (m >> above) == t:
+                    h[(m >> shift) & (width - 1)] += 1
+            d = width - 1  # the bucket, from the top, that holds the need-th largest
+            while h[d] < need:
+                need -= h[d]
+                d -= 1
+            t = (t << 10) | d
+        j = 0  # t is the k-th largest magnitude; ``need`` of the elements equal to it are taken
         for i in range(n):
             m = bits[i] & 0x7FFFFFFF
             if m > t or (m == t and need > 0):
