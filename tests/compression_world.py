@@ -431,3 +431,41 @@ def overflow_main(rank: int, world: int, port: int, vendors: str, specs: list[st
                      "finite": bool(torch.isfinite(flat).all()), "describe": state.describe()}
     if rank == 0:
         queue.put(out)
+
+
+def subgroup_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    """DDP over a data-parallel subgroup, as in a job that also splits its model: ranks {0, 2} and
+    {1, 3}, each pair across the two vendors, every rank in one. Per spec: the error if the hook
+    refused, else its scope, its stats and whether the pair holds the same gradients."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import ddp_hook
+
+    _join(rank, world, port, vendors)
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both, in order
+    dp = pairs[rank % 2]
+    out: dict[str, Any] = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        net = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)), process_group=dp)
+        try:
+            state, hook = ddp_hook(spec, process_group=dp)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which reads it
+            out[spec] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        net.register_comm_hook(state, hook)
+        for step in range(3):
+            net(torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        digests: list[Any] = [None, None]
+        dist.all_gather_object(digests, _digest(grads), group=dp)
+        out[spec] = {"scope": state.describe()["scope"], "stats": dict(state.stats),
+                     "identical": len(set(digests)) == 1, "finite": bool(torch.isfinite(grads).all())}
+        state.close()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        queue.put(everyone)

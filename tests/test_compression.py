@@ -509,6 +509,27 @@ def test_an_overflowed_step_is_skipped_and_training_goes_on_with_every_error_fee
         assert r["describe"]["restarted"] >= 1 and r["describe"]["stats"]["compressed"] > 0, (spec, r["describe"])
 
 
+def test_on_a_data_parallel_subgroup_the_default_scope_is_all_and_bridge_is_refused_typed():
+    """Fake-backed (nccl:2,hccl:2 simulated). DDP over a subgroup of the job, each spanning both
+    vendors: scope bridge would create island and peer groups that every rank of the job must
+    join, and the other ranks never come. Without a scope the hook compresses the whole all_reduce
+    there (it used to refuse, naming a scope the user had not given); an explicit ``scope=bridge``
+    is refused with a typed error that says what to use."""
+    from compression_world import subgroup_main
+
+    from vcga.spawn import run_ranks
+
+    got = run_ranks(subgroup_main, 4, "nccl:2,hccl:2", ["powersgd:rank=2,min_rate=0", "topk:ratio=0.1",
+                                                        "powersgd:rank=2,scope=bridge"], timeout=300)
+    for rank, out in enumerate(got):
+        for spec in ("powersgd:rank=2,min_rate=0", "topk:ratio=0.1"):
+            r = out[spec]
+            assert r.get("scope") == "all" and r["stats"] == {"compressed": 3, "plain": 0}, (rank, spec, r)
+            assert r["identical"] and r["finite"], (rank, spec, r)
+        err = out["powersgd:rank=2,scope=bridge"].get("error", "")
+        assert err.startswith("VcgaConfigError") and "scope=all (or no scope) on a subgroup" in err, (rank, err)
+
+
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
     lay = world_2x2["layout"]
     assert [i["ranks"] for i in lay["islands"]] == [[0, 1], [2, 3]] and lay["equal"]

@@ -201,7 +201,16 @@ class Reducer:
         self.compressor = create_compressor(spec)
         self.topology = topo = topology if topology is not None else Topology.build(self.group)
         self.layout = topo.layout
-        self.scope = spec.scope or ("bridge" if len(self.layout.islands) > 1 else "all")
+        # Scope bridge creates island and peer groups, which every rank of the job must join
+        # (torch.distributed.new_group): on a subgroup -- DDP over the data-parallel ranks of a job
+        # that also splits its model -- the other ranks never come. There the default is ``all``.
+        whole = dist.get_world_size() == self.size
+        self.scope = spec.scope or ("bridge" if len(self.layout.islands) > 1 and whole else "all")
+        if self.scope == "bridge" and len(self.layout.islands) > 1 and not whole:
+            raise VcgaConfigError("compression", spec.text, "scope=all (or no scope) on a subgroup: scope=bridge "
+                                  "creates island and peer groups, which every rank of the job must join, so it "
+                                  f"works on the default group only, and this group has {self.size} of "
+                                  f"{dist.get_world_size()} ranks")
         self.meter = meter
         self._attached: list[Any] = []
         self.island_group: Any = None
@@ -209,10 +218,6 @@ class Reducer:
         self.local = 0
         facts = self.layout.facts
         if self.scope == "bridge" and len(self.layout.islands) > 1:
-            if dist.get_world_size() != self.size:
-                raise VcgaConfigError("compression", spec.text, "scope=bridge on the default group (it creates the "
-                                      "island and peer groups, which every rank of the job must join); use scope=all "
-                                      "on a subgroup")
             self.island, self.local, self.island_group = topo.island, topo.local, topo.island_group
             peers = len(topo.peers)
             peer = topo.peers.index(self.rank) if topo.peers else 0
