@@ -12,7 +12,8 @@ The driver's keys (:data:`DRIVER_KEYS`):
 
 ``scope``   ``bridge``: reduce exactly inside each vendor group / node, compress only the exchange
             across them; ``all``: compress the whole all_reduce (what torch's hooks and DeepSpeed
-            do). Default: ``bridge`` on a group with more than one vendor group or node, else ``all``.
+            do). Default: ``bridge`` on a default group with more than one vendor group or node, else
+            ``all`` (``bridge`` needs the default group).
 ``when``    ``always`` (default) or ``auto``: per bucket, compress only when compression time plus
             the smaller transfer beats the plain transfer on that hop (docs/compression.md).
 ``start``   steps (DDP iterations) reduced exactly before compression starts (default 0).
@@ -65,7 +66,7 @@ def _nonneg_int(v: str) -> int:
 #: The keys every spec accepts besides its compressor's own: key -> (default, parser, help).
 DRIVER_KEYS: Mapping[str, tuple[Any, Any, str]] = {
     "scope": (None, _scope, "bridge (compress only across vendor groups / nodes) or all; default: bridge "
-                            "on a mixed-vendor or multi-node group, else all"),
+                            "on a mixed-vendor or multi-node default group, else all"),
     "when": ("always", _when, "always, or auto (compress a bucket only where the link's cost model says it pays)"),
     "start": (0, _nonneg_int, "steps reduced exactly before compression starts"),
     "seed": (0, _nonneg_int, "the seed every rank shares for random draws"),
