@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING, Any
 from vcga import dtypes as _dtypes
 from vcga.contract import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec, hookimpl
 
+from ._shapes import compressed_numel
+from ._shapes import itemsize as _itemsize
+from ._shapes import numel as _numel
 from .powersgd import PowerSGD
 from .qsgd import QSGD
 
@@ -85,14 +88,6 @@ def _ef(default: bool) -> CompressorOption:
     return CompressorOption(default, _flag, "error feedback: keep what was not sent, add it to the next step (0/1)")
 
 
-def _itemsize(dtype: str) -> int:
-    return _dtypes.get(dtype).itemsize
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 # -- fp16 / bf16 --------------------------------------------------------------------------------------
 
 
@@ -105,7 +100,7 @@ class Cast(Compressor):
         self.dtype, self.error_feedback, self.prescale = dtype, ef, prescale  # dtype: canonical name
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
-        return _numel(shape) * _dtypes.get(self.dtype).itemsize
+        return _numel(shape) * _itemsize(self.dtype)
 
     def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         # fp16 holds at most 65504: divide by the peers first so that their sum cannot overflow
@@ -220,9 +215,7 @@ class TopK(Compressor):
         import torch
 
         idx, val = payload
-        n = state.get("numel")
-        if n is None:
-            raise KeyError("topk: decompress before compress on this tensor")
+        n = compressed_numel(state, "topk")
         out = torch.zeros(n, dtype=val.dtype, device=val.device)
         out[idx.long()] = val  # indices are distinct: a plain write, no accumulation order
         return out
@@ -380,9 +373,7 @@ class Sign(Compressor):
         import torch
 
         bits, scale = payload
-        n = state.get("numel")
-        if n is None:
-            raise KeyError("sign: decompress before compress on this tensor")
+        n = compressed_numel(state, "sign")
         if bits.device.type == "cpu":  # the same operations in numpy, in place: one buffer, not four
             import numpy as np
 

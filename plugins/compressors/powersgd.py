@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
-from vcga import dtypes as _dtypes
 from vcga.contract import Combine, CompressContext, Compressor
+
+from ._shapes import itemsize as _itemsize
+from ._shapes import numel as _numel
 
 if TYPE_CHECKING:
     import torch
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _itemsize(dtype: str) -> int:
-    return _dtypes.get(dtype).itemsize
 
 
 # -- PowerSGD ------------------------------------------------------------------------------------------

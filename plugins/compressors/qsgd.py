@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from vcga.contract import Combine, CompressContext, Compressor
 
+from ._shapes import compressed_numel
+from ._shapes import numel as _numel
+
 if TYPE_CHECKING:
     import torch
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
 
 
 # -- QSGD --------------------------------------------------------------------------------------------
@@ -132,9 +130,7 @@ class QSGD(Compressor):
         from vcga.compress import fused
 
         packed, scale = payload
-        n = state.get("numel")
-        if n is None:
-            raise KeyError("qsgd: decompress before compress on this tensor")
+        n = compressed_numel(state, "qsgd")
         if n and fused.usable(scale) and packed.device.type == "cpu" and packed.is_contiguous() \
                 and bool(torch.isfinite(scale).all()) and (loops := _loops()):
             out = torch.empty(n, dtype=torch.float32)
