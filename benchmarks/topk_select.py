@@ -59,21 +59,11 @@ def main() -> None:
 
 
 def payload(args: argparse.Namespace) -> None:
-    from vcga.plugins.compressors import TopK, _select, _select_loop, index_dtype
+    from vcga.plugins.compressors import TopK, _select, _select_loop
 
     select = _select_loop()
     if select is None:
         raise SystemExit("the host loop is not in use here (numba missing, or VCGA_FUSED=0)")
-
-    def torch_path(flat: torch.Tensor, k: int) -> list[torch.Tensor]:  # TopK.compress without the loop
-        idx = largest(flat.abs(), k)
-        if k > flat.numel() // 16:
-            mark = torch.zeros(flat.numel(), dtype=torch.bool)
-            mark[idx] = True
-            idx = mark.nonzero().squeeze(1)
-        else:
-            idx, _ = torch.sort(idx)
-        return [idx.to(index_dtype(flat.numel())), flat[idx].contiguous()]
 
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.reps} interleaved repetitions")
@@ -86,7 +76,7 @@ def payload(args: argparse.Namespace) -> None:
             ops, loop = [], []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
-                want = torch_path(x, k)
+                want = TopK._compress_ops(x, k)
                 t1 = time.perf_counter()
                 got = _select(select, x, k)
                 t2 = time.perf_counter()

@@ -198,6 +198,14 @@ class TopK(Compressor):
         k = self.k(flat.numel())
         if k and flat.dtype == torch.float32 and fused.usable(flat) and (select := _select_loop()):
             return _select(select, flat, k)
+        return self._compress_ops(flat, k)
+
+    @staticmethod
+    def _compress_ops(flat: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """The payload through torch operations (any device, any dtype): the definition the host
+        loop is checked against."""
+        import torch
+
         idx = largest(flat.abs(), k)
         # ascending: the decoder's writes never depend on the library's order. Sorting k indices
         # costs k log k; marking them and reading the marks back costs n: from k > n/16 on, less
@@ -307,9 +315,9 @@ def _select_self_check(select: Any) -> str | None:
         if v.numel() > 8:
             v[3], v[5] = float("inf"), float("nan")
         for k in sorted({min(2, v.numel()), 1, max(1, v.numel() // 100), max(1, v.numel() // 10), v.numel()}):
-            want = torch.sort(largest(v.abs(), k)).values
+            want = TopK._compress_ops(v, k)
             got = _select(select, v, k)
-            if not torch.equal(got[0].long(), want) or not torch.equal(got[1].view(torch.int32), v[want].view(torch.int32)):
+            if not torch.equal(got[0], want[0]) or not torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)):
                 return f"topk selection, n={v.numel()} k={k}"
     return None
 
