@@ -23,6 +23,10 @@ steps on the same ranks, in one job:
   and, over the first ``warmup`` steps, sends 25%, 6.25%, 1.6%, ... of the entries before
   settling at ``ratio`` (DGC's exponential warm-up, four stages); the optimizer then runs without
   momentum, since the hook applies it -- the field's recipe for top-k at 99%+ sparsity;
+- ``ref-ef21:<ratio>[:dense]``, ``ref-ef21m:<ratio>``: EF21's top-k (Richtarik et al., 2021: each
+  rank sends the top-k of its gradient minus its running estimate; the optimizer gets the sum of
+  the estimates), and EF21-SGDM (Fatkhullin et al., 2023: the same on a momentum average, the
+  optimizer without momentum) -- the newer error feedback, against the classic residual kind;
 - ``compute``: the same steps without DDP, every rank at once (no communication: the floor of
   every step); ``compute+<spec>``: plus the compressor's work on this rank's share of the
   parameters (error feedback, both rounds, what was sent), still sending nothing -- the floor of a
@@ -157,6 +161,11 @@ def _hook_for(variant: str, meter: Any, momentum: float = 0.0) -> tuple[Any, Any
     if variant.startswith("ref-dgc:"):
         ratio, _, warmup = variant.split(":", 1)[1].partition(":")
         return None, _reference_topk(float(ratio), momentum=momentum, warmup=int(warmup or 0)), None
+    if variant.startswith("ref-ef21:"):
+        ratio, _, dense = variant.split(":", 1)[1].partition(":")
+        return None, _reference_ef21(float(ratio), dense_first=dense == "dense"), None
+    if variant.startswith("ref-ef21m:"):
+        return None, _reference_ef21(float(variant.split(":", 1)[1]), momentum=momentum), None
     if variant.startswith("vcga:"):
         from vcga.compress import ddp_hook
 
@@ -213,6 +222,62 @@ def _reference_topk(ratio: float, momentum: float = 0.0, warmup: int = 0) -> Any
         fut: Any = torch.futures.Future()
         fut.set_result(out.div_(world))
         return fut
+
+    return hook
+
+
+def _reference_ef21(ratio: float, dense_first: bool = False, momentum: float = 0.0) -> Any:
+    """EF21's top-k DDP hook (Richtarik, Sokolov, Fatkhullin 2021, Algorithm 1), for comparison:
+    the newer error feedback that claims to beat the classic residual kind. Each rank keeps an
+    estimate ``e`` of its gradient and sends the top-k of ``g - e`` (the innovation), adding what it
+    sent to ``e``; every rank adds the peers' sent values, in rank order, to the shared sum ``E`` (the
+    sum of all estimates) and the optimizer gets ``E / world``: a dense, lagging estimate of the
+    gradient, where the classic kind delivers each coordinate's accumulated residual in a burst.
+
+    ``dense_first``: the first step sends the whole gradient (EF21's ``g_i^0 = grad f_i(x^0)``).
+    ``momentum`` > 0: EF21-SGDM (Fatkhullin, Tyurin, Richtarik 2023, "Momentum provably improves
+    error feedback!"): the top-k is of ``v - e`` with ``v = momentum * v + (1 - momentum) * g``, and
+    the hook hands on ``E / (world * (1 - momentum))``, so that the optimizer, run without momentum,
+    steps as far as SGD with heavy-ball momentum does on a steady gradient."""
+    import torch
+    import torch.distributed as dist
+
+    estimate: dict[int, Any] = {}  # this rank's e, per bucket
+    shared: dict[int, Any] = {}  # E: the sum of every rank's e, the same bits on every rank
+    velocity: dict[int, Any] = {}
+
+    def done(t: Any) -> Any:
+        fut: Any = torch.futures.Future()
+        fut.set_result(t)
+        return fut
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def] # no annotations: DDP checks them against GradBucket
+        i = bucket.index()
+        g = bucket.buffer()
+        world = dist.get_world_size()
+        scale = world * (1 - momentum)
+        if momentum:
+            g = velocity[i] = (velocity[i].mul_(momentum).add_(g, alpha=1 - momentum) if i in velocity
+                               else g.mul(1 - momentum))
+        if i not in estimate:
+            estimate[i], shared[i] = torch.zeros_like(g), torch.zeros_like(g)
+            if dense_first:
+                estimate[i].copy_(g)
+                shared[i].copy_(g)
+                dist.all_reduce(shared[i])
+                return done(shared[i].div(scale))
+        d = g - estimate[i]
+        k = max(1, math.ceil(ratio * d.numel()))
+        idx = torch.topk(d.abs(), k, sorted=False).indices
+        val = d[idx]
+        estimate[i].index_add_(0, idx, val)
+        idxs = [torch.empty_like(idx) for _ in range(world)]
+        vals = [torch.empty_like(val) for _ in range(world)]
+        dist.all_gather(idxs, idx)
+        dist.all_gather(vals, val)
+        for j, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
+            shared[i].index_add_(0, j, v)
+        return done(shared[i].div(scale))
 
     return hook
 
@@ -305,10 +370,10 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
     ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb)  # no buffers to sync
     meter = WireMeter()
-    # ref-dgc applies SGD's momentum inside its hook (momentum correction): its optimizer has none
-    in_hook = variant.startswith("ref-dgc:")
+    # ref-dgc and ref-ef21m apply SGD's momentum inside their hooks: their optimizer has none
+    in_hook = variant.startswith(("ref-dgc:", "ref-ef21m:"))
     if in_hook and args.optim != "sgd":
-        raise SystemExit("ref-dgc applies SGD's momentum in its hook: use --optim sgd")
+        raise SystemExit(f"{variant.split(':')[0]} applies SGD's momentum in its hook: use --optim sgd")
     state, hook, closer = _hook_for("exact" if compute_only else variant, meter, args.momentum)
     if hook is not None:
         ddp.register_comm_hook(state, hook)

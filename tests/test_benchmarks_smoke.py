@@ -56,12 +56,12 @@ def test_host_exchange_benchmark_runs_at_a_toy_size() -> None:
 
 def test_compression_benchmark_runs_every_kind_of_variant_at_a_toy_size() -> None:
     """benchmarks/compression.py's converge mode with vcga's hook, torch's hooks and the reference
-    top-k / DGC hooks, on an uneven mixed world (an island of two and one of one): every variant
+    top-k / DGC / EF21 hooks, on an uneven mixed world (an island of two and one of one): every variant
     ends with ranks bitwise identical, the steps-to-target table (``--curve``/``--target-step``)
     lists every variant with exact at its own target step, and no deprecated torch name warns
     (vcga's island collectives use torch 2.13's names)."""
     variants = ["exact", "vcga:topk:ratio=0.1", "vcga:powersgd:rank=2", "ref-topk:0.1", "ref-dgc:0.1:2",
-                "torch-powersgd:2", "torch-fp16"]
+                "ref-ef21:0.1:dense", "ref-ef21m:0.1", "torch-powersgd:2", "torch-fp16"]
     r = _run(["benchmarks/compression.py", "converge", "--vendors", "nccl:2,hccl:1", "--steps", "4", "--warmup", "1",
               "--width", "32", "--depth", "2", "--curve", "1", "--target-step", "2", "--markdown",
               "--variants", ";".join(variants)])
