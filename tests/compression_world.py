@@ -469,3 +469,54 @@ def subgroup_main(rank: int, world: int, port: int, vendors: str, specs: list[st
     dist.all_gather_object(everyone, out)
     if rank == 0:
         queue.put(everyone)
+
+
+def subgroup_bridge_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+    """Scope bridge on data-parallel subgroups the job creates together (``data_parallel_groups``):
+    on nccl:2,hccl:2, groups {0, 2, 3} (rank 0's island of one nccl rank, ranks 2-3 one hccl island:
+    unequal, so the island sums, its first rank exchanges and broadcasts) and {1}. Per spec: scope,
+    layout, the bytes each rank sent per label, whether the group holds the same gradients, the
+    checkpoint entry's key. Then three wrong calls, each made by every rank: the errors."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from vcga.compress import WireMeter, ddp_hook
+
+    _join(rank, world, port, vendors)
+    groups = [[0, 2, 3], [1]]
+    made = [dist.new_group(g) for g in groups]  # every rank creates both, in order
+    mine = 0 if rank in groups[0] else 1
+    dp = made[mine]
+    out: dict[str, Any] = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        net = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)), process_group=dp)
+        meter = WireMeter()
+        state, hook = ddp_hook(spec, process_group=dp, meter=meter, data_parallel_groups=groups)
+        net.register_comm_hook(state, hook)
+        for step in range(3):
+            net(torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        digests: list[Any] = [None] * len(groups[mine])
+        dist.all_gather_object(digests, _digest(grads), group=dp)
+        d = state.describe()
+        out[spec] = {"scope": d.get("scope"), "islands": [i["ranks"] for i in d["layout"]["islands"]] if "layout" in d else None,
+                     "stats": dict(state.stats), "identical": len(set(digests)) == 1,
+                     "finite": bool(torch.isfinite(grads).all()), "entries": sorted(state.state_dict()),
+                     "sent": {label: meter.total_sent(label) for label in ("island", "cross")}}
+        state.close()
+    wrong = {"groups differ between ranks": [[0, 2, 3], [1]] if rank != 3 else [[1], [0, 2, 3]],
+             "a rank left out": [[0, 2, 3]],
+             "not the process group": [[0, 1], [2, 3]]}
+    for what, given in wrong.items():
+        try:
+            ddp_hook(specs[0], process_group=dp, data_parallel_groups=given)
+            out[what] = {"error": ""}
+        except Exception as e:  # noqa: BLE001 - reported to the test, which reads it
+            out[what] = {"error": f"{type(e).__name__}: {e}"}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        queue.put(everyone)

@@ -530,6 +530,48 @@ def test_on_a_data_parallel_subgroup_the_default_scope_is_all_and_bridge_is_refu
         assert err.startswith("VcgaConfigError") and "scope=all (or no scope) on a subgroup" in err, (rank, err)
 
 
+def test_scope_bridge_runs_on_data_parallel_subgroups_the_job_creates_together():
+    """Fake-backed (nccl:2,hccl:2 simulated). A job that also splits its model passes every
+    data-parallel group (``data_parallel_groups=[[0, 2, 3], [1]]``) and every rank calls
+    ``ddp_hook`` together: scope bridge is then the default on each group spanning islands. In
+    {0, 2, 3} the hccl island {2, 3} sums exactly, its first rank exchanges compressed with rank 0
+    and broadcasts to rank 3 (a source that is group rank 1 and job rank 2): rank 3 sends nothing
+    across, rank 0 nothing inside an island, and the group ends with identical gradients. Every
+    rank's checkpoint entry has its own key (group rank 0 of each group would collide). Groups that
+    differ between ranks, leave a rank out or do not hold the DDP group are refused, typed, on every
+    rank -- none waits in a group creation."""
+    from compression_world import subgroup_bridge_main
+
+    from vcga.spawn import run_ranks
+
+    specs = ["powersgd:rank=2,min_rate=0", "topk:ratio=0.1", "topk:ratio=0.1,scope=all"]
+    got = run_ranks(subgroup_bridge_main, 4, "nccl:2,hccl:2", specs, timeout=300)
+    for rank, out in enumerate(got):
+        for spec in specs:
+            r = out[spec]
+            assert r["identical"] and r["finite"], (rank, spec, r)
+            assert r["entries"] == [f"vcga-compression-rank{rank}"], (rank, spec, r)
+            if rank == 1:  # a group of one: nothing crosses a link, nothing is compressed
+                assert r["stats"] == {"compressed": 0, "plain": 3} and r["sent"] == {"island": 0, "cross": 0}, r
+                continue
+            assert r["stats"] == {"compressed": 3, "plain": 0}, (rank, spec, r)
+            assert r["islands"] == [[0], [1, 2]], (rank, spec, r)  # group ranks: {0} nccl, {2, 3} hccl
+            bridge = "scope=all" not in spec
+            assert r["scope"] == ("bridge" if bridge else "all"), (rank, spec, r)
+            if bridge:
+                assert (r["sent"]["island"] > 0) == (rank in (2, 3)), (rank, spec, r)
+                assert (r["sent"]["cross"] > 0) == (rank in (0, 2)), (rank, spec, r)
+            else:
+                assert r["sent"]["cross"] > 0 and r["sent"]["island"] == 0, (rank, spec, r)
+        errors = {what: out[what]["error"] for what in ("groups differ between ranks", "a rank left out",
+                                                         "not the process group")}
+        for what, err in errors.items():
+            assert err.startswith("VcgaConfigError") and "data_parallel_groups" in err, (rank, what, err)
+        assert "every rank of the job must pass the same groups" in errors["groups differ between ranks"], errors
+        assert "ranks [1] are in none" in errors["a rank left out"], errors
+        assert "pass the group DDP reduces over" in errors["not the process group"], errors
+
+
 def test_the_layout_is_islands_by_backend_and_node(world_2x2, world_unequal):
     lay = world_2x2["layout"]
     assert [i["ranks"] for i in lay["islands"]] == [[0, 1], [2, 3]] and lay["equal"]

@@ -28,7 +28,7 @@ __all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "configured_spec", "c
 
 _LAZY = {
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
-    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.exchange", "Topology": "vcga.compress.engine",
+    "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.exchange", "Topology": "vcga.compress.topology",
     "create_compressor": "vcga.compress.engine", "sent_bytes": "vcga.compress.meter",
     "Layout": "vcga.compress.layout",
     "ErrorFeedback": "vcga.compress.ef", "WireMeter": "vcga.compress.meter",

@@ -30,7 +30,6 @@ import bisect
 import enum
 import logging
 import math
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from vcga.compress.exchange import Exchange, mix_seed
 from vcga.compress.layout import Layout
 from vcga.compress.meter import WireMeter
 from vcga.compress.spec import CompressionSpec
+from vcga.compress.topology import Topology, discover_layout
 from vcga.errors import VcgaConfigError
 
 __all__ = ["Layout", "Topology", "Exchange", "Reducer", "Pending", "discover_layout", "mix_seed", "create_compressor"]
@@ -78,36 +78,6 @@ def create_compressor(spec: CompressionSpec) -> Compressor:
 
 
 # ===================================================================================================
-# Layout: islands and the slow hop
-# ===================================================================================================
-
-
-def _backend_name(group: Any) -> str:
-    transport = getattr(group, "transport", None)
-    backend = getattr(transport, "backend", None)
-    if backend is not None and hasattr(backend, "name"):
-        return str(backend.name)
-    try:
-        return str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001 - a group torch does not know by name
-        return type(group).__name__
-
-
-def _device_type(group: Any) -> str:
-    transport = getattr(group, "transport", None)
-    dt = getattr(getattr(transport, "backend", None), "device_type", None)
-    return str(dt) if dt else "cpu"
-
-
-def discover_layout(group: Any) -> Layout:
-    """Every rank's (backend, node, device type), gathered over ``group`` (collective)."""
-    mine = (_backend_name(group), socket.gethostname(), _device_type(group))
-    facts: list[Any] = [None] * group.size()
-    dist.all_gather_object(facts, mine, group=group)
-    return Layout.from_facts(facts)
-
-
-# ===================================================================================================
 # The compressed exchange among one set of peers
 # ===================================================================================================
 
@@ -139,52 +109,12 @@ class Pending:
     plan: Any = None
 
 
-@dataclass
-class Topology:
-    """A group's layout and the subgroups scope ``bridge`` exchanges through (made once, shared by
-    every :class:`Reducer` of the group: creating groups is collective and not free).
-
-    :ivar island_group: this rank's island (None when it has one rank).
-    :ivar peer_group: this rank's set of peers across islands (None when it exchanges nothing).
-    """
-
-    group: Any
-    layout: Layout
-    rank: int
-    island: tuple[int, ...]
-    local: int
-    island_group: Any = None
-    peer_group: Any = None
-    peers: tuple[int, ...] = ()
-
-    @classmethod
-    def build(cls, group: Any = None) -> Topology:
-        """Gather the layout over ``group`` (collective); with more than one island on the default
-        group, create the island and peer groups (every rank of the job creates every group, in the
-        same order, as ``torch.distributed.new_group`` requires)."""
-        group = group if group is not None else dist.group.WORLD
-        rank = dist.get_rank(group)
-        layout = discover_layout(group)
-        island = layout.island_of(rank)
-        topo = cls(group, layout, rank, island, island.index(rank))
-        if len(layout.islands) > 1 and dist.get_world_size() == group.size():
-            for isl in layout.islands:
-                g = dist.new_group(list(isl)) if len(isl) > 1 else None
-                if rank in isl:
-                    topo.island_group = g
-            for ps in layout.peer_sets():
-                g = dist.new_group(list(ps))
-                if rank in ps:
-                    topo.peer_group, topo.peers = g, ps
-        return topo
-
-
 class Reducer:
     """Sums flat gradient buffers over a process group, compressing where the spec says.
 
     Every rank of ``group`` must create it (collective unless a ``topology`` is given: see
-    :meth:`Topology.build`; scope ``bridge`` needs the default group, whose ranks all create the
-    subgroups).
+    :meth:`Topology.build`; scope ``bridge`` needs the island and peer groups, which every rank of
+    the job creates: on the default group, or on a subgroup through :meth:`Topology.build_job_wide`).
 
     :param spec: a parsed :class:`~vcga.compress.spec.CompressionSpec` (enabled).
     :param group: the process group (default: the default group).
@@ -201,16 +131,16 @@ class Reducer:
         self.compressor = create_compressor(spec)
         self.topology = topo = topology if topology is not None else Topology.build(self.group)
         self.layout = topo.layout
-        # Scope bridge creates island and peer groups, which every rank of the job must join
-        # (torch.distributed.new_group): on a subgroup -- DDP over the data-parallel ranks of a job
-        # that also splits its model -- the other ranks never come. There the default is ``all``.
-        whole = dist.get_world_size() == self.size
-        self.scope = spec.scope or ("bridge" if len(self.layout.islands) > 1 and whole else "all")
-        if self.scope == "bridge" and len(self.layout.islands) > 1 and not whole:
-            raise VcgaConfigError("compression", spec.text, "scope=all (or no scope) on a subgroup: scope=bridge "
-                                  "creates island and peer groups, which every rank of the job must join, so it "
-                                  f"works on the default group only, and this group has {self.size} of "
-                                  f"{dist.get_world_size()} ranks")
+        # Scope bridge exchanges through island and peer groups, which every rank of the job must
+        # create together (torch.distributed.new_group): on a subgroup -- DDP over the data-parallel
+        # ranks of a job that also splits its model -- they exist only when the job created every
+        # data-parallel group's at once (Topology.build_job_wide). Without them the default is ``all``.
+        self.scope = spec.scope or ("bridge" if topo.bridged else "all")
+        if self.scope == "bridge" and len(self.layout.islands) > 1 and not topo.bridged:
+            raise VcgaConfigError("compression", spec.text, "scope=all (or no scope) on a subgroup, or pass "
+                                  "data_parallel_groups= (every data-parallel group of the job, on every rank): "
+                                  "scope=bridge creates island and peer groups, which every rank of the job must "
+                                  f"join, and this group has {self.size} of {dist.get_world_size()} ranks")
         self.meter = meter
         self._attached: list[Any] = []
         self.island_group: Any = None
@@ -533,7 +463,7 @@ class Reducer:
             self._compact_all_gather(per)
         for p in pending:
             if p.after is CopyBack.BROADCAST:
-                dist.broadcast(p.flat, src=self.island[0], group=self.island_group)
+                dist.broadcast(p.flat, src=self.topology.ranks[self.island[0]], group=self.island_group)
             elif p.after is CopyBack.GATHER:
                 k = len(self.island)
                 if p.direct:

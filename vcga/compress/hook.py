@@ -23,7 +23,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
 from vcga.compress.engine import Pending, Reducer
+from vcga.compress.topology import Topology
 from vcga.compress.meter import WireMeter, sent_bytes
 from vcga.compress.spec import CompressionSpec, configured_spec, parse_spec
 from vcga.contract import Combine
@@ -56,7 +57,8 @@ class CompressionState:
     """
 
     def __init__(self, spec: CompressionSpec, group: Any = None, *, meter: WireMeter | None = None,
-                 overlap: bool = True, record: bool = False) -> None:
+                 overlap: bool = True, record: bool = False,
+                 data_parallel_groups: Sequence[Sequence[int]] | None = None) -> None:
         self.spec = spec
         self.group = group if group is not None else dist.group.WORLD
         self.world = self.group.size()
@@ -64,11 +66,17 @@ class CompressionState:
         self.overlap = overlap
         # With overlap, the worker thread's collectives must not interleave with what DDP itself
         # issues on its group from the autograd thread (the unused-parameter map, a static graph's
-        # checks): they run on a group of their own over the same ranks (every rank creates it).
+        # checks): they run on a group of their own over the same ranks (every rank of the job
+        # creates it: on a subgroup, only when the job creates every data-parallel group's at once).
         self.comm = self.group
-        if overlap and dist.get_world_size() == self.world:
+        topology = None
+        if data_parallel_groups is not None and spec.enabled:
+            topology = Topology.build_job_wide(self.group, data_parallel_groups, duplicate=overlap)
+            self.comm = topology.group
+        elif overlap and dist.get_world_size() == self.world:
             self.comm = dist.new_group(list(range(self.world)))
-        self.reducer = Reducer(spec, self.comm, meter=meter, record=record) if spec.enabled else None
+        self.reducer = (Reducer(spec, self.comm, meter=meter, record=record, topology=topology)
+                        if spec.enabled else None)
         self.step = 0
         self.stats = {"compressed": 0, "plain": 0}
         self.link: LinkCost | None = None
@@ -230,15 +238,20 @@ class CompressionState:
     # -- checkpointing -------------------------------------------------------------------------------
 
     def _entry(self) -> str:
-        return f"{STATE_KEY_PREFIX}{dist.get_rank(self.group)}"
+        # the job's rank, not the group's: on data-parallel subgroups, rank 0 of one group and rank 0
+        # of another keep different states, and one checkpoint holds both
+        return f"{STATE_KEY_PREFIX}{dist.get_rank()}"
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must match to be carried on: the compression and the layout it was
         kept for (a residual is this rank's share of its island's sum in the exchange among peers)."""
         r = self.reducer
-        return {"spec": self.spec.canonical(), "world": self.world, "rank": dist.get_rank(self.group),
+        mine = {"spec": self.spec.canonical(), "world": self.world, "rank": dist.get_rank(self.group),
                 "islands": [list(i) for i in r.layout.islands] if r is not None else None,
                 "scope": r.scope if r is not None else None}
+        if dist.get_world_size() != self.world:  # a subgroup: which of the job's ranks it holds
+            mine["group"] = list(dist.get_process_group_ranks(self.group))
+        return mine
 
     def state_dict(self) -> dict[str, bytes]:
         """This rank's compression state, to resume a job where it stopped, bit for bit.
@@ -378,8 +391,8 @@ _hook.__annotations__ = {"state": CompressionState, "bucket": dist.GradBucket, "
 
 
 def ddp_hook(spec: str | CompressionSpec | None = None, process_group: Any = None, *,
-             meter: WireMeter | None = None, overlap: bool = True,
-             record: bool = False) -> tuple[CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future]]:
+             meter: WireMeter | None = None, overlap: bool = True, record: bool = False,
+             data_parallel_groups: Sequence[Sequence[int]] | None = None) -> tuple[CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future]]:
     """A DDP communication hook that averages gradients, compressed as ``spec`` says.
 
     :param spec: ``name[:key=value,...]`` (see :mod:`vcga.compress.spec`), a parsed spec, or None for
@@ -387,9 +400,16 @@ def ddp_hook(spec: str | CompressionSpec | None = None, process_group: Any = Non
     :param process_group: the group DDP reduces over (default: the default group).
     :param meter: count bytes at the transport (labels "island" and "cross").
     :param overlap: reduce on a worker thread so backward overlaps communication (default True).
-    :raises vcga.errors.VcgaConfigError: a bad spec, naming the key and what is allowed.
+    :param data_parallel_groups: with ``process_group`` one data-parallel group of a job that also
+        splits its model: every such group, as lists of global ranks (the same on every rank, every
+        rank in one; ``[[0, 2], [1, 3]]``). Every rank of the job then calls ``ddp_hook`` together,
+        and scope ``bridge`` (the default where a group spans islands) works on each group. Without
+        it, scope ``bridge`` needs the default group, and a subgroup's default scope is ``all``.
+    :raises vcga.errors.VcgaConfigError: a bad spec, naming the key and what is allowed; groups that
+        overlap, leave a rank out, differ between ranks, or do not hold ``process_group``.
     :returns: ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
     """
     spec = configured_spec() if spec is None else parse_spec(spec)
-    state = CompressionState(spec, process_group, meter=meter, overlap=overlap, record=record)
+    state = CompressionState(spec, process_group, meter=meter, overlap=overlap, record=record,
+                             data_parallel_groups=data_parallel_groups)
     return state, _hook

@@ -12,8 +12,9 @@ The driver's keys (:data:`DRIVER_KEYS`):
 
 ``scope``   ``bridge``: reduce exactly inside each vendor group / node, compress only the exchange
             across them; ``all``: compress the whole all_reduce (what torch's hooks and DeepSpeed
-            do). Default: ``bridge`` on a default group with more than one vendor group or node, else
-            ``all`` (``bridge`` needs the default group).
+            do). Default: ``bridge`` where the group has more than one vendor group or node -- the
+            default group, or a subgroup given with ``ddp_hook(..., data_parallel_groups=)`` --
+            else ``all`` (``bridge`` needs groups every rank of the job creates together).
 ``when``    ``always`` (default) or ``auto``: per bucket, compress only when compression time plus
             the smaller transfer beats the plain transfer on that hop (docs/compression.md).
 ``start``   steps (DDP iterations) reduced exactly before compression starts (default 0).
