@@ -33,6 +33,31 @@ def as_if_saved_on(blob: bytes, location: str) -> bytes:
     return out.getvalue()
 
 
+def _digest_of(value: Any) -> str:
+    """One digest of nested dicts, lists and tuples of tensors and plain values (keys in sorted order)."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            h.update(f"{v.dtype}{tuple(v.shape)}".encode())
+            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=repr):
+                h.update(repr(k).encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(f"{type(v).__name__}{len(v)}".encode())
+            for x in v:
+                walk(x)
+        else:
+            h.update(repr(v).encode())
+
+    walk(value)
+    return h.hexdigest()
+
+
 def _join(rank: int, world: int, port: int, vendors: str, timeout_s: str = "60") -> None:
     """This rank's default ``vcga`` group over simulated ``vendors`` (one torch thread: small worlds
     on a 2-core machine)."""
@@ -471,18 +496,25 @@ def subgroup_main(rank: int, world: int, port: int, vendors: str, specs: list[st
         queue.put(everyone)
 
 
-def subgroup_bridge_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
+def subgroup_bridge_main(rank: int, world: int, port: int, vendors: str, specs: list[str], root: str,
+                         queue: Any) -> None:
     """Scope bridge on data-parallel subgroups the job creates together (``data_parallel_groups``):
     on nccl:2,hccl:2, groups {0, 2, 3} (rank 0's island of one nccl rank, ranks 2-3 one hccl island:
     unequal, so the island sums, its first rank exchanges and broadcasts) and {1}. Per spec: scope,
     layout, the bytes each rank sent per label, whether the group holds the same gradients, the
-    checkpoint entry's key. Then three wrong calls, each made by every rank: the errors."""
+    checkpoint entry's key, and whether a new hook loaded from a ``vcga.checkpoint`` of the whole
+    job (under ``root``) holds this rank's own state. Then three wrong calls, each made by every
+    rank: the errors."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from vcga import checkpoint
     from vcga.compress import WireMeter, ddp_hook
+
+    def kept(state: Any) -> Any:  # what the hook carries across steps: step count and every tensor's state
+        return state.step, _digest_of(state.reducer.exchange.saved()) if state.reducer is not None else None
 
     _join(rank, world, port, vendors)
     groups = [[0, 2, 3], [1]]
@@ -506,7 +538,13 @@ def subgroup_bridge_main(rank: int, world: int, port: int, vendors: str, specs: 
                      "stats": dict(state.stats), "identical": len(set(digests)) == 1,
                      "finite": bool(torch.isfinite(grads).all()), "entries": sorted(state.state_dict()),
                      "sent": {label: meter.total_sent(label) for label in ("island", "cross")}}
+        where = os.path.join(root, f"s{specs.index(spec)}")
+        checkpoint.save({"compression": state}, where, step=3)
+        fresh, _ = ddp_hook(spec, process_group=dp, data_parallel_groups=groups)
+        checkpoint.load_latest({"compression": fresh}, where)
+        out[spec]["reloaded"] = kept(fresh) == kept(state)
         state.close()
+        fresh.close()
     wrong = {"groups differ between ranks": [[0, 2, 3], [1]] if rank != 3 else [[1], [0, 2, 3]],
              "a rank left out": [[0, 2, 3]],
              "not the process group": [[0, 1], [2, 3]]}

@@ -530,14 +530,16 @@ def test_on_a_data_parallel_subgroup_the_default_scope_is_all_and_bridge_is_refu
         assert err.startswith("VcgaConfigError") and "scope=all (or no scope) on a subgroup" in err, (rank, err)
 
 
-def test_scope_bridge_runs_on_data_parallel_subgroups_the_job_creates_together():
+def test_scope_bridge_runs_on_data_parallel_subgroups_the_job_creates_together(tmp_path):
     """Fake-backed (nccl:2,hccl:2 simulated). A job that also splits its model passes every
     data-parallel group (``data_parallel_groups=[[0, 2, 3], [1]]``) and every rank calls
     ``ddp_hook`` together: scope bridge is then the default on each group spanning islands. In
     {0, 2, 3} the hccl island {2, 3} sums exactly, its first rank exchanges compressed with rank 0
     and broadcasts to rank 3 (a source that is group rank 1 and job rank 2): rank 3 sends nothing
     across, rank 0 nothing inside an island, and the group ends with identical gradients. Every
-    rank's checkpoint entry has its own key (group rank 0 of each group would collide). Groups that
+    rank's checkpoint entry has its own key, and a new hook loaded from a checkpoint of the whole
+    job holds that rank's own state (keyed by group rank, ranks 0 and 1 -- rank 0 of each group --
+    would share one entry, and one of them would lose its state). Groups that
     differ between ranks, leave a rank out or do not hold the DDP group are refused, typed, on every
     rank -- none waits in a group creation."""
     from compression_world import subgroup_bridge_main
@@ -545,12 +547,12 @@ def test_scope_bridge_runs_on_data_parallel_subgroups_the_job_creates_together()
     from vcga.spawn import run_ranks
 
     specs = ["powersgd:rank=2,min_rate=0", "topk:ratio=0.1", "topk:ratio=0.1,scope=all"]
-    got = run_ranks(subgroup_bridge_main, 4, "nccl:2,hccl:2", specs, timeout=300)
+    got = run_ranks(subgroup_bridge_main, 4, "nccl:2,hccl:2", specs, str(tmp_path), timeout=300)
     for rank, out in enumerate(got):
         for spec in specs:
             r = out[spec]
             assert r["identical"] and r["finite"], (rank, spec, r)
-            assert r["entries"] == [f"vcga-compression-rank{rank}"], (rank, spec, r)
+            assert r["entries"] == [f"vcga-compression-rank{rank}"] and r["reloaded"], (rank, spec, r)
             if rank == 1:  # a group of one: nothing crosses a link, nothing is compressed
                 assert r["stats"] == {"compressed": 0, "plain": 3} and r["sent"] == {"island": 0, "cross": 0}, r
                 continue
