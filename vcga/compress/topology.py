@@ -110,8 +110,10 @@ class Topology:
         # every rank's facts, the groups it was given and its own group's ranks: each rank then checks
         # every rank's view, so all of them raise alike instead of some waiting in new_group
         dist.all_gather_object(facts, ((_backend_name(group), socket.gethostname(), _device_type(group)),
-                                       given, theirs))
+                                       given, theirs, duplicate))
         problem = _check_groups([(f[1], f[2]) for f in facts], world)
+        if not problem and len({f[3] for f in facts}) > 1:  # the ranks would create different groups
+            problem = "every rank must pass the same overlap= to ddp_hook (it decides which groups are created)"
         if problem:
             raise VcgaConfigError("data_parallel_groups", repr(data_parallel_groups), problem)
         rank = dist.get_rank(group)
