@@ -10,7 +10,9 @@ starts carry state:
   server), ``sent + residual == input`` holds exactly (checked in rational arithmetic); and what a
   rank says it sent is what the others received: with one rank contributing and the others sending
   zeros, every rank's result equals that rank's ``sent`` (the two-phase exchange: the servers'
-  inputs equal its sent chunks);
+  inputs equal its sent chunks); and, a gathered compressor (one phase), with every rank
+  contributing, the result is the float32 sum in peer order of what the peers sent, bit for bit
+  (the driver adds the peers' values through the compressor's ``decompress_add``);
 - **unbiased** (compressors that declare it, e.g. qsgd): the mean of T independent draws is within
   a Hoeffding bound of the exact sum: each decoded element lies in an interval of width w (one
   quantization step per peer, W = Σ w over peers), so P(|mean − x| ≥ t) ≤ 2·exp(−2Tt²/W²) and, for
@@ -29,7 +31,7 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
-from vcga.contract import CheckResult
+from vcga.contract import CheckResult, Combine
 
 from . import bounds, data
 from .base import Check
@@ -153,6 +155,9 @@ class Compression(Check):
             yield ctx.run_case(f"{label}: error feedback sent + residual == input", lambda: self._ef_identity(ctx, red))
             yield ctx.run_case(f"{label}: sent is what the others receive",
                                lambda: self._truthful(ctx, spec, topology(), shapes, total, label))
+            if comp.combine is Combine.GATHER and not comp.server:
+                yield ctx.run_case(f"{label}: the sum is every peer's sent, added in peer order",
+                                   lambda: self._summed(ctx, spec, topology(), shapes, total, label))
         if comp.unbiased:
             yield ctx.run_case(f"{label}: unbiased (Hoeffding bound)",
                                lambda: self._unbiased(ctx, spec, topology(), shapes, total, label))
@@ -269,6 +274,49 @@ class Compression(Check):
             return Verdict.fail(f"a rank received {result[covered][i].item()!r} where the sender says it sent "
                                 f"{claimed[covered][i].item()!r}", worst, 0.0)
         return Verdict.ok(0.0, 0.0, detail=f"{int(covered.sum())} elements")
+
+    def _summed(self, ctx: Context, spec: Any, topology: Any, shapes: list[tuple[int, ...]], total: int,
+                label: str) -> Verdict:
+        """Every rank contributes: each element of the result must be the float32 sum, in peer order,
+        of what the peers say they sent for it -- bit for bit (a -0.0 may read +0.0). The driver
+        adds the first peer's decoded payload to the others' through the compressor's
+        ``decompress_add``: a sparse one that overwrites, or adds elsewhere, fails here."""
+        import torch
+
+        red = self._reducer(spec, topology, record=True)
+        ex = red.exchange
+        g = data.generator("compression-summed", label, ctx.rank)
+        flat = torch.randn(total, generator=g, dtype=torch.float64).to(torch.float32)
+        red.all_reduce(flat, shapes, key="summed")
+        sent = {repr(key): rec.sent.reshape(-1).tolist() for key, role, rec in ex.records() if role == "worker"}
+        everyone = ctx.exchange_json(f"{label}:summed", {"peer": ex.peer, "sent": sent, "result": flat.tolist()})
+        if red.size == 1:
+            return Verdict.skip("one rank: nothing is exchanged")
+        by_key: dict[str, list[tuple[int, list[float]]]] = {}
+        for e in everyone:
+            for key, values in e["sent"].items():
+                by_key.setdefault(key, []).append((e["peer"], values))
+        result = torch.tensor(everyone[ctx.rank]["result"], dtype=torch.float32)
+        checked = 0
+        for key, parts in sorted(by_key.items()):
+            parts.sort(key=lambda pv: pv[0])
+            want = torch.tensor(parts[0][1], dtype=torch.float32)
+            for _, values in parts[1:]:  # left to right in peer order, in float32, as the driver adds
+                want = want + torch.tensor(values, dtype=torch.float32)
+            placed = self._place(red, key, want.tolist(), shapes, total)
+            if placed is None:
+                continue
+            start = placed[0]
+            got = result[start:start + want.numel()]
+            if not torch.equal(got, want):
+                i = int((got != want).nonzero()[0])
+                return Verdict.fail(f"element {start + i} of the result is {got[i].item()!r}; the peers' sent values "
+                                    f"added in peer order give {want[i].item()!r} ({len(parts)} peers)",
+                                    abs(got[i].item() - want[i].item()), 0.0)
+            checked += want.numel()
+        if not checked:
+            return Verdict.fail("no rank reported what it sent")
+        return Verdict.ok(0.0, 0.0, detail=f"{checked} elements")
 
     @staticmethod
     def _place(red: Any, key: str, values: list[float], shapes: list[tuple[int, ...]], total: int) -> tuple[int, list[float]] | None:

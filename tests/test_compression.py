@@ -320,6 +320,32 @@ def test_payload_bytes_are_what_the_compressor_declares(name, shape):
     assert out is not None and out.numel() == x.numel()
 
 
+@pytest.mark.parametrize("name,opts", [("topk", {"ratio": 0.01}), ("topk", {"ratio": 0.3}), ("sign", {}),
+                                       ("qsgd", {}), ("qsgd", {"levels": 4})])
+def test_adding_a_peers_payload_gives_the_bits_of_its_dense_decode_added(name, opts):
+    """The driver adds the peers' decoded payloads in peer order through ``decompress_add``: for
+    every built-in GATHER compressor it must give the bits of the dense decode added (top-k adds
+    only where the payload has values, in place: a sparse payload, and the k elements' additions
+    are the dense sum's). Three peers whose top-k picks overlap and differ."""
+    c = _make(name, **opts)
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(50_000, generator=g)
+    xs = [base + 0.5 * torch.randn(50_000, generator=g) for _ in range(3)]  # overlapping largest entries
+    state: dict = {}
+    payloads = [c.compress(x, state, CompressContext(3, p, 0, 5)) for p, x in enumerate(xs)]
+    ctx = CompressContext(3, 0, 0, 5)
+    dense = c.decompress(payloads[0], state, ctx).reshape(-1)
+    total = c.decompress(payloads[0], state, ctx).reshape(-1)
+    for pl in payloads[1:]:
+        dense = dense + c.decompress(pl, state, ctx).reshape(-1)
+        total = c.decompress_add(pl, total, state, ctx)
+    assert total.dtype == dense.dtype and total.shape == dense.shape
+    assert total.view(torch.int32).equal(dense.view(torch.int32))  # the same bits (no zero sums here)
+    if name == "topk":  # the picks overlap (some elements were added to) and differ (some were not)
+        picked = [set(pl[0].tolist()) for pl in payloads]
+        assert picked[0] & picked[1] and picked[0] ^ picked[1]
+
+
 def test_topk_keeps_the_largest_and_sign_sends_the_mean_magnitude():
     x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.05, 0.0, 1.0, -2.0])
     c = _make("topk", ratio=0.25)
@@ -693,7 +719,7 @@ def _verify_broken(tmp_path: Path, world: str, compression: str) -> tuple[subpro
 def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_path: Path):
     _, fails = _verify_broken(tmp_path, "backends: [gloo]\nmixed_vendor_sets: []\n",
                               "compressors: [broken-sent, broken-identity, broken-wire, broken-bias, broken-sticky, "
-                              "topk], n: 256, steps: 2, trials: 32")
+                              "broken-overwrite, topk], n: 256, steps: 2, trials: 32")
 
     def failed(name: str) -> list[str]:
         return [f.split(f"{name} scope=all: ", 1)[1].split(":")[0] for f in fails if f" {name} scope=" in f]
@@ -706,7 +732,8 @@ def test_verify_compression_fails_each_broken_compressor_on_its_own_case(tmp_pat
     assert any("biased beyond the bound" in f for f in fails)
     assert any("more bytes on the wire than declared" in f for f in fails)
     assert failed("broken-sticky") == ["an overflow is seen, then forgotten"], fails
-    assert len(fails) == 6, fails
+    assert failed("broken-overwrite") == ["the sum is every peer's sent, added in peer order"], fails
+    assert len(fails) == 7, fails
     assert not any("topk" in f for f in fails)
 
 

@@ -142,6 +142,19 @@ class Compressor(abc.ABC):
         of ``x``) after the last round, None before it. GATHER: ``payload`` is one peer's; return
         its decoded value."""
 
+    def decompress_add(self, payload: list[torch.Tensor], total: torch.Tensor, state: dict[str, Any],
+                       ctx: CompressContext) -> torch.Tensor:
+        """GATHER compressors: ``total`` (flat) plus one peer's decoded ``payload``, the same values as
+        ``total + decompress(payload).reshape(-1)``. The driver adds the peers' values in peer order:
+        the first it decodes with :meth:`decompress`, each later one with this method, ``total``
+        being the sum so far. The default does just that. A compressor whose payload touches few
+        elements overrides it and adds into ``total`` in place (top-k: k additions instead of a
+        dense decode and a dense addition per peer) -- then its :meth:`decompress` must return a
+        tensor of its own (not a view of the payload or of ``state``), since ``total`` may be one.
+        Adding only where the payload has values leaves a ``-0.0`` in ``total`` as it is where the
+        dense sum would make it ``+0.0``: the same number, and the same bits on every rank."""
+        return total + self.decompress(payload, state, ctx).reshape(-1)
+
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:
         """What this rank's contribution decodes to (error feedback keeps ``x`` minus it). The

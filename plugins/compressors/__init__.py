@@ -228,6 +228,18 @@ class TopK(Compressor):
         out[idx.long()] = val  # indices are distinct: a plain write, no accumulation order
         return out
 
+    def decompress_add(self, payload: list[torch.Tensor], total: torch.Tensor, state: dict[str, Any],
+                       ctx: CompressContext) -> torch.Tensor:
+        # k additions where the peer's payload has values, in place (decompress returns a tensor of
+        # its own); a dense decode and addition would pass over every element twice per peer
+        idx, val = payload
+        idx, val = idx.long(), val.to(total.dtype)
+        if total.device.type == "cpu":
+            total.index_add_(0, idx, val)  # distinct indices: one addition each (the fastest on the host)
+        else:  # index_add_ refuses torch.use_deterministic_algorithms on CUDA; this one is deterministic
+            total.index_put_((idx,), val, accumulate=True)
+        return total
+
 
 def _select(select: Any, flat: torch.Tensor, k: int) -> list[torch.Tensor]:
     """Top-k's payload through the host loop (float32 on the CPU): ascending indices and values."""

@@ -132,6 +132,38 @@ class Sticky(Compressor):
         return payload[0]
 
 
+class Overwrites(Compressor):
+    """A top-k (an eighth of the elements, error feedback) whose ``decompress_add`` writes a peer's
+    values where it should add them: an element two peers both send ends up with the later peer's."""
+
+    combine = Combine.GATHER
+    error_feedback = True
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        return 8 * max(1, math.prod(shape) // 8)
+
+    def compress(self, x: Any, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[Any]:  # noqa: A002
+        import torch
+
+        flat = x.reshape(-1)
+        state["n"] = flat.numel()
+        idx = torch.topk(flat.abs(), max(1, flat.numel() // 8), sorted=False).indices
+        return [idx.to(torch.int32), flat[idx].contiguous()]
+
+    def decompress(self, payload: list[Any], state: dict[str, Any], ctx: CompressContext, round: int = 0) -> Any:  # noqa: A002
+        import torch
+
+        idx, val = payload
+        out = torch.zeros(state["n"], dtype=val.dtype)
+        out[idx.long()] = val
+        return out
+
+    def decompress_add(self, payload: list[Any], total: Any, state: dict[str, Any], ctx: CompressContext) -> Any:
+        idx, val = payload
+        total[idx.long()] = val  # the fault: a write, not an addition
+        return total
+
+
 @hookimpl
 def vcga_compressors() -> list[CompressorSpec]:
     return [
@@ -142,4 +174,5 @@ def vcga_compressors() -> list[CompressorSpec]:
         CompressorSpec("broken-bias", "biased, declared unbiased", {}, lambda: FloorQuant()),
         CompressorSpec("broken-raise", "raises while decoding", {}, lambda: Raises()),
         CompressorSpec("broken-sticky", "keeps an overflow in state of its own", {}, lambda: Sticky()),
+        CompressorSpec("broken-overwrite", "writes a peer's values where it should add them", {}, lambda: Overwrites()),
     ]

@@ -343,10 +343,14 @@ class Exchange:
             total = None
             for p in range(self.peers):  # decode each peer's payload, add in peer order
                 pl = self._unpack(rows[p, off:off + sizes[i]], like)
-                dec = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
-                if p == self.peer and slot.ef is not None:
+                if p == self.peer and slot.ef is not None:  # the residual needs this rank's own decoded
+                    dec = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
                     slot.ef.update(x, dec.to(x.device).reshape(x.shape))
-                total = dec if total is None else total + dec
+                    total = dec if total is None else c.decompress_add(pl, total, slot.state, self.ctx(k, step))
+                elif total is None:
+                    total = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
+                else:
+                    total = c.decompress_add(pl, total, slot.state, self.ctx(k, step))
             off += sizes[i]
             outs.append(total.to(x.device))  # type: ignore[union-attr]
         return outs
@@ -402,9 +406,9 @@ class Exchange:
             total = None
             wst = slot.chunks[me]  # chunk me's worker state: the peers' payloads have its shape
             for p in range(P):
-                dec = c.decompress(self._unpack(recv[p, off:off + mine_sizes[i]], like), wst,
-                                   self.ctx((k, me), step)).reshape(-1)
-                total = dec if total is None else total + dec
+                pl = self._unpack(recv[p, off:off + mine_sizes[i]], like)
+                total = (c.decompress(pl, wst, self.ctx((k, me), step)).reshape(-1) if total is None
+                         else c.decompress_add(pl, total, wst, self.ctx((k, me), step)))
             off += mine_sizes[i]
             y = total.to(flat[i].device)  # type: ignore[union-attr]
             ys = ef.input(y) if ef is not None else y
