@@ -459,25 +459,31 @@ def overflow_main(rank: int, world: int, port: int, vendors: str, specs: list[st
 
 
 def subgroup_main(rank: int, world: int, port: int, vendors: str, specs: list[str], queue: Any) -> None:
-    """DDP over a data-parallel subgroup, as in a job that also splits its model: ranks {0, 2} and
-    {1, 3}, each pair across the two vendors, every rank in one. Per spec: the error if the hook
-    refused, else its scope, its stats and whether the pair holds the same gradients."""
+    """DDP over a data-parallel subgroup, as in a job that also splits its model: a (dp, tp) =
+    (2, 2) ``DeviceMesh``, whose data-parallel groups are ranks {0, 2} and {1, 3}, each pair across
+    the two vendors. Per spec: the error if the hook refused, else its scope, its stats and whether
+    the pair holds the same gradients. A spec ending in ``+mesh`` passes every data-parallel group,
+    read from the mesh as docs/compression.md shows."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from vcga.compress import ddp_hook
 
     _join(rank, world, port, vendors)
-    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both, in order
-    dp = pairs[rank % 2]
-    out: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_group()
+    d = mesh.mesh_dim_names.index("dp")
+    groups = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.size(d)).tolist()  # docs/compression.md's line
+    out: dict[str, Any] = {"mesh groups": groups}
     for spec in specs:
         torch.manual_seed(0)
         net = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)), process_group=dp)
         try:
-            state, hook = ddp_hook(spec, process_group=dp)
+            text = spec.removesuffix("+mesh")
+            state, hook = ddp_hook(text, process_group=dp, data_parallel_groups=groups if spec.endswith("+mesh") else None)
         except Exception as e:  # noqa: BLE001 - reported to the test, which reads it
             out[spec] = {"error": f"{type(e).__name__}: {e}"}
             continue

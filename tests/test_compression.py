@@ -540,14 +540,22 @@ def test_on_a_data_parallel_subgroup_the_default_scope_is_all_and_bridge_is_refu
     vendors: scope bridge would create island and peer groups that every rank of the job must
     join, and the other ranks never come. Without a scope the hook compresses the whole all_reduce
     there (it used to refuse, naming a scope the user had not given); an explicit ``scope=bridge``
-    is refused with a typed error that says what to use."""
+    is refused with a typed error that says what to use. The groups come from a ``DeviceMesh``;
+    passing every data-parallel group read from it (docs/compression.md's line) makes scope bridge
+    the default."""
     from compression_world import subgroup_main
 
     from vcga.spawn import run_ranks
 
     got = run_ranks(subgroup_main, 4, "nccl:2,hccl:2", ["powersgd:rank=2,min_rate=0", "topk:ratio=0.1",
-                                                        "powersgd:rank=2,scope=bridge"], timeout=300)
+                                                        "powersgd:rank=2,scope=bridge", "topk:ratio=0.1+mesh"],
+                    timeout=300)
     for rank, out in enumerate(got):
+        assert out["mesh groups"] == [[0, 2], [1, 3]], out
+        # every data-parallel group read from the DeviceMesh: scope bridge, the pair identical
+        r = out["topk:ratio=0.1+mesh"]
+        assert r.get("scope") == "bridge" and r["stats"] == {"compressed": 3, "plain": 0}, (rank, r)
+        assert r["identical"] and r["finite"], (rank, r)
         for spec in ("powersgd:rank=2,min_rate=0", "topk:ratio=0.1"):
             r = out[spec]
             assert r.get("scope") == "all" and r["stats"] == {"compressed": 3, "plain": 0}, (rank, spec, r)
