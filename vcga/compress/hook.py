@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
 from vcga.compress.engine import Pending, Reducer
-from vcga.compress.topology import Topology
 from vcga.compress.meter import WireMeter, sent_bytes
 from vcga.compress.spec import CompressionSpec, configured_spec, parse_spec
+from vcga.compress.topology import Topology
 from vcga.contract import Combine
 from vcga.errors import VcgaCheckpointError, VcgaError
 

@@ -39,11 +39,15 @@ def _device_type(group: Any) -> str:
     return str(dt) if dt else "cpu"
 
 
+def _facts(group: Any) -> tuple[str, str, str]:
+    """This rank's (backend, node, device type) in ``group``: what decides its island."""
+    return _backend_name(group), socket.gethostname(), _device_type(group)
+
+
 def discover_layout(group: Any) -> Layout:
     """Every rank's (backend, node, device type), gathered over ``group`` (collective)."""
-    mine = (_backend_name(group), socket.gethostname(), _device_type(group))
     facts: list[Any] = [None] * group.size()
-    dist.all_gather_object(facts, mine, group=group)
+    dist.all_gather_object(facts, _facts(group), group=group)
     return Layout.from_facts(facts)
 
 
@@ -109,8 +113,7 @@ class Topology:
         facts: list[Any] = [None] * world
         # every rank's facts, the groups it was given and its own group's ranks: each rank then checks
         # every rank's view, so all of them raise alike instead of some waiting in new_group
-        dist.all_gather_object(facts, ((_backend_name(group), socket.gethostname(), _device_type(group)),
-                                       given, theirs, duplicate))
+        dist.all_gather_object(facts, (_facts(group), given, theirs, duplicate))
         problem = _check_groups([(f[1], f[2]) for f in facts], world)
         if not problem and len({f[3] for f in facts}) > 1:  # the ranks would create different groups
             problem = "every rank must pass the same overlap= to ddp_hook (it decides which groups are created)"
