@@ -4,7 +4,11 @@ The model is our own teacher–student regression: a fixed random teacher (two t
 Gaussian inputs to targets; the student is an MLP of ``depth`` square ``width × width`` layers
 (ReLU), trained with DDP and SGD with momentum 0.9 (``--optim adam`` for Adam) on a fresh batch per
 rank and step (``--features V --active a``: sparse inputs, ``a`` of ``V`` features on, the
-student's first layer ``V`` wide -- gradients in few columns per step). Every variant
+student's first layer ``V`` wide -- gradients in few columns per step). ``--task lm`` trains a
+small causal transformer on a Markov source of tokens with cross-entropy instead
+(benchmarks/compression_lm.py): the kind of model and loss the field measures compression on; its
+table adds each variant's loss above the source's entropy floor, over exact's. ``--schedule cosine``
+warms the learning rate up linearly and decays it to 10% (what language models train with). Every variant
 starts from the same student, sees the same batches in the same order, and runs the same number of
 steps on the same ranks, in one job:
 
@@ -47,6 +51,8 @@ Usage::
     python benchmarks/compression.py converge --markdown                              # table for docs/benchmarks.md
     python benchmarks/compression.py converge --steps 12000 --curve 100 --target-step 2000
         # time to accuracy: the steps each variant takes to reach exact's loss at step 2000
+    python benchmarks/compression.py converge --task lm --width 64 --batch 16 --optim adam --lr 1e-2 \
+        --schedule cosine --steps 2000    # the language model
 """
 
 from __future__ import annotations
@@ -131,8 +137,60 @@ def batch(teacher: Any, width: int, n: int, seed: int, noise: float = 0.0, featu
     return x, y
 
 
-def loss_fn(out: Any, y: Any) -> Any:
+def mse(out: Any, y: Any) -> Any:
     return ((out - y) ** 2).mean()
+
+
+def task(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(student, draw, loss) of ``--task``: ``draw(n, seed, held_out=False)`` gives a batch of
+    ``n`` from ``seed`` alone (the held-out batch without label noise)."""
+    if args.task == "lm":
+        import compression_lm as lm
+
+        table = lm.source()
+        return lm.build(args.width), lambda n, seed, held_out=False: lm.batch(table, n, seed), lm.loss_fn
+    teacher, student = build(args.width, args.depth, args.teacher_rank, args.features, args.active)
+
+    def draw(n: int, seed: int, held_out: bool = False) -> tuple[Any, Any]:
+        return batch(teacher, args.width, n, seed, noise=0.0 if held_out else args.noise, features=args.features,
+                     active=args.active)
+
+    return student, draw, mse
+
+
+def _floor(args: argparse.Namespace) -> float | None:
+    """The lowest loss any model reaches on the task: the LM source's entropy rate; None for mlp
+    (clean targets: 0)."""
+    if args.task != "lm":
+        return None
+    import compression_lm as lm
+
+    return lm.entropy_floor(lm.source())
+
+
+def _training_title(args: argparse.Namespace) -> str:
+    """The model, batch, optimizer and schedule, for a table's title."""
+    if args.task == "lm":
+        import compression_lm as lm
+
+        model = (f"causal LM width {args.width} ({lm.LAYERS} layers, context {lm.CONTEXT}, vocabulary {lm.VOCAB}; "
+                 f"cross-entropy in nats, the source's floor {_floor(args):.5f})")
+    else:
+        model = f"width {args.width} x depth {args.depth}, teacher rank {args.teacher_rank}"
+    return (f"{model}, batch {args.batch}/rank, {args.optim} lr {args.lr}"
+            + (f" ({args.lr_warmup} steps warm-up, cosine to 10%)" if args.schedule == "cosine" else ""))
+
+
+def lr_factor(step: int, args: argparse.Namespace) -> float:
+    """The learning rate's factor after ``step`` optimizer steps: 1 throughout (``--schedule
+    const``), or ``cosine``: a linear warm-up over ``--lr-warmup`` steps, then a cosine decay to
+    10% at the last step -- the schedule language models train with."""
+    if args.schedule == "const":
+        return 1.0
+    if step < args.lr_warmup:
+        return (step + 1) / args.lr_warmup
+    t = (step - args.lr_warmup) / max(args.steps - args.lr_warmup, 1)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
 # -- one rank ------------------------------------------------------------------------------------------
@@ -362,7 +420,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
 
     from vcga.compress import WireMeter
 
-    teacher, student = build(args.width, args.depth, args.teacher_rank, args.features, args.active)
+    student, draw, loss_fn = task(args)
     work = _local_work(variant[len("compute+"):], student, rank, world) if variant.startswith("compute+") else None
     compute_only = variant == "compute" or work is not None
     # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
@@ -379,14 +437,14 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
         ddp.register_comm_hook(state, hook)
     opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
            else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     times = []
     per = args.batch
     # --curve K: the held-out loss every K steps (the same batch as the final loss)
-    xe, ye = batch(teacher, args.width, 512, seed=-1 & 0x7FFFFFFF, features=args.features, active=args.active)
+    xe, ye = draw(512, -1 & 0x7FFFFFFF, held_out=True)
     curve: list[tuple[int, float]] = []
     for step in range(args.steps):
-        x, y = batch(teacher, args.width, per, seed=1_000_003 * step + rank, noise=args.noise, features=args.features,
-                     active=args.active)
+        x, y = draw(per, 1_000_003 * step + rank)
         if step == args.warmup:
             meter.reset()
             dist.barrier()
@@ -399,6 +457,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
         if work is not None:
             work(step)
         opt.step()
+        sched.step()
         times.append(time.perf_counter() - t0)
         if args.curve and (step + 1) % args.curve == 0 and not compute_only:  # untimed
             with torch.no_grad():
@@ -479,7 +538,9 @@ def _steps_to_target(results: list[dict[str, Any]], base: dict[str, Any], target
 
 
 def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: float = 0.0,
-           target_step: int = 0) -> str:
+           target_step: int = 0, loss_floor: float | None = None) -> str:
+    """The table; with ``loss_floor`` (the LM task's entropy rate), a column of each variant's
+    loss above the floor over exact's: the share of what exact learned that the variant missed."""
     from _ranks import table
 
     base = next(r for r in results if r["variant"] == "exact")
@@ -493,8 +554,12 @@ def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: 
                       f"{r['cpu_s'] * 1e3:.0f} ms" if "cpu_s" in r else "–",
                       b(r["link_bytes_per_step"]), b(r["meter_cross_bytes_per_step"]),
                       "–" if own else ("yes" if r["identical"] else "NO")])
+        if loss_floor is not None:
+            lines[-1].insert(3, "–" if own else f"{(r['loss'] - loss_floor) / (base['loss'] - loss_floor):.3f}")
     head = ["variant", "loss", "loss / exact", "step", "step / exact", "CPU/step", "link bytes/step", "metered cross/step",
             "ranks identical"]
+    if loss_floor is not None:
+        head.insert(3, "above floor / exact's")
     out = title + "\n" + table(head, lines, markdown)
     if target_step and base["curve"]:
         out += "\n\n" + _steps_to_target(results, base, target_step, markdown)
@@ -537,6 +602,12 @@ def main() -> None:
                     help="evaluate the held-out loss every K steps (for --target-step)")
     ap.add_argument("--target-step", type=int, default=0, metavar="T",
                     help="with --curve: report the steps each variant takes to reach exact's loss at step T")
+    ap.add_argument("--task", choices=("mlp", "lm"), default="mlp",
+                    help="mlp: the teacher-student regression; lm: a small causal transformer on a Markov source "
+                         "(benchmarks/compression_lm.py; --width is its model width, 64 for ~106 k parameters)")
+    ap.add_argument("--schedule", choices=("const", "cosine"), default="const",
+                    help="the learning rate: constant, or --lr-warmup steps of linear warm-up and a cosine decay to 10%%")
+    ap.add_argument("--lr-warmup", type=int, default=100)
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -552,11 +623,10 @@ def main() -> None:
         os.environ["VCGA_SIM_VENDORS"] = args.vendors
         world = sum(int(p.split(":")[1]) for p in args.vendors.split(","))
         results = run_ranks(rank_main, world, args)
-        title = (f"{world} ranks ({args.vendors}, one node), width {args.width} x depth {args.depth}, teacher rank "
-                 f"{args.teacher_rank}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps"
+        title = (f"{world} ranks ({args.vendors}, one node), {_training_title(args)}, {args.steps} steps"
                  + (f", label noise {args.noise}" if args.noise else "")
                  + (f", sparse inputs ({args.active} of {args.features} features on)" if args.features else ""))
-        print(report(results, args.markdown, title, target_step=args.target_step))
+        print(report(results, args.markdown, title, target_step=args.target_step, loss_floor=_floor(args)))
         return
     run_nodes(args)
 
@@ -582,7 +652,8 @@ def run_nodes(args: argparse.Namespace) -> None:
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
                         "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
                         "--teacher-rank", str(args.teacher_rank), "--features", str(args.features),
-                        "--active", str(args.active), "--curve", str(args.curve), "--out", os.path.join(out, "r.json")]
+                        "--active", str(args.active), "--curve", str(args.curve), "--task", args.task,
+                        "--schedule", args.schedule, "--lr-warmup", str(args.lr_warmup), "--out", os.path.join(out, "r.json")]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
                 launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,
@@ -605,12 +676,12 @@ def run_nodes(args: argparse.Namespace) -> None:
             results = json.load(f)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    title = (f"2 nodes x {args.per_node} rank{'s' if args.per_node > 1 else ''} (sim-nccl on node0, sim-hccl on node1), link {args.rate}, width {args.width} x "
-             f"depth {args.depth}, batch {args.batch}/rank, {args.optim} lr {args.lr}, {args.steps} steps "
-             f"({args.warmup} untimed)")
+    title = (f"2 nodes x {args.per_node} rank{'s' if args.per_node > 1 else ''} (sim-nccl on node0, sim-hccl on node1), "
+             f"link {args.rate}, {_training_title(args)}, {args.steps} steps ({args.warmup} untimed)")
     from vcga.testing.multinode import parse_rate
 
-    print(report(results, args.markdown, title, parse_rate(args.rate), target_step=args.target_step))
+    print(report(results, args.markdown, title, parse_rate(args.rate), target_step=args.target_step,
+                 loss_floor=_floor(args)))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,42 @@ def test_compression_benchmark_runs_every_kind_of_variant_at_a_toy_size() -> Non
     steps = rows(to_target)
     assert set(steps) == set(variants) and steps["exact"][:2] == ["2", "1.00"], r.stdout
     assert "FutureWarning" not in r.stderr, r.stderr
+
+
+def test_compression_benchmark_runs_the_language_model_task_at_a_toy_size() -> None:
+    """``converge --task lm`` (a causal transformer on a Markov source, Adam with the cosine
+    schedule) on an uneven mixed world: every variant ends with ranks bitwise identical, and the
+    table has the loss above the source's entropy floor, 1.000 for exact by definition, and a
+    positive figure for the others (a loss below the floor would mean a wrong floor or loss)."""
+    variants = ["exact", "vcga:topk:ratio=0.1", "vcga:powersgd:rank=2", "torch-powersgd:2"]
+    r = _run(["benchmarks/compression.py", "converge", "--task", "lm", "--vendors", "nccl:2,hccl:1", "--steps", "4",
+              "--warmup", "1", "--width", "16", "--batch", "2", "--optim", "adam", "--lr", "1e-2", "--schedule", "cosine",
+              "--lr-warmup", "2", "--markdown", "--variants", ";".join(variants)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "causal LM width 16" in r.stdout and "cosine to 10%" in r.stdout, r.stdout
+    lines = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].split("|")[1:-1]]
+    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[1:])}
+    assert set(rows) == set(variants), r.stdout
+    assert all(row["ranks identical"] == "yes" for row in rows.values()), r.stdout
+    assert rows["exact"]["above floor / exact's"] == "1.000", r.stdout
+    assert all(float(row["above floor / exact's"]) > 0 for row in rows.values()), r.stdout
+
+
+def test_the_cosine_schedule_warms_up_linearly_and_ends_at_a_tenth() -> None:
+    """``--schedule cosine``: LambdaLR calls the factor with the number of optimizer steps taken;
+    the first step runs at 1/warm-up of the rate, the rate peaks after the warm-up, halves its way
+    to 10% at the middle of the decay and reaches 10% at the last step."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import compression
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = argparse.Namespace(schedule="cosine", lr_warmup=10, steps=110)
+    f = [compression.lr_factor(s, args) for s in range(110)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert f[60] == pytest.approx(0.55) and compression.lr_factor(110, args) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert compression.lr_factor(5, argparse.Namespace(schedule="const", lr_warmup=10, steps=110)) == 1.0
