@@ -7,7 +7,7 @@ rank and step (``--features V --active a``: sparse inputs, ``a`` of ``V`` featur
 student's first layer ``V`` wide -- gradients in few columns per step). ``--task lm`` trains a
 small causal transformer on a Markov source of tokens with cross-entropy instead
 (benchmarks/compression_lm.py): the kind of model and loss the field measures compression on; its
-table adds each variant's loss above the source's entropy floor, over exact's. ``--schedule cosine``
+table adds each variant's loss above the source's own (the floor), over exact's. ``--schedule cosine``
 warms the learning rate up linearly and decays it to 10% (what language models train with). Every variant
 starts from the same student, sees the same batches in the same order, and runs the same number of
 steps on the same ranks, in one job:
@@ -72,6 +72,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 #: The teacher maps inputs through this many tanh units (``--teacher-rank``): a structured target a
 #: student learns in a few hundred steps; the smaller, the closer to low rank the gradients are.
 TEACHER_RANK = 32
+
+#: The batch every variant's final loss is taken on: (size, seed), a seed no training batch has.
+HELD_OUT = (512, -1 & 0x7FFFFFFF)
 
 DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "torch-powersgd:4", "torch-fp16",
                     "vcga:fp16", "vcga:bf16", "vcga:sign", "vcga:qsgd:levels=16", "vcga:powersgd:rank=4,scope=all",
@@ -159,13 +162,13 @@ def task(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _floor(args: argparse.Namespace) -> float | None:
-    """The lowest loss any model reaches on the task: the LM source's entropy rate; None for mlp
-    (clean targets: 0)."""
+    """The loss no model beats in expectation on the held-out batch: for the LM, the source's own
+    probabilities' loss on it; None for mlp (clean targets: 0)."""
     if args.task != "lm":
         return None
     import compression_lm as lm
 
-    return lm.entropy_floor(lm.source())
+    return lm.floor(lm.source(), *HELD_OUT)
 
 
 def _training_title(args: argparse.Namespace) -> str:
@@ -174,7 +177,7 @@ def _training_title(args: argparse.Namespace) -> str:
         import compression_lm as lm
 
         model = (f"causal LM width {args.width} ({lm.LAYERS} layers, context {lm.CONTEXT}, vocabulary {lm.VOCAB}; "
-                 f"cross-entropy in nats, the source's floor {_floor(args):.5f})")
+                 f"cross-entropy in nats; the source's own loss on the held-out batch {_floor(args):.5f})")
     else:
         model = f"width {args.width} x depth {args.depth}, teacher rank {args.teacher_rank}"
     return (f"{model}, batch {args.batch}/rank, {args.optim} lr {args.lr}"
@@ -441,7 +444,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     times = []
     per = args.batch
     # --curve K: the held-out loss every K steps (the same batch as the final loss)
-    xe, ye = draw(512, -1 & 0x7FFFFFFF, held_out=True)
+    xe, ye = draw(*HELD_OUT, held_out=True)
     curve: list[tuple[int, float]] = []
     for step in range(args.steps):
         x, y = draw(per, 1_000_003 * step + rank)

@@ -5,9 +5,9 @@ and DGC's LSTM results), beside the teacher-student regression.
 
 The source is an order-2 Markov chain over ``VOCAB`` tokens: each pair of previous tokens picks a
 row of next-token probabilities drawn from a Dirichlet(``ALPHA``) (fixed seed), so some
-continuations are likely and most are not. Its entropy rate is the floor no model can beat:
-:func:`entropy_floor` estimates it on a large sample, and the report gives each variant's loss
-above that floor (its *excess*) beside the loss itself.
+continuations are likely and most are not. No model beats the source's own probabilities in
+expectation: :func:`floor` gives their loss on the benchmark's held-out batch, and the report gives
+each variant's loss above that floor beside the loss itself.
 
 The model: token and learned position embeddings, ``LAYERS`` pre-norm transformer layers
 (``HEADS`` heads, no dropout), a linear head, a causal mask; about 106 k parameters at
@@ -48,10 +48,12 @@ def sequences(table: Any, n: int, seed: int) -> Any:
     return torch.stack(out, 1)
 
 
-def entropy_floor(table: Any) -> float:
-    """The chain's entropy rate in nats per token, the expected loss of the true probabilities,
-    on 4096 sequences (standard error below 0.003 nats)."""
-    seq = sequences(table, 4096, 99)
+def floor(table: Any, n: int, seed: int) -> float:
+    """The loss of the source's own probabilities on the ``n`` sequences of ``seed`` (the batch
+    the benchmark evaluates on): no model does better on that batch in expectation, so it is the
+    floor to measure each variant's loss above. (The chain's entropy rate, on 4096 other
+    sequences, is 1.738 nats; this batch's own figure differs by its sampling, ~0.01.)"""
+    seq = sequences(table, n, seed)
     ctx = seq[:, :-2] * VOCAB + seq[:, 1:-1]
     return float(-(table[ctx, seq[:, 2:]].clamp_min(1e-30).log()).mean())
 
