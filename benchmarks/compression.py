@@ -84,8 +84,10 @@ DEFAULT_VARIANTS = ("exact", "vcga:powersgd:rank=4", "vcga:topk:ratio=0.01", "to
 # -- the task ----------------------------------------------------------------------------------------
 
 
-def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK, features: int = 0, active: int = 16) -> tuple[Any, Any]:
-    """(teacher, student), the same on every rank (fixed seeds); inputs as :func:`inputs`."""
+def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK, features: int = 0, active: int = 16,
+          seed: int = 0) -> tuple[Any, Any]:
+    """(teacher, student), the same on every rank (fixed seeds; ``seed`` changes the student's
+    initialisation only); inputs as :func:`inputs`."""
     import torch
     import torch.nn as nn
 
@@ -98,7 +100,7 @@ def build(width: int, depth: int, teacher_rank: int = TEACHER_RANK, features: in
         x = inputs(1024, width, torch.Generator().manual_seed(7), features, active)
         teacher[2].weight.mul_(1 / float(teacher(x).std()))
         teacher[2].bias.zero_()
-    torch.manual_seed(42)
+    torch.manual_seed(42 + seed)
     layers: list[Any] = []
     for i in range(depth):
         lin = nn.Linear(inp if i == 0 else width, width)
@@ -146,13 +148,14 @@ def mse(out: Any, y: Any) -> Any:
 
 def task(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(student, draw, loss) of ``--task``: ``draw(n, seed, held_out=False)`` gives a batch of
-    ``n`` from ``seed`` alone (the held-out batch without label noise)."""
+    ``n`` from ``seed`` alone (the held-out batch without label noise). ``--seed`` changes the
+    student's initialisation and the training batches, never the task or the held-out batch."""
     if args.task == "lm":
         import compression_lm as lm
 
         table = lm.source()
-        return lm.build(args.width), lambda n, seed, held_out=False: lm.batch(table, n, seed), lm.loss_fn
-    teacher, student = build(args.width, args.depth, args.teacher_rank, args.features, args.active)
+        return lm.build(args.width, args.seed), lambda n, seed, held_out=False: lm.batch(table, n, seed), lm.loss_fn
+    teacher, student = build(args.width, args.depth, args.teacher_rank, args.features, args.active, args.seed)
 
     def draw(n: int, seed: int, held_out: bool = False) -> tuple[Any, Any]:
         return batch(teacher, args.width, n, seed, noise=0.0 if held_out else args.noise, features=args.features,
@@ -181,7 +184,8 @@ def _training_title(args: argparse.Namespace) -> str:
     else:
         model = f"width {args.width} x depth {args.depth}, teacher rank {args.teacher_rank}"
     return (f"{model}, batch {args.batch}/rank, {args.optim} lr {args.lr}"
-            + (f" ({args.lr_warmup} steps warm-up, cosine to 10%)" if args.schedule == "cosine" else ""))
+            + (f" ({args.lr_warmup} steps warm-up, cosine to 10%)" if args.schedule == "cosine" else "")
+            + (f", seed {args.seed}" if args.seed else ""))
 
 
 def lr_factor(step: int, args: argparse.Namespace) -> float:
@@ -447,7 +451,7 @@ def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -
     xe, ye = draw(*HELD_OUT, held_out=True)
     curve: list[tuple[int, float]] = []
     for step in range(args.steps):
-        x, y = draw(per, 1_000_003 * step + rank)
+        x, y = draw(per, 1_000_003 * step + rank + 7_919 * args.seed)
         if step == args.warmup:
             meter.reset()
             dist.barrier()
@@ -542,7 +546,7 @@ def _steps_to_target(results: list[dict[str, Any]], base: dict[str, Any], target
 
 def report(results: list[dict[str, Any]], markdown: bool, title: str, rate_bps: float = 0.0,
            target_step: int = 0, loss_floor: float | None = None) -> str:
-    """The table; with ``loss_floor`` (the LM task's entropy rate), a column of each variant's
+    """The table; with ``loss_floor`` (the LM source's own loss on the held-out batch), a column of each variant's
     loss above the floor over exact's: the share of what exact learned that the variant missed."""
     from _ranks import table
 
@@ -611,6 +615,8 @@ def main() -> None:
     ap.add_argument("--schedule", choices=("const", "cosine"), default="const",
                     help="the learning rate: constant, or --lr-warmup steps of linear warm-up and a cosine decay to 10%%")
     ap.add_argument("--lr-warmup", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="another student initialisation and other training batches (the task and held-out batch stay)")
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -656,7 +662,7 @@ def run_nodes(args: argparse.Namespace) -> None:
                         "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
                         "--teacher-rank", str(args.teacher_rank), "--features", str(args.features),
                         "--active", str(args.active), "--curve", str(args.curve), "--task", args.task,
-                        "--schedule", args.schedule, "--lr-warmup", str(args.lr_warmup), "--out", os.path.join(out, "r.json")]
+                        "--schedule", args.schedule, "--lr-warmup", str(args.lr_warmup), "--seed", str(args.seed), "--out", os.path.join(out, "r.json")]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
                 launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,

@@ -58,8 +58,8 @@ def floor(table: Any, n: int, seed: int) -> float:
     return float(-(table[ctx, seq[:, 2:]].clamp_min(1e-30).log()).mean())
 
 
-def build(width: int) -> Any:
-    """The student transformer, the same on every rank (fixed seed)."""
+def build(width: int, seed: int = 0) -> Any:
+    """The student transformer, the same on every rank (fixed seed, ``--seed`` added)."""
     import torch
     import torch.nn as nn
 
@@ -78,7 +78,7 @@ def build(width: int) -> Any:
             h = self.emb(x) + self.pos[: x.shape[1]]
             return self.head(self.body(h, mask=self.mask, is_causal=True))
 
-    torch.manual_seed(42)
+    torch.manual_seed(42 + seed)
     return CausalLM()
 
 
