@@ -33,6 +33,8 @@ def source() -> Any:
     import torch
 
     g = torch.Generator().manual_seed(5)
+    # Dirichlet rows as normalised Gamma draws, the way torch.distributions.Dirichlet draws them:
+    # its sample() takes no generator, and the table must not depend on the global RNG's state
     gam = torch._standard_gamma(torch.full((VOCAB ** ORDER, VOCAB), ALPHA), generator=g)
     return gam / gam.sum(1, keepdim=True)
 
