@@ -104,11 +104,13 @@ def test_the_cosine_schedule_warms_up_linearly_and_ends_at_a_tenth() -> None:
     to 10% at the middle of the decay and reaches 10% at the last step."""
     import argparse
 
+    saved = list(sys.path)  # the benchmark puts its own folder on sys.path too: restore both
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import compression
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path[:] = saved
+        sys.modules.pop("compression", None)
     args = argparse.Namespace(schedule="cosine", lr_warmup=10, steps=110)
     f = [compression.lr_factor(s, args) for s in range(110)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
