@@ -27,7 +27,7 @@ def rank_main(sizes_mib: list[int], reps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from vcga.comm import all_gather_single
+    from vcga.pg.comm import all_gather_single
 
     dist.init_process_group("vcga")
     torch.set_num_threads(1)

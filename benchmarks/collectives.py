@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from vcga.comm import all_gather_single, reduce_scatter_single  # torch 2.13's names (no FutureWarning)
+from vcga.pg.comm import all_gather_single, reduce_scatter_single  # torch 2.13's names (no FutureWarning)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

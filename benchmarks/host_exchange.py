@@ -1,6 +1,6 @@
 """The bridge's host exchange between two shard peers on one node: shared memory against gloo.
 
-Two spawned processes hold a gloo group and a :class:`vcga.hostbridge.SharedMemoryBridge` over
+Two spawned processes hold a gloo group and a :class:`vcga.bridge.host.SharedMemoryBridge` over
 it (the same objects the mixed-vendor bridge uses), and time, interleaved in the same run:
 
 - the barrier alone: gloo's ``barrier()`` against the bridge's named-pipe barrier;
@@ -43,7 +43,7 @@ def rank_main(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     import torch.distributed as dist
 
     from vcga.contract import ReduceOp
-    from vcga.hostbridge import SharedMemoryBridge
+    from vcga.bridge.host import SharedMemoryBridge
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))

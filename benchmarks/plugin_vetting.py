@@ -1,4 +1,4 @@
-"""What vetting third-party plugins in a child costs a process that loads them (vcga/vetting.py).
+"""What vetting third-party plugins in a child costs a process that loads them (vcga/plugin_manager/vetting.py).
 
 Each sample is a fresh interpreter (an imported plugin stays in ``sys.modules``, and vetting skips
 it) that times ``VcgaPluginManager.load()`` with the built-ins off and the example plugin
@@ -101,7 +101,7 @@ def main() -> None:
             times["info cached"].append(_info({**base, "VCGA_CACHE_DIR": warm}))
             times["info vetted"].append(_info({**base, "VCGA_CACHE_DIR": os.path.join(tmp, f"info-cold{i}")}))
         sys.path.insert(0, str(EXAMPLE))
-        from vcga import vetting
+        from vcga.plugin_manager import vetting
 
         env = {"VCGA_CACHE_DIR": warm}
         lookups = []

@@ -114,7 +114,7 @@ def preload(rank: int, world: int) -> None:
     rank's backend and that backend's capability table (a process that created one group has
     paid it; the ``-fresh`` variants pay it inside the timed start)."""
     import vcga.bridge.create  # noqa: F401 - what a mixed group needs (the bridge, its cost model, its queue)
-    import vcga.discovery  # noqa: F401
+    import vcga.pg.discovery  # noqa: F401
     import vcga.process_group  # noqa: F401
     from vcga.config import load_config
     from vcga.plugin_manager import get_plugin_manager
@@ -237,7 +237,7 @@ def rank_main(rank: int, world: int, ctl_port: int, spec: dict[str, Any]) -> Non
 #: its own: 64 ranks x ~300 MB). Forked, a rank shares the server's pages until it writes them; the
 #: JSON's ``mem`` says what each rank held at the end of its start (rss, pss, private KiB). vcga's
 #: own modules are here too: importing them is what a process pays once, never part of a start.
-PRELOAD = ["torch", "torch.distributed", "vcga", "vcga.process_group", "vcga.discovery", "vcga.bridge.create",
+PRELOAD = ["torch", "torch.distributed", "vcga", "vcga.process_group", "vcga.pg.discovery", "vcga.bridge.create",
            "vcga.plugin_manager"]
 
 

@@ -30,7 +30,7 @@ a run resumed on the same world carries on bit for bit, as the uninterrupted run
 built with ``find_unused_parameters=True``: without it, DDP's first step in a new process reduces
 all parameters in one bucket, whose compression differs from the uninterrupted run's.
 
-Fault injection (documented in vcga/fault.py): ``VCGA_FAULT=kill:rank=R:step=S[:at=mid|save]``,
+Fault injection (documented in vcga/testing/fault.py): ``VCGA_FAULT=kill:rank=R:step=S[:at=mid|save]``,
 ``hang:rank=R:step=S``; off when unset.
 """
 
@@ -55,7 +55,7 @@ import torch.nn as nn
 import vcga  # registers backend "vcga"
 import vcga.errors
 import vcga.checkpoint as ckpt
-from vcga import fault
+from vcga.testing import fault
 
 VOCAB, DIM, SEQ = 64, 32, 16
 

@@ -315,7 +315,7 @@ def _build_vendor_group() -> type:  # noqa: C901 - one class, one method per c10
     class SimVendorGroup(dist.ProcessGroup):
         """A vendor library on gloo: its dtype and op rules, its conversions, its mangling.
 
-        Implements the c10d methods a :mod:`vcga.transport` group needs. A call the vendor
+        Implements the c10d methods a :mod:`vcga.pg.transport` group needs. A call the vendor
         rejects raises the vendor's exception type and message; a call it mangles returns the
         mangled result, silently, as the vendor does.
         """

@@ -152,7 +152,7 @@ def large_all_gather(group: Any, rank: int, size: int) -> list[str]:
     ``pipelined_allgather``), split where the bytes do not divide evenly -- in both forms, the list
     form with a different size per rank too: every rank's bytes in place on every rank."""
     from vcga.bridge.group import GATHER_PIECE_BYTES
-    from vcga.comm import all_gather_single
+    from vcga.pg.comm import all_gather_single
 
     failures = []
     n = 5 * GATHER_PIECE_BYTES // 4 + 3  # float32: 5 pieces, the last ones uneven

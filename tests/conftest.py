@@ -16,7 +16,7 @@ VENV_BIN = Path(sys.executable).parent
 
 @pytest.fixture(autouse=True, scope="session")
 def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
-    """VCGA's user cache (plugin verdicts, vcga.usercache) in a folder of this session, never the
+    """VCGA's user cache (plugin verdicts, vcga._usercache) in a folder of this session, never the
     user's: XDG_CACHE_HOME, not VCGA_CACHE_DIR, so it reaches every subprocess (tests strip VCGA_*)."""
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

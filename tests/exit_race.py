@@ -35,7 +35,7 @@ N = 1 << 24
 def rank(r: int, world: int, port: int) -> int:
     import vcga  # noqa: F401 - registers backend "vcga"
     from vcga import pypg
-    from vcga.comm import reduce_scatter_single
+    from vcga.pg.comm import reduce_scatter_single
 
     release = pypg._release
 

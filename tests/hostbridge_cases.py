@@ -1,4 +1,4 @@
-"""What each rank checks of :class:`vcga.hostbridge.SharedMemoryBridge` (run by tests/test_hostbridge.py
+"""What each rank checks of :class:`vcga.bridge.host.SharedMemoryBridge` (run by tests/test_hostbridge.py
 on spawned worlds over plain gloo; no vendor, real shared memory and real pipes)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ CASES = [(torch.float32, ReduceOp.SUM, 1), (torch.float32, ReduceOp.SUM, 70_001)
 def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     """Every case bitwise equal to combine_rows over all ranks' inputs in rank order, on every rank;
     nothing left in /dev/shm once the segment is open."""
-    from vcga.hostbridge import SharedMemoryBridge, combine_rows
+    from vcga.bridge.host import SharedMemoryBridge, combine_rows
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     pg = dist.group.WORLD
@@ -55,7 +55,7 @@ def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         if not torch.equal(got.view(torch.uint8) if n else got, want.view(torch.uint8) if n else want):
             failures.append(f"{dtype} {op.value} n={n}: differs from the in-order reference")
     # reduce_scatter: each peer gets its own row of everyone's rows, combined in peer order
-    from vcga.hostbridge import SLOT_BYTES
+    from vcga.bridge.host import SLOT_BYTES
 
     for salt, (dtype, op, c) in enumerate([(torch.float32, ReduceOp.SUM, 1), (torch.int64, ReduceOp.SUM, 1001),
                                            (torch.float32, ReduceOp.SUM, SLOT_BYTES // (size * 4) * 2 + 5),
@@ -68,7 +68,7 @@ def exact_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
         if not torch.equal(got, want):
             failures.append(f"reduce_scatter {dtype} {op.value} c={c}: differs from the in-order reference")
     b.close()
-    from vcga import hostbridge
+    from vcga.bridge import host as hostbridge
 
     if b._in or b._out or b in hostbridge._OPEN:  # a closed bridge keeps no descriptor numbers (reused
         failures.append("a closed bridge still holds its pipes' descriptor numbers")  # by later files)
@@ -90,7 +90,7 @@ def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     """Peers that reduce different sizes fail on every rank with a typed error; a peer that never
     comes makes the others fail after the timeout (not hang)."""
     from vcga.errors import VcgaCollectiveError
-    from vcga.hostbridge import SharedMemoryBridge
+    from vcga.bridge.host import SharedMemoryBridge
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     pg = dist.group.WORLD
@@ -121,7 +121,7 @@ def fallback_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     "no-dir": peer 0 cannot make the segment; "no-space": peer 0 cannot reserve its pages (a full
     /dev/shm, ENOSPC); "attach": the last peer maps something else (another /dev/shm);
     "unwanted": the last peer's config says no."""
-    import vcga.hostbridge as hb
+    import vcga.bridge.host as hb
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     last = rank == size - 1
@@ -167,7 +167,7 @@ def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, An
     the others' writes fail) or "writes" (its write ends only: the others read end-of-file). The
     others fail at once with a typed error naming it, not after the (60 s) timeout."""
     from vcga.errors import VcgaCollectiveError
-    from vcga.hostbridge import SharedMemoryBridge
+    from vcga.bridge.host import SharedMemoryBridge
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=[f"rank {r}" for r in range(size)])
@@ -200,7 +200,7 @@ def killed_peer(rank: int, port: int, queue: Any, with_child: bool = False) -> N
     would; rank 1 reports ("child", its pid) for the test to kill it. The child must not hold
     rank 1's pipes open, and reports ("child refused", whether the bridge refused to reduce there)."""
     from vcga.errors import VcgaCollectiveError
-    from vcga.hostbridge import SharedMemoryBridge
+    from vcga.bridge.host import SharedMemoryBridge
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=["rank 0", "rank 1"])

@@ -461,7 +461,7 @@ DDP_SPECS = ["powersgd:rank=4", "topk:ratio=0.05", "sign", "qsgd:levels=8", "fp1
              "powersgd:rank=2,scope=all", "topk:ratio=0.05,server=1,scope=all", "powersgd:rank=2,when=auto", "none",
              "sign:scope=all|unused",
              # torch's powerSGD_hook chains all_reduces in future callbacks (the asynchronous bridge
-             # runs them on its communication thread: vcga/workqueue.py)
+             # runs them on its communication thread: vcga/pg/workqueue.py)
              "torch-powersgd"]
 
 

@@ -1,4 +1,4 @@
-"""The same-node shared-memory bridge (vcga/hostbridge.py) on spawned gloo worlds: real shared
+"""The same-node shared-memory bridge (vcga/bridge/host.py) on spawned gloo worlds: real shared
 memory, real pipes, no vendor."""
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class RecordingGroup:
 
 
 def _dispatcher(table: CapabilityTable, group: RecordingGroup) -> Any:
-    from vcga.dispatch import Dispatcher
-    from vcga.transport import Transport
+    from vcga.pg.dispatch import Dispatcher
+    from vcga.pg.transport import Transport
 
     class Recording(Transport):
         def __init__(self) -> None:
@@ -152,7 +152,7 @@ def _dispatcher(table: CapabilityTable, group: RecordingGroup) -> Any:
 
 
 def _call(d: Any, coll: Collective, dt: str, op: ReduceOp | None) -> None:
-    from vcga.dispatch import Steps
+    from vcga.pg.dispatch import Steps
     from vcga.pypg import options
 
     tdt = vdt.to_torch(dt)
@@ -213,7 +213,7 @@ def test_route_is_the_chain_of_calls_the_dispatcher_issues(table: CapabilityTabl
 
 
 def test_refused_point_to_point_raises_on_both_ends_before_anything_is_posted():
-    from vcga.dispatch import Steps
+    from vcga.pg.dispatch import Steps
 
     table = CapabilityTable.builder("p2p").native([P2P], ["float32"]).refuse([P2P], ["bool"], note="no bool").build()
     group = RecordingGroup()

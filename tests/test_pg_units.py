@@ -221,7 +221,7 @@ def test_a_rank_leaving_with_a_collective_in_flight_exits_cleanly(layout: dict) 
     workers lived into finalization on both ranks (every run), and a worker that dropped its last
     work there aborted the process now and then (rank 1: 2 of 7 runs on a loaded machine). On a
     mixed world (``bridge``, fake-backed sim vendors) the all_reduce waits on the bridge's
-    communication thread (vcga/workqueue.py), which the drain also waits for."""
+    communication thread (vcga/pg/workqueue.py), which the drain also waits for."""
     joining, (code, out) = _two_ranks_leaving("leave", layout)
     assert joining.returncode == 0 and "alive at exit" not in joining.stdout, joining.stdout + joining.stderr
     assert code == 0 and "terminate called" not in out and "still in flight" not in out and "alive at exit" not in out, (
@@ -246,7 +246,7 @@ def test_closing_a_native_transport_drops_its_group() -> None:
     import weakref
 
     from vcga.errors import VcgaCollectiveError
-    from vcga.transport import NativeTransport
+    from vcga.pg.transport import NativeTransport
 
     class Native:
         shut = 0
@@ -303,7 +303,7 @@ def test_aborting_a_native_transport_does_not_wait_for_its_group(monkeypatch) ->
     import weakref
 
     from vcga.errors import VcgaCollectiveError
-    from vcga.transport import NativeTransport
+    from vcga.pg.transport import NativeTransport
 
     monkeypatch.setattr(pypg, "_LIVE", [0])
     native = _StuckGroup()
@@ -386,8 +386,8 @@ def test_timeout_rule() -> None:
 
 
 def test_refusal_names_everything_and_hints() -> None:
-    from vcga.dispatch import Dispatcher, Steps
-    from vcga.transport import Transport
+    from vcga.pg.dispatch import Dispatcher, Steps
+    from vcga.pg.transport import Transport
 
     class Tiny(Transport):
         def __init__(self) -> None:
@@ -407,8 +407,8 @@ def test_refusal_names_everything_and_hints() -> None:
 
 def test_emulation_loop_is_refused_not_followed() -> None:
     from vcga.contract import Cell, Support
-    from vcga.dispatch import MAX_EMULATION_DEPTH, Dispatcher, Steps
-    from vcga.transport import Transport
+    from vcga.pg.dispatch import MAX_EMULATION_DEPTH, Dispatcher, Steps
+    from vcga.pg.transport import Transport
 
     loop = {(Collective.BROADCAST, "int16", None): Cell(Support.EMULATED, via="upcast:int32"),
             (Collective.BROADCAST, "int32", None): Cell(Support.EMULATED, via="bitcast:int16")}

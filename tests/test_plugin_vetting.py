@@ -1,5 +1,5 @@
 """Third-party plugins whose import ends or crashes the process are vetted in a child and kept
-out (vcga/vetting.py); their verdicts are cached in the user's cache (vcga/usercache.py)."""
+out (vcga/plugin_manager/vetting.py); their verdicts are cached in the user's cache (vcga/_usercache.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_vcga
-from vcga import vetting
+from vcga.plugin_manager import vetting
 from vcga.errors import VcgaConfigError
 from vcga.plugin_manager import VcgaPluginManager
-from vcga.usercache import SCHEMA, EntryCache
+from vcga._usercache import SCHEMA, EntryCache
 
 PLUGINS = {
     "p_exit": "import sys\nsys.exit(3)\n",

@@ -65,11 +65,11 @@ class CountingStore:
 
 def discover_on_threads(backends: list[Any], timeout_s: float = 20.0, absent: tuple[int, ...] = ()
                         ) -> tuple[dict[int, Any], dict[int, list[tuple[str, int]]]]:
-    """Run :func:`vcga.discovery.discover` for every rank (but ``absent``) on threads; returns each
+    """Run :func:`vcga.pg.discovery.discover` for every rank (but ``absent``) on threads; returns each
     rank's layout (or the exception it raised) and its requests."""
     import torch.distributed as dist
 
-    from vcga.discovery import discover
+    from vcga.pg.discovery import discover
 
     inner = dist.HashStore()
     n = len(backends)

@@ -151,9 +151,23 @@ def test_the_public_api_and_the_builtin_plugins_exist():
             "vcga.plugins.mlu"} <= set(MODULES) & set(BUILTIN_PLUGINS)
 
 
+def top_level_internals(modules: list[str], public: tuple[str, ...]) -> list[str]:
+    """Modules directly under ``vcga/`` that are neither public API nor private (``_name``)."""
+    return [m for m in modules if m not in public and not m.rsplit(".", 1)[1].startswith("_")]
+
+
+def test_the_top_level_of_vcga_is_the_public_api():
+    """``vcga/*.py`` is what plugins and users import; internals live in subpackages named for what they do."""
+    top = [n for n, p in MODULES.items() if p.parent == ROOT / "vcga" and p.name != "__init__.py"]
+    assert len(top) > 10  # the listing is what we think it is
+    assert top_level_internals(top, PUBLIC_API) == []
+    # and the rule bites: an internal module at the top is named
+    assert top_level_internals([*top, "vcga.hostbridge"], PUBLIC_API) == ["vcga.hostbridge"]
+
+
 # The checker itself, on modules that break each wall (and one that keeps them).
 @pytest.mark.parametrize(("name", "source", "expected"), [
-    ("vcga.plugins.nccl", "def f():\n    from vcga.dispatch import Dispatcher\n", "a core internal, vcga.dispatch"),
+    ("vcga.plugins.nccl", "def f():\n    from vcga.pg.dispatch import Dispatcher\n", "a core internal, vcga.pg.dispatch"),
     ("vcga.plugins.nccl", "from vcga.plugins import gloo\n", "another plugin, vcga.plugins.gloo"),
     ("vcga.plugins.sim", "from . import gloo\n", "another plugin, vcga.plugins.gloo"),
     ("vcga.plugins", "from .gloo import GlooBackend\n", "another plugin, vcga.plugins.gloo"),
@@ -161,8 +175,8 @@ def test_the_public_api_and_the_builtin_plugins_exist():
     ("vcga.formats.hdf5", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
      "only the torch format may import torch"),
     ("vcga.formats.vbin.reader", "from vcga.formats.mindrecord import _format\n", "another plugin"),
-    ("vcga.conformance.numerics", "from vcga.dispatch import Steps\n", "a core internal, vcga.dispatch"),
-    ("vcga.dispatch", "def f():\n    import vcga.plugins.sim\n", "the core imports plugin module vcga.plugins.sim"),
+    ("vcga.conformance.numerics", "from vcga.pg.dispatch import Steps\n", "a core internal, vcga.pg.dispatch"),
+    ("vcga.pg.dispatch", "def f():\n    import vcga.plugins.sim\n", "the core imports plugin module vcga.plugins.sim"),
     ("vcga.plugin_manager", "__import__('vcga.conformance.checks')\n", "the core imports plugin module"),
     ("vcga.convert", "print('done')\n", "only the CLI prints"),
     ("vcga.formats.hdf5", "import sys\nsys.stderr.write('x')\n", "only the CLI prints"),
@@ -180,7 +194,7 @@ def test_the_checker_lets_allowed_imports_pass():
         "vcga.conformance.numerics": "from .base import Check\nfrom vcga.plugin_manager import get_plugin_manager\n",
         "vcga.cli.info": "print('hello')\n",
         "vcga.plugins.gloo": "if __name__ == '__main__':\n    print('usage')\n",
-        "vcga.process_group": "from vcga.dispatch import Dispatcher\nfrom vcga.conformance import suite\n",
+        "vcga.process_group": "from vcga.pg.dispatch import Dispatcher\nfrom vcga.conformance import suite\n",
     }
     for name, source in ok.items():
         assert violations(name, source) == [], (name, violations(name, source))

@@ -1,4 +1,4 @@
-"""vcga.workqueue: the ordered queue and communication thread behind asynchronous bridge collectives
+"""vcga.pg.workqueue: the ordered queue and communication thread behind asynchronous bridge collectives
 (in one process; the bridge's use of it is tested in spawned worlds, tests/test_bridge.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from vcga import pypg
 from vcga.errors import VcgaCollectiveError
 from vcga.pypg import PyWork
-from vcga.workqueue import QueuedWork, WorkQueue
+from vcga.pg.workqueue import QueuedWork, WorkQueue
 
 
 def make(timeout_s: float = 5.0) -> WorkQueue:
@@ -212,7 +212,7 @@ def test_two_stage_collectives_overlap_on_a_second_thread_and_drain_when_they_mu
     bridge's pipelined all_reduces): the first thread goes on with the next one's first stage; it
     waits (drains) before one whose ranges overlap a second stage in flight, and before one without
     ranges; second stages and callbacks run in issue order on the second thread."""
-    from vcga.workqueue import Continuation
+    from vcga.pg.workqueue import Continuation
 
     lane = threading.local()
     q = WorkQueue("test", timedelta(seconds=5), stage2_init=lambda: setattr(lane, "b", True))
@@ -254,7 +254,7 @@ def test_two_stage_collectives_overlap_on_a_second_thread_and_drain_when_they_mu
 
 
 def test_a_second_stage_failure_is_typed_on_wait_poisons_the_queue_and_is_counted_for_the_exit_drain():
-    from vcga.workqueue import Continuation
+    from vcga.pg.workqueue import Continuation
 
     q = make()
     gate = threading.Event()

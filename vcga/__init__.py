@@ -5,7 +5,7 @@ It does make ``torch.distributed.init_process_group(backend="vcga")`` available,
 imported before or after (see :mod:`vcga._autoload`).
 
 - :func:`vcga.init` -- set up this process from torchrun's environment and return a
-  :class:`~vcga.comm.Communicator`;
+  :class:`~vcga.pg.comm.Communicator`;
 - :mod:`vcga.contract` -- the plugin contract (read it first);
 - :mod:`vcga.errors` -- every error VCGA raises;
 - :mod:`vcga.config` -- the unified configuration;
@@ -37,7 +37,7 @@ def __getattr__(name: str):  # lazy re-exports keep `import vcga` light
 
         return load_config
     if name in ("init", "Communicator"):
-        from vcga import comm
+        from vcga.pg import comm
 
         return getattr(comm, name)
     raise AttributeError(f"module 'vcga' has no attribute {name!r}")

@@ -496,7 +496,7 @@ def cell_name(key: CellKey) -> str:
 
 
 def _rewritten(key: CellKey, via: str) -> CellKey | None:
-    """The cell of the call recipe ``via`` rewrites ``key`` into (mirrors :mod:`vcga.dispatch`)."""
+    """The cell of the call recipe ``via`` rewrites ``key`` into (mirrors :mod:`vcga.pg.dispatch`)."""
     coll, dt, op = key
     base, _, arg = via.partition(":")
     if base in ("sum_then_divide", "mul_then_sum"):

@@ -5,19 +5,19 @@
 
 1. reads the unified config (:func:`vcga.config.load_config`, or a :class:`VcgaOptions` passed as
    ``pg_options``) and picks this rank's backend through the plugin manager;
-2. publishes that choice through the group's store and builds the :mod:`transport <vcga.transport>`
-   (:func:`vcga.transport.make_transport`): the backend's native group over a prefixed store when every rank runs
+2. publishes that choice through the group's store and builds the :mod:`transport <vcga.pg.transport>`
+   (:func:`vcga.pg.transport.make_transport`): the backend's native group over a prefixed store when every rank runs
    the same backend;
 3. returns a :class:`VcgaProcessGroup`, a Python ``torch.distributed.ProcessGroup`` that implements
    every collective by dispatching through the transport's capability table
-   (:mod:`vcga.dispatch`): native, emulated, or refused with a typed error.
+   (:mod:`vcga.pg.dispatch`): native, emulated, or refused with a typed error.
 
 Every collective has the configured timeout; a failure or timeout in the native library surfaces
 as :class:`~vcga.errors.VcgaTimeoutError` / :class:`~vcga.errors.VcgaCollectiveError` on the rank
-that waited. In debug mode (``VCGA_DEBUG=1``) ranks compare fingerprints first (:mod:`vcga.debug`).
+that waited. In debug mode (``VCGA_DEBUG=1``) ranks compare fingerprints first (:mod:`vcga.pg.debug`).
 
 The collectives themselves (reductions, data movement, their argument checks) are in
-:mod:`vcga.collectives`, a mixin of :class:`VcgaProcessGroup`; this module keeps creation, the
+:mod:`vcga.pg.collectives`, a mixin of :class:`VcgaProcessGroup`; this module keeps creation, the
 plumbing they run on, point to point, barriers and coalescing.
 
 Hot path: a native cell with contiguous tensors goes straight to the native group, with no store
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from vcga.collectives import Collectives, _one
+from vcga.pg.collectives import Collectives, _one
 from vcga.config import Config, load_config
 from vcga.contract import Collective, ReduceOp
-from vcga.debug import FingerprintCheck, fingerprint
-from vcga.dispatch import Dispatcher, Steps
+from vcga.pg.debug import FingerprintCheck, fingerprint
+from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.errors import (
     VcgaCollectiveError,
     VcgaError,
@@ -58,7 +58,7 @@ from vcga.errors import (
 )
 from vcga import pypg
 from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
-from vcga.transport import ClosedGroup, StartupClock, Transport, make_transport
+from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
 
 __all__ = [
     "BACKEND_NAME",
@@ -317,7 +317,7 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """``destroy_process_group`` calls this: the native groups stop their threads before it
-        returns (see :meth:`vcga.transport.NativeTransport.close`); calls made later raise
+        returns (see :meth:`vcga.pg.transport.NativeTransport.close`); calls made later raise
         :class:`~vcga.errors.VcgaCollectiveError`."""
         _OPEN.discard(self)
         self.transport.close()
@@ -329,7 +329,7 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         """``torch.distributed.distributed_c10d._abort_process_group`` (torchft, elastic recovery)
         calls this. As torch's own backends do, it returns at once: the native groups are aborted
         (what is in flight fails where the library can abort; gloo cannot) and released in a
-        background thread, never joined here (see :meth:`vcga.transport.NativeTransport.abort`);
+        background thread, never joined here (see :meth:`vcga.pg.transport.NativeTransport.abort`);
         calls made later raise :class:`~vcga.errors.VcgaCollectiveError`."""
         _OPEN.discard(self)
         # Drop the hot path's and the dispatcher's references first: the transport hands its own

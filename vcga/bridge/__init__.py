@@ -1,7 +1,7 @@
 """The mixed-vendor bridge: one ``vcga`` process group over ranks of several vendors.
 
 When the ranks of a ``vcga`` group run different backends (NVIDIA next to Ascend next to MLU, or
-their simulated stand-ins), :func:`vcga.transport.make_transport` hands over to
+their simulated stand-ins), :func:`vcga.pg.transport.make_transport` hands over to
 :func:`create_bridge_transport`, which
 
 1. **discovers** the vendors: every rank has published its backend, vendor, device type and node
@@ -15,14 +15,14 @@ their simulated stand-ins), :func:`vcga.transport.make_transport` hands over to
    prefixed store ``vcga/bridge/native/<group>``) and the host bridge: gloo groups among the shard
    peers (local rank i of every vendor group; peers of local rank 0 are the leaders) and one over
    the whole group for data movement and point-to-point; shard peers that share a node also share
-   a memory segment for their reductions (:mod:`vcga.hostbridge`). A rank whose native group cannot be
+   a memory segment for their reductions (:mod:`vcga.bridge.host`). A rank whose native group cannot be
    created makes every rank raise the same :class:`~vcga.errors.VcgaBackendUnavailable` naming it,
    within the timeout;
-4. presents it all as a :class:`~vcga.transport.Transport` (:class:`BridgeTransport`): ``table``
+4. presents it all as a :class:`~vcga.pg.transport.Transport` (:class:`BridgeTransport`): ``table``
    says what the hierarchical group does correctly (:func:`combined_table`), ``group`` is a
    :class:`BridgeGroup` with the c10d methods the dispatcher drives.
 
-Inside a vendor group every step goes through that vendor's own :class:`~vcga.dispatch.Dispatcher`
+Inside a vendor group every step goes through that vendor's own :class:`~vcga.pg.dispatch.Dispatcher`
 (its capability table, its emulations: CNCL's fp64 is reduced on the host in fp64, not by CNCL as
 fp32). Across vendor groups bytes travel through gloo on the host (or shared memory, for shard
 peers on one node) and reductions are computed on the host in the tensor's dtype, in plan order; each cross-vendor result is computed from the same
@@ -86,7 +86,7 @@ _LAZY = {
     "BridgeGroup": "vcga.bridge.group",
     "BridgeTransport": "vcga.bridge.create",
     "create_bridge_transport": "vcga.bridge.create",
-    "combine_rows": "vcga.hostbridge",
+    "combine_rows": "vcga.bridge.host",
 }
 
 

@@ -32,8 +32,8 @@ from vcga.bridge.plan import (
     size_name,
 )
 from vcga.contract import CapabilityTable, ReduceOp
-from vcga.dispatch import Dispatcher, Steps
-from vcga.hostbridge import SharedMemoryBridge, combine_rows, combiner
+from vcga.pg.dispatch import Dispatcher, Steps
+from vcga.bridge.host import SharedMemoryBridge, combine_rows, combiner
 
 __all__ = ["AllReduceAlgorithms"]
 

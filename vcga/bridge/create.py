@@ -1,6 +1,6 @@
 """Creating a bridge: discovery of the vendors, each rank's native vendor group, the host bridge.
 
-:func:`create_bridge_transport` is what :func:`vcga.transport.make_transport` calls when the
+:func:`create_bridge_transport` is what :func:`vcga.pg.transport.make_transport` calls when the
 ranks of a ``vcga`` group run different backends (steps 1, 3 and 4 of :mod:`vcga.bridge`).
 """
 
@@ -22,12 +22,12 @@ from vcga.bridge.cost import LinkFigures
 from vcga.bridge.group import BridgeGroup
 from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, pipelines
 from vcga.contract import Backend, CapabilityTable
-from vcga.discovery import Layout, table_from_wire, table_to_wire
-from vcga.dispatch import Dispatcher
+from vcga.pg.discovery import Layout, table_from_wire, table_to_wire
+from vcga.pg.dispatch import Dispatcher
 from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
-from vcga.hostbridge import SharedMemoryBridge, every_rank
-from vcga.transport import ClosedGroup, NativeTransport, StartupClock, Transport, abort_now, release_later, shut_down
-from vcga.workqueue import WorkQueue
+from vcga.bridge.host import SharedMemoryBridge, every_rank
+from vcga.pg.transport import ClosedGroup, NativeTransport, StartupClock, Transport, abort_now, release_later, shut_down
+from vcga.pg.workqueue import WorkQueue
 
 __all__ = ["BridgeTransport", "create_bridge_transport"]
 
@@ -65,7 +65,7 @@ class BridgeTransport(Transport):
 
     def close(self) -> None:
         """Shut every group down and drop every reference to them: a native group stops its threads
-        only in its destructor (see :meth:`vcga.transport.NativeTransport.close`)."""
+        only in its destructor (see :meth:`vcga.pg.transport.NativeTransport.close`)."""
         if isinstance(self.group, BridgeGroup) and self.group.queue is not None:
             self.group.queue.close()  # fails what is still queued; the thread ends
         for pg in self._closables:
@@ -76,7 +76,7 @@ class BridgeTransport(Transport):
 
     def abort(self) -> None:
         """Abort every group and return at once; they are shut down and released in the background
-        (see :meth:`vcga.transport.NativeTransport.abort`)."""
+        (see :meth:`vcga.pg.transport.NativeTransport.abort`)."""
         queue = self.group.queue if isinstance(self.group, BridgeGroup) else None
         if queue is not None:
             queue.close(wait_s=0)  # fails what is still queued; never waits for its thread here
@@ -118,7 +118,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                             shared_memory: bool = True, async_ops: bool = True, clock: StartupClock | None = None,
                             layout: Layout | None = None, calibration: str = "cached",
                             figures_cache: str | None = None, pipeline: str = "auto") -> BridgeTransport:
-    """Build the mixed-vendor transport (called by :func:`vcga.transport.make_transport`).
+    """Build the mixed-vendor transport (called by :func:`vcga.pg.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
     :param backend: this rank's backend; :param peers: every rank's published facts, in rank order.
@@ -126,12 +126,12 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     :param algorithm: config ``bridge_algorithm``.
     :param apply_env: sets the vendor's environment before its native group is created.
     :param shared_memory: config ``bridge_shm``: shard peers on one node may reduce through shared
-        memory (:class:`~vcga.hostbridge.SharedMemoryBridge`) instead of gloo.
+        memory (:class:`~vcga.bridge.host.SharedMemoryBridge`) instead of gloo.
     :param async_ops: config ``bridge_async``: collectives run on the group's communication thread
-        (:class:`~vcga.workqueue.WorkQueue`) and return at once; False: in the calling thread.
+        (:class:`~vcga.pg.workqueue.WorkQueue`) and return at once; False: in the calling thread.
     :param clock: where the phases of creation are timed (``describe()["startup"]``).
-    :param layout: what discovery found (:func:`vcga.discovery.discover`; ``peers`` is its
-        :meth:`~vcga.discovery.Layout.peers`): the capability-table digests of the backends.
+    :param layout: what discovery found (:func:`vcga.pg.discovery.discover`; ``peers`` is its
+        :meth:`~vcga.pg.discovery.Layout.peers`): the capability-table digests of the backends.
     :param calibration: / :param figures_cache: config ``bridge_calibration`` and
         ``bridge_figures_cache``: where the α–β link figures come from (:func:`_calibrate`).
     :param pipeline: config ``bridge_pipeline`` (:func:`pipelines`).
@@ -292,9 +292,9 @@ _TABLES: dict[str, CapabilityTable] = {}
 
 def _publish_table(bstore: Any, layout: Layout | None, rank: int, backend: Backend) -> None:
     """The lowest rank of each backend publishes its capability table under ``table/<digest>``
-    (:func:`vcga.discovery.table_to_wire`, compressed: about 3 KB; the same bytes its digest is of)."""
+    (:func:`vcga.pg.discovery.table_to_wire`, compressed: about 3 KB; the same bytes its digest is of)."""
     if layout is None:
-        raise TypeError("create_bridge_transport needs the layout discovery found (vcga.discovery.discover)")
+        raise TypeError("create_bridge_transport needs the layout discovery found (vcga.pg.discovery.discover)")
     i = next(i for i, f in enumerate(layout.backends) if f.name == backend.name)
     if rank == layout.first_rank_of(i):
         bstore.set(f"table/{layout.backends[i].digest}", zlib.compress(table_to_wire(backend.capabilities()), 1))

@@ -7,7 +7,7 @@ each rank is on), the node names, the link classes, the shard peers' exchange, a
 vcga and of the figures' format. Anything in it changes, the key changes, and the entry is not used.
 
 One file per topology, ``bridge-figures-<key>.json`` in the cache directory (config
-``bridge_figures_cache``; default the folder ``bridge`` of VCGA's user cache, :mod:`vcga.usercache`), written
+``bridge_figures_cache``; default the folder ``bridge`` of VCGA's user cache, :mod:`vcga._usercache`), written
 atomically (:mod:`vcga.atomic`). It is checked on load: its key, the topology it names, a checksum
 of its content, and that the figures parse and fit the layout (one set per vendor group, α >= 0,
 β > 0). An entry that fails a check is logged and treated as missing: measured again, replaced.
@@ -41,21 +41,21 @@ ENTRY_VERSION = 1
 
 def cache_dir(configured: str | None = None) -> Path:
     """The cache directory: ``configured`` (config ``bridge_figures_cache``), else the folder
-    ``bridge`` of VCGA's user cache (:func:`vcga.usercache.cache_dir`: ``$VCGA_CACHE_DIR``, else
+    ``bridge`` of VCGA's user cache (:func:`vcga._usercache.cache_dir`: ``$VCGA_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``)."""
     if configured:
         return Path(configured).expanduser()
-    from vcga.usercache import cache_dir as user_cache_dir
+    from vcga._usercache import cache_dir as user_cache_dir
 
     return user_cache_dir() / "bridge"
 
 
 def topology(layout: Any, plan: Any, classes: Mapping[str, str], exchange: str) -> dict[str, Any]:
-    """What the figures of a group depend on (``layout``: :class:`vcga.discovery.Layout`; ``plan``:
+    """What the figures of a group depend on (``layout``: :class:`vcga.pg.discovery.Layout`; ``plan``:
     its :class:`~vcga.bridge.plan.Plan`; ``classes``: the link classes; ``exchange``: how shard
     peers reduce, "shared memory" or "gloo"). JSON-able; the same on every rank."""
     from vcga import __version__
-    from vcga.discovery import encode_indices
+    from vcga.pg.discovery import encode_indices
 
     by_name = {f.name: f for f in layout.backends}
     return {

@@ -22,10 +22,10 @@ from vcga.bridge.allreduce import AllReduceAlgorithms, _bytes, _host, _put
 from vcga.bridge.cost import LinkFigures
 from vcga.bridge.plan import ALGORITHMS, AUTO_LARGE, MODEL_MAX_SEGMENTS, Plan
 from vcga.contract import CapabilityTable, ReduceOp
-from vcga.dispatch import Dispatcher
-from vcga.hostbridge import SharedMemoryBridge
+from vcga.pg.dispatch import Dispatcher
+from vcga.bridge.host import SharedMemoryBridge
 from vcga.pypg import PyWork, reduce_op_of
-from vcga.workqueue import Continuation, WorkQueue
+from vcga.pg.workqueue import Continuation, WorkQueue
 
 __all__ = ["BridgeGroup"]
 
@@ -66,14 +66,14 @@ def pipelined_allgather(pg: Any, rows: torch.Tensor, src: torch.Tensor) -> None:
 def _on_queue(result: Callable[..., Sequence[torch.Tensor]],
               two_stage: Callable[..., tuple[list[tuple[int, int]], Callable[[], Any]] | None] | None = None,
               ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Run the decorated c10d method on the group's :class:`~vcga.workqueue.WorkQueue`, in issue order:
+    """Run the decorated c10d method on the group's :class:`~vcga.pg.workqueue.WorkQueue`, in issue order:
     it returns at once with a work completed on the communication thread, unless its options say
     ``asyncOp=False`` (then it runs in the caller's thread when nothing is queued, else waits its
     turn). Without a queue (config ``bridge_async: false``) it runs in the caller's thread.
     ``result(*args)`` names the output tensors (the value of the work's future). ``two_stage(self,
     *args)``, where given, says at issue time whether the call runs in two stages (pipelined, see
     :meth:`BridgeGroup.pipelinable`): None, or the byte ranges it touches and what the queue runs
-    instead (its first stage, which returns a :class:`~vcga.workqueue.Continuation`)."""
+    instead (its first stage, which returns a :class:`~vcga.pg.workqueue.Continuation`)."""
     def deco(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def run(self: BridgeGroup, *args: Any) -> Any:
@@ -142,9 +142,9 @@ def _nothing(*args: Any) -> Sequence[torch.Tensor]:
 
 
 class BridgeGroup(AllReduceAlgorithms):
-    """The hierarchical collectives, with the c10d methods of :data:`vcga.transport.TRANSPORT_METHODS`.
+    """The hierarchical collectives, with the c10d methods of :data:`vcga.pg.transport.TRANSPORT_METHODS`.
 
-    Each collective goes on the group's :class:`~vcga.workqueue.WorkQueue` (:attr:`queue`) and
+    Each collective goes on the group's :class:`~vcga.pg.workqueue.WorkQueue` (:attr:`queue`) and
     returns at once with a work its communication thread completes, in issue order (``asyncOp``
     false: it completes before returning); with no queue (``bridge_async: false``) each runs to
     completion in the calling thread. Point-to-point returns gloo's own asynchronous work. Tensors
@@ -155,7 +155,7 @@ class BridgeGroup(AllReduceAlgorithms):
     :param inner: this rank's vendor-group dispatcher (None when the vendor group has one rank).
     :param shard: gloo group of this rank's shard peers (leaders for local rank 0), or None.
     :param world: gloo group over the whole ``vcga`` group.
-    :param shm: the shard peers' shared segment (:class:`~vcga.hostbridge.SharedMemoryBridge`, all
+    :param shm: the shard peers' shared segment (:class:`~vcga.bridge.host.SharedMemoryBridge`, all
         peers on this node), or None: they reduce through ``shard``.
     """
 

@@ -15,7 +15,7 @@ from typing import Any
 from vcga import dtypes as _dtypes
 from vcga.capabilities import LazyCapabilityTable
 from vcga.contract import Backend, CapabilityTable, Cell, CellKey, Collective, ReduceOp, Support
-from vcga.discovery import table_digest, table_from_wire, table_to_wire  # noqa: F401 - re-exported by vcga.bridge
+from vcga.pg.discovery import table_digest, table_from_wire, table_to_wire  # noqa: F401 - re-exported by vcga.bridge
 from vcga.errors import VcgaConfigError
 
 __all__ = [
@@ -229,7 +229,7 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
 
 def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
     """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
-    would compute -- the same facts :func:`vcga.transport.make_transport` publishes, without
+    would compute -- the same facts :func:`vcga.pg.transport.make_transport` publishes, without
     creating any group (``vcga info --plan``)."""
     peers = [{"backend": b.name, "vendor": b.vendor, "device_type": b.device_type, "global_rank": r,
               "node": n} for r, (b, n) in enumerate(zip(backends, nodes, strict=True))]

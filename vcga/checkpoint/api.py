@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from vcga import fault
+from vcga.testing import fault
 from vcga.errors import VcgaCheckpointError, VcgaError
 
 from .shard_writer import ShardWriterProcess

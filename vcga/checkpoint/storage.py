@@ -121,7 +121,7 @@ class VcgaStorageWriter(StorageWriter):
     :param step: the training step the checkpoint holds.
     :param keep_last: checkpoints to keep after publishing this one (None: keep all).
     :param on_rank_written: called on every rank once its shard is durable, before the checkpoint is
-        published (where :mod:`vcga.fault` injects "a rank killed during save").
+        published (where :mod:`vcga.testing.fault` injects "a rank killed during save").
     :param shard_writer: writes this rank's entries as one vendor-bin file and returns each
         tensor's (checksum, nbytes) -- :func:`~vcga.checkpoint.shard_writer.write_shard` in this
         process by default; async_save's writer process otherwise.

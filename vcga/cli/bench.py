@@ -10,7 +10,7 @@
     vcga bench -b 1K -e 16M -f 2 --plot busbw.png
 
 Exit status: 0 when every checked element was right, 1 when any was wrong, 2 for a usage error or
-a failed run. The library (:mod:`vcga.bench`) measures; only this module prints.
+a failed run. The library (:mod:`vcga.bench.runner`) measures; only this module prints.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from vcga.bench import OPS  # no torch at import: `vcga bench --help` stays light
+from vcga.bench.runner import OPS  # no torch at import: `vcga bench --help` stays light
 
 _OP_ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
                "alltoall": "all_to_all", "sendrecv": "send_recv", "all": "all"}
@@ -96,7 +96,7 @@ def bench(collectives: tuple[str, ...], minbytes: str, maxbytes: str, stepfactor
     if plot:
         _need_matplotlib()
     try:
-        from vcga import bench as lib
+        from vcga.bench import runner as lib
 
         ops = _ops(collectives)
         spec = lib.BenchSpec(
@@ -174,7 +174,7 @@ def _rank_env(backend: str | None, vendors: str | None, timeout: float | None) -
 def _run_here(spec: Any, backend: str | None, vendors: str | None, timeout: float | None, table: _Table) -> dict[str, Any]:
     """Under torchrun: this process is one rank; rank 0 prints."""
     import vcga
-    from vcga import bench as lib
+    from vcga.bench import runner as lib
 
     os.environ.update(_rank_env(backend, vendors, timeout))
     comm = vcga.init()
@@ -189,7 +189,7 @@ def _run_here(spec: Any, backend: str | None, vendors: str | None, timeout: floa
 def _rank_main(rank: int, world: int, port: int, spec: Any, queue: Any) -> None:
     """One spawned rank: measure, and (rank 0) send each size's rows and notes to the CLI."""
     import vcga
-    from vcga import bench as lib
+    from vcga.bench import runner as lib
     from vcga.spawn import END
 
     comm = vcga.init(rank=rank, world_size=world, local_rank=rank, init_method=f"tcp://127.0.0.1:{port}")
@@ -207,7 +207,7 @@ def _rank_main(rank: int, world: int, port: int, spec: Any, queue: Any) -> None:
 
 def _run_spawned(spec: Any, nranks: int, backend: str | None, vendors: str | None, timeout: float | None,
                  table: _Table) -> dict[str, Any]:
-    from vcga import bench as lib
+    from vcga.bench import runner as lib
     from vcga.errors import VcgaError
     from vcga.spawn import RanksFailed, stream_ranks
 

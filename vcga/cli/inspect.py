@@ -50,7 +50,7 @@ def inspect(file: str | None, src_format: str | None, verify: bool, as_json: boo
         return
     if file is None:
         raise click.UsageError("give a FILE (or --formats)")
-    from vcga.inspecting import inspect_checkpoint
+    from vcga.convert.inspect import inspect_checkpoint
 
     with errors_as_one_line():
         with progress_bar(progress if verify else False) as update:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vcga.comm import all_gather_single, reduce_scatter_single
+from vcga.pg.comm import all_gather_single, reduce_scatter_single
 from vcga.contract import Combine, Compressor
 from vcga.compress.exchange import Exchange, mix_seed
 from vcga.compress.layout import Layout

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from vcga.comm import all_gather_single
+from vcga.pg.comm import all_gather_single
 from vcga.contract import Combine, CompressContext, Compressor, Support
 from vcga.compress.ef import ErrorFeedback, Scratch
 from vcga.compress.layout import chunks, declared_sent

@@ -4,7 +4,7 @@ Every format plugin contributes a :class:`~vcga.contract.FormatSpec` (reader + w
 stream of :class:`~vcga.contract.TensorEntry`); this module only joins a reader to a writer --
 N readers and N writers, never N^2 converters:
 
-1. find the formats (:mod:`vcga.detect`: ``--from``/``--to``, else the source's signature via
+1. find the formats (:mod:`vcga.convert.detect`: ``--from``/``--to``, else the source's signature via
    ``FormatSpec.sniff``, else file extensions; MindSpore's shard names ``name0 .. nameN-1`` are recognised);
 2. read the source's index and check, before writing a byte, that the target can hold every
    dtype exactly -- otherwise :class:`~vcga.errors.VcgaConversionError` names the tensor and the
@@ -40,23 +40,19 @@ from typing import Any
 from vcga import dtypes
 from vcga.atomic import publish_set, remove_stale, temp_name
 from vcga.contract import FormatSpec, TensorEntry
-# finding formats lives in vcga.detect; its names stay importable from here
-from vcga.detect import available_formats, detect_source, detect_target, format_by_name
+# finding formats lives in vcga.convert.detect; its names stay importable from here
+from vcga.convert.detect import available_formats, detect_source, detect_target, format_by_name
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaDiskFullError, VcgaError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
 
 __all__ = [
     "ConversionReport",
-    "InspectReport",
-    "available_formats",
-    "format_by_name",
-    "detect_source",
-    "detect_target",
     "parse_casts",
     "parse_size",
+    "parse_options",
+    "Progress",
     "check_dtypes",
     "convert",
-    "inspect_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -475,12 +471,3 @@ def _move_into_place(staging: Path, parent: Path, overwrite: bool, sources: Sequ
     # Index files go last, so a reader never finds an index whose shards are not there yet.
     files.sort(key=lambda f: ("index" in f.name.lower(), f.name))
     return publish_set(staging, parent, files)
-
-
-def __getattr__(name: str) -> Any:
-    # inspect_checkpoint and InspectReport live in vcga.inspecting; still importable from here.
-    if name in ("InspectReport", "inspect_checkpoint"):
-        from vcga import inspecting
-
-        return getattr(inspecting, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

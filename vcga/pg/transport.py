@@ -2,7 +2,7 @@
 
 The ``vcga`` process group (:mod:`vcga.process_group`) does everything that does not depend on how
 bytes travel: argument checks, sequence numbers, debug fingerprints, typed errors and timeouts, and
-capability-aware dispatch with its emulations (:mod:`vcga.dispatch`). Underneath it sits one
+capability-aware dispatch with its emulations (:mod:`vcga.pg.dispatch`). Underneath it sits one
 :class:`Transport`:
 
 - :class:`NativeTransport` -- every rank of the group runs the same backend: the group is that
@@ -263,15 +263,15 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
                    global_ranks: Sequence[int], clock: StartupClock | None = None) -> Transport:
     """Discover every rank's backend through ``store`` and build the group's transport.
 
-    Discovery (:func:`vcga.discovery.discover`): every rank publishes its backend, vendor, device
+    Discovery (:func:`vcga.pg.discovery.discover`): every rank publishes its backend, vendor, device
     type, node and capability-table digest, rank 0 gathers them into one compact layout, and
     every rank reads it, so every rank reaches the same decision. One backend: a
-    :class:`~vcga.transport.NativeTransport` over the backend's native group. Several: the
+    :class:`~vcga.pg.transport.NativeTransport` over the backend's native group. Several: the
     mixed-vendor bridge (:func:`vcga.bridge.create_bridge_transport`).
     """
     import torch.distributed as dist  # here: importing this module stays torch-free
 
-    from vcga.discovery import discover
+    from vcga.pg.discovery import discover
 
     clock = clock or StartupClock()
     with clock.phase("discovery"):

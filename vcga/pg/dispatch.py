@@ -33,7 +33,7 @@ from vcga import dtypes as _dtypes
 from vcga.contract import Cell, Collective, ReduceOp, Support
 from vcga.errors import VcgaUnsupportedError
 from vcga.pypg import options
-from vcga.transport import Transport
+from vcga.pg.transport import Transport
 
 __all__ = ["Steps", "Dispatcher", "local_reduce", "MAX_EMULATION_DEPTH"]
 
@@ -152,7 +152,7 @@ def local_reduce(stacked: torch.Tensor, op: ReduceOp, factor: Any, group_size: i
 class Dispatcher:
     """Routes canonical collective calls through one transport's capability table.
 
-    :param transport: what moves the bytes (:mod:`vcga.transport`).
+    :param transport: what moves the bytes (:mod:`vcga.pg.transport`).
     :param rank: this process's rank in the group.
     :param size: the group size.
     """

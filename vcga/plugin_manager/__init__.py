@@ -5,7 +5,7 @@ third-party plugins come from the entry-point group ``vcga``. Loading is lazy --
 imported until a caller asks for backends, formats or checks -- and isolated: a plugin that fails
 to import, whose hook raises, or whose backend's probe raises is recorded with its error and
 traceback, shown by ``vcga info``, and never breaks an unrelated call. Third-party plugins (entry
-points and ``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.vetting`), so one
+points and ``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.plugin_manager.vetting`), so one
 whose import ends or crashes the interpreter is recorded instead of taking VCGA down with it.
 
 Environment:
@@ -16,7 +16,7 @@ Environment:
 - ``VCGA_BLOCK_PLUGINS=name,...``: never load these plugins (by entry-point or module name);
 - ``VCGA_BACKEND=name``: the explicit backend choice (see :mod:`vcga.config`);
 - ``VCGA_PLUGIN_VET_TIMEOUT``, ``VCGA_PLUGIN_RECHECK``, ``VCGA_PLUGIN_VETTING``, ``VCGA_CACHE_DIR``:
-  vetting of third-party plugins (see :mod:`vcga.vetting`).
+  vetting of third-party plugins (see :mod:`vcga.plugin_manager.vetting`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any
 
 import pluggy
 
-from vcga import contract, vetting
+from vcga import contract
+from vcga.plugin_manager import vetting
 from vcga.config import Config, load_config
 from vcga.contract import Backend, CompressorSpec, ConformanceCheck, FormatSpec, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
@@ -81,7 +82,7 @@ class PluginRecord:
     error: str | None = None  #: one line
     traceback: str | None = None
     hook_errors: dict[str, str] = field(default_factory=dict)  #: hook name -> error line
-    #: what importing it in a child did (:class:`vcga.vetting.Verdict` as JSON); None when not vetted
+    #: what importing it in a child did (:class:`vcga.plugin_manager.vetting.Verdict` as JSON); None when not vetted
     vetting: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Small facts VCGA remembers between runs, in the user's cache directory.
 
 Where: ``$VCGA_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``.
-Each namespace is a folder (``plugins/`` holds the plugin verdicts of :mod:`vcga.vetting`), each
+Each namespace is a folder (``plugins/`` holds the plugin verdicts of :mod:`vcga.plugin_manager.vetting`), each
 entry one small JSON file named by a hash of its key. One file per entry, because several ranks of
 a job start at once and may each store an entry: with one file each, a write replaces one whole
 file atomically (temporary file + rename, :mod:`vcga.atomic`) and no writer can lose another's entry.

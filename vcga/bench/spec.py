@@ -2,7 +2,7 @@
 and reduce ops by their nccl-tests names, the sizes visited, each collective's buffer layout, the
 bandwidth formulas, the columns of a row, and the data whose exact result does not depend on
 reduction order. Pure arithmetic and definitions (torch only inside :func:`inputs`); the run itself
-is :mod:`vcga.bench`, which re-exports the public names.
+is :mod:`vcga.bench.runner`, which re-exports the public names.
 """
 
 from __future__ import annotations

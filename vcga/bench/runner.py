@@ -28,7 +28,7 @@ own library), **cross-vendor** (one rank of each backend on one node: the host b
 **cross-node** (the i-th rank of every node: the network). Each subgroup is a ``vcga`` group of its
 own; the subgroups of a tier run at the same time, each reported by itself.
 
-The definitions and formulas above are :mod:`vcga.bench_spec`; this module runs the measurement and
+The definitions and formulas above are :mod:`vcga.bench.spec`; this module runs the measurement and
 returns rows. It never prints (the CLI does, :mod:`vcga.cli.bench`).
 """
 
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# the nccl-tests definitions and formulas live in vcga.bench_spec; their public names stay importable from here
-from vcga.bench_spec import (
+# the nccl-tests definitions and formulas live in vcga.bench.spec; their public names stay importable from here
+from vcga.bench.spec import (
     DTYPES,
     OPS,
     REDOPS,
@@ -60,7 +60,7 @@ from vcga.bench_spec import (
     parse_size,
     sizes,
 )
-from vcga.comm import all_gather_single, reduce_scatter_single
+from vcga.pg.comm import all_gather_single, reduce_scatter_single
 from vcga.errors import VcgaError
 
 __all__ = [

@@ -31,7 +31,7 @@ from vcga.errors import VcgaConfigError
 
 __all__ = ["Fault", "parse", "point", "reload"]
 
-log = logging.getLogger("vcga.fault")
+log = logging.getLogger("vcga.testing.fault")
 _KINDS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 _POINTS = ("step", "mid", "save")
 

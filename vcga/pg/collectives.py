@@ -4,7 +4,7 @@
 plumbing (``_next``, ``_fast_native``, ``_native_call``, ``_issue``, ``_wrap``, ``_translate``):
 each collective checks its arguments, takes the hot path straight to the native group when the
 table calls the cell native and the tensors are contiguous, and otherwise hands the call to the
-dispatcher (:mod:`vcga.dispatch`). Point to point, barriers and coalescing stay in
+dispatcher (:mod:`vcga.pg.dispatch`). Point to point, barriers and coalescing stay in
 :mod:`vcga.process_group`.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from vcga import dtypes as _dtypes
 from vcga.contract import Collective
-from vcga.dispatch import Steps
+from vcga.pg.dispatch import Steps
 from vcga.errors import VcgaError
 from vcga.pypg import options, reduce_op_of
 

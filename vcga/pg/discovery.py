@@ -1,6 +1,6 @@
 """Discovery: every rank of a new ``vcga`` group learns what every other rank runs.
 
-The first step of creating a group (:func:`vcga.transport.make_transport`). Every rank must
+The first step of creating a group (:func:`vcga.pg.transport.make_transport`). Every rank must
 reach the same decision -- one backend (a native group) or several (the mixed-vendor bridge, and
 its plan) -- so every rank must see the same facts. Reading every rank's record would cost each
 rank n reads and the store n² in total; instead rank 0 gathers and everyone reads one compact

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vcga.contract import FormatSpec
-from vcga.convert import Progress, detect_source
+from vcga.convert.detect import detect_source
+from vcga.convert.engine import Progress
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
 

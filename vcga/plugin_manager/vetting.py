@@ -24,7 +24,7 @@ outcome       what happened in the child                                        
 An ``exception`` is safe to meet in-process (the manager records it with its traceback), so only
 the outcomes that end or stall a process keep a plugin out. Built-in plugins are imported directly.
 
-Verdicts are cached (:mod:`vcga.usercache`, namespace ``plugins``), keyed by the distribution's
+Verdicts are cached (:mod:`vcga._usercache`, namespace ``plugins``), keyed by the distribution's
 name and version and the entry point for an entry-point plugin, by the module file's path, size and
 mtime for a ``VCGA_PLUGINS`` module, and in both cases by the interpreter. A training job thus
 pays for a child only the first time a plugin version meets an interpreter; every rank of a job
@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vcga.usercache import EntryCache
+from vcga._usercache import EntryCache
 
 __all__ = ["Candidate", "Verdict", "vet", "module_key", "entry_point_key", "interpreter_key",
            "DEFAULT_TIMEOUT_S", "CHILD_ENV"]

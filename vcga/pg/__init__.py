@@ -1,0 +1,12 @@
+"""The path under the ``vcga`` process group (:mod:`vcga.process_group`, the public entry).
+
+- :mod:`~vcga.pg.collectives` -- the collectives: argument checks, reductions, data movement;
+- :mod:`~vcga.pg.dispatch` -- capability-aware dispatch: native, emulated or refused;
+- :mod:`~vcga.pg.transport` -- what moves the bytes: one vendor's native group, or the bridge;
+- :mod:`~vcga.pg.discovery` -- every rank of a new group learns what every other rank runs;
+- :mod:`~vcga.pg.workqueue` -- one ordered queue of collectives per group, on its own thread;
+- :mod:`~vcga.pg.debug` -- ``VCGA_DEBUG`` fingerprints;
+- :mod:`~vcga.pg.comm` -- :func:`vcga.init` and the :class:`~vcga.pg.comm.Communicator`.
+
+Internal: plugins import :mod:`vcga.process_group` and :mod:`vcga.pypg`, never this package.
+"""
