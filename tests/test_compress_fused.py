@@ -9,7 +9,8 @@ import torch
 
 from vcga.compress import fused
 from vcga.compress.ef import ErrorFeedback
-from vcga.compress.exact import _outer_sum_ops, outer_sum
+from vcga.compress.exact import outer_sum as _outer_sum_ops
+from vcga.compress.fused import outer_sum
 
 
 def _adversarial(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

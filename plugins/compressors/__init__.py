@@ -317,11 +317,11 @@ def _select_self_check(select: Any) -> str | None:
     magnitudes, so that both paths must take the same set), at shares from one element to all."""
     import torch
 
-    from vcga.compress.fused import _probe_values
+    from vcga.compress.fused import probe_values
 
     for n in (1, 7, 4096, 70_001):
         g = torch.Generator().manual_seed(n)
-        v = _probe_values(torch.float32, n, seed=n)
+        v = probe_values(torch.float32, n, seed=n)
         v = torch.unique(v.abs())  # distinct magnitudes
         v = v[torch.randperm(v.numel(), generator=g)] * torch.where(torch.rand(v.numel(), generator=g) < 0.5, -1.0, 1.0)
         if v.numel() > 8:

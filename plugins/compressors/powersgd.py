@@ -95,7 +95,8 @@ class PowerSGD(Compressor):
 
     def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
                    round: int = 0) -> torch.Tensor | None:  # noqa: A002
-        from vcga.compress.exact import orthonormalize, outer_sum
+        from vcga.compress.exact import orthonormalize
+        from vcga.compress.fused import outer_sum
 
         if not state.get("compressed", True):
             return payload[0]  # an uncompressed tensor: its sum, done in round 0
@@ -125,7 +126,7 @@ class PowerSGD(Compressor):
         return [state["p"], state["q_sum"]]
 
     def expand(self, form: list[torch.Tensor], shape: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
-        from vcga.compress.exact import outer_sum
+        from vcga.compress.fused import outer_sum
 
         if len(form) == 1:
             got = form[0].reshape(shape)

@@ -236,13 +236,13 @@ def _qsgd_self_check(loops: Any) -> str | None:
     level width and both norms), else what differed."""
     import torch
 
-    from vcga.compress.fused import _probe_values
+    from vcga.compress.fused import probe_values
 
     ctx = CompressContext(peers=3, peer=1, step=5, seed=77)
     for levels, bucket, n, norm in ((1, 3, 1001, "max"), (7, 5, 999, "max"), (16, 512, 1500, "max"),
                                     (127, 64, 700, "l2"), (1000, 1, 33, "max"), (32767, 256, 600, "l2")):
         q = QSGD(levels, bucket, norm, ef=False, server=False)
-        x = _probe_values(torch.float32, n, levels)
+        x = probe_values(torch.float32, n, levels)
         x[n // 3: n // 3 + bucket] = 0  # a bucket of zeros (or part of one)
         x[n // 2] = -0.0
         x[: n // 4] *= 1e-30  # buckets whose largest magnitude is tiny

@@ -40,6 +40,7 @@ from vcga import dtypes
 from vcga.contract import FormatSpec, TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaFormatError
 from vcga.formatkit import ReaderContext
+from vcga.plugin_manager import get_plugin_manager
 
 from .dcpmeta import (
     MANIFEST_FILE,
@@ -511,9 +512,7 @@ class DcpDirectoryReader(ReaderContext):
     def _vbin_reader(self, name: str) -> Any:
         r = self._vbin.get(name)
         if r is None:
-            from vcga.convert import format_by_name
-
-            r = format_by_name("vendor-bin").open_reader(self.path / name, verify=self.verify)
+            r = _vbin_spec().open_reader(self.path / name, verify=self.verify)
             self._vbin[name] = r
         return r
 
@@ -552,6 +551,15 @@ class DcpDirectoryReader(ReaderContext):
             release = getattr(r, "release", None)
             if release is not None:
                 release()
+
+
+def _vbin_spec() -> FormatSpec:
+    """The vendor-bin format (vcga.checkpoint's shards), from the loaded format plugins."""
+    for spec in get_plugin_manager().formats():
+        if spec.name == "vendor-bin":
+            return spec
+    raise VcgaConversionError("this checkpoint's shards are vendor-bin files, and the vendor-bin format plugin "
+                              "is not loaded; `vcga info` shows why")
 
 
 def _whole_checksum(t: _Tensor) -> str | None:

@@ -103,22 +103,8 @@ def outer_sum(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None)
     in order k = 0, 1, ...: the same bits on every device (r is small: the PowerSGD rank).
     ``out`` (``[n, m]``, optional) receives the result.
 
-    On the host (float32/float64) one fused loop does each element's r products and additions in
-    registers, in this order (:mod:`vcga.compress.fused`, checked to give these bits)."""
-    n, r = p.shape
-    m = q.shape[0]
-    if out is None:
-        out = torch.empty(n, m, dtype=torch.result_type(p, q), device=p.device)
-    from vcga.compress import fused
-
-    if n and m and fused.usable(p, q, out) and (k := fused.kernels()) is not None:
-        k[2](p.t().contiguous().numpy(), q.t().contiguous().numpy(), out.numpy())
-        return out
-    return _outer_sum_ops(p, q, out)
-
-
-def _outer_sum_ops(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """:func:`outer_sum` by torch's element-wise operations (the definition of its bits)."""
+    These torch operations define the bits; :func:`vcga.compress.fused.outer_sum` gives the same
+    bits on the host with one compiled loop where a self-check allows it."""
     n, r = p.shape
     m = q.shape[0]
     pt, qt = p.t().contiguous(), q.t().contiguous()  # rows k: contiguous columns of p and q

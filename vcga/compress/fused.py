@@ -2,7 +2,7 @@
 torch-op path.
 
 On the host, :class:`~vcga.compress.ef.ErrorFeedback` and :func:`~vcga.compress.exact.outer_sum`
-are memory-bound chains of element-wise torch operations: a TwoSum is six of them, each one a
+(:func:`outer_sum` here) are memory-bound chains of element-wise torch operations: a TwoSum is six of them, each one a
 pass over its operands (blocked to stay in cache, still ~7 passes per call), and ``P Qᵀ`` at rank
 r is 2r − 1 passes over the decoded matrix. A loop that does an element's whole chain in registers
 reads and writes each tensor once: on a 1024 × 1024 float32 matrix here the error feedback's two
@@ -30,7 +30,10 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["kernels", "usable", "checked", "enabled"]
+from vcga.compress.exact import outer_sum as _outer_sum_ops
+from vcga.compress.exact import two_diff_, two_sum_
+
+__all__ = ["kernels", "usable", "checked", "enabled", "outer_sum", "probe_values"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,10 @@ def _compile() -> Any:
     return ef_input, ef_update, outer_sum
 
 
-def _probe_values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+def probe_values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` that expose a changed rounding: magnitudes 10⁻³⁰..10³⁰ of both signs
+    and, in the first sixteenth, subnormals. A loop's self-check (:func:`checked`) runs it and its
+    torch reference on these and compares every bit."""
     g = torch.Generator().manual_seed(seed)
     mant = torch.randn(n, generator=g, dtype=torch.float64)
     exp = torch.randint(-30, 31, (n,), generator=g).to(torch.float64)
@@ -99,11 +105,9 @@ def _probe_values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 
 def _self_check(ef_input: Any, ef_update: Any, outer: Any) -> str | None:
     """None when the loops give the torch path's bits on probing values, else what differed."""
-    from vcga.compress.exact import _outer_sum_ops, two_diff_, two_sum_
-
     for dtype in (torch.float32, torch.float64):
         n = 4096
-        gv, hv, lv, sv = (_probe_values(dtype, n, s) for s in (1, 2, 3, 4))
+        gv, hv, lv, sv = (probe_values(dtype, n, s) for s in (1, 2, 3, 4))
         lv = lv * 1e-8
         sv[: n // 2] = (gv[: n // 2] * 0.999).to(dtype)  # heavy cancellation in x - sent
         # reference
@@ -126,9 +130,9 @@ def _self_check(ef_input: Any, ef_update: Any, outer: Any) -> str | None:
                                b.view(torch.int64 if dtype == torch.float64 else torch.int32)):
                 return f"error feedback {name} ({dtype})"
         for r in (1, 2, 4, 7):
-            p = _probe_values(dtype, 97 * r, 5 + r).reshape(97, r) * 1e-5
-            q = _probe_values(dtype, 130 * r, 9 + r).reshape(130, r) * 1e-5
-            want = _outer_sum_ops(p, q, None)
+            p = probe_values(dtype, 97 * r, 5 + r).reshape(97, r) * 1e-5
+            q = probe_values(dtype, 130 * r, 9 + r).reshape(130, r) * 1e-5
+            want = _outer_sum_ops(p, q)
             got = torch.empty(97, 130, dtype=dtype)
             outer(p.t().contiguous().numpy(), q.t().contiguous().numpy(), got.numpy())
             same = (got == want) | (torch.isnan(got) & torch.isnan(want))
@@ -189,3 +193,16 @@ def usable(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.device.type == "cpu" and t.dtype == dt and t.is_contiguous() and not t.requires_grad
                and not t.is_neg() for t in tensors)
+
+
+def outer_sum(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`vcga.compress.exact.outer_sum`, with its bits, by one compiled loop where the tensors
+    allow it (host, float32/float64) and the loops passed their self-check; else that function."""
+    n, _ = p.shape
+    m = q.shape[0]
+    if out is None:
+        out = torch.empty(n, m, dtype=torch.result_type(p, q), device=p.device)
+    if n and m and usable(p, q, out) and (k := kernels()) is not None:
+        k[2](p.t().contiguous().numpy(), q.t().contiguous().numpy(), out.numpy())
+        return out
+    return _outer_sum_ops(p, q, out)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vcga.compress.syntax import NONE, split_spec
 from vcga.errors import VcgaConfigError
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ __all__ = ["CompressionSpec", "DRIVER_KEYS", "SCOPES", "WHEN", "parse_spec", "co
 SCOPES = ("bridge", "all")
 #: Policies for ``when``.
 WHEN = ("always", "auto")
-#: What the spec says when nothing is compressed.
-NONE = "none"
 
 
 def _scope(v: str) -> str:
@@ -111,32 +110,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "1" if v else "0"
     return str(v)
-
-
-def split_spec(text: str, source: str = "") -> tuple[str | None, dict[str, str]]:
-    """``"topk:ratio=0.01,scope=all"`` -> ``("topk", {"ratio": "0.01", "scope": "all"})``, syntax only."""
-    if not isinstance(text, str):
-        raise VcgaConfigError("compression", text, "a spec string like 'powersgd:rank=4' or 'none'", source)
-    t = text.strip()
-    if t.lower() in ("", NONE):
-        return None, {}
-    name, _, rest = t.partition(":")
-    name = name.strip().lower()
-    if not name or not name.replace("_", "").replace("-", "").isalnum():
-        raise VcgaConfigError("compression", text, "name[:key=value,...], e.g. powersgd:rank=4, topk:ratio=0.01, "
-                              "qsgd:levels=16, bf16 -- or none", source)
-    pairs: dict[str, str] = {}
-    if rest.strip():
-        for item in rest.split(","):
-            key, eq, value = item.partition("=")
-            key, value = key.strip().lower(), value.strip()
-            if not eq or not key or not value:
-                raise VcgaConfigError("compression", text, f"key=value pairs after '{name}:' (got {item.strip()!r})",
-                                      source)
-            if key in pairs:
-                raise VcgaConfigError("compression", text, f"each key once ({key!r} is given twice)", source)
-            pairs[key] = value
-    return name, pairs
 
 
 def configured_spec() -> CompressionSpec:
