@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints/cpu.txt
 
-.PHONY: test verify venv clean bench
+.PHONY: test verify lint venv clean bench
 
 venv: $(STAMP)
 
@@ -28,6 +28,13 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# ruff (style, bugs, import order) and mypy (types) over the library; settings in pyproject.toml.
+LINTED := vcga plugins formats conformance
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/mypy
 
 verify: $(STAMP)
 	$(VENV)/bin/vcga verify

@@ -26,9 +26,9 @@ from vcga import spawn
 from vcga.contract import CheckResult
 
 from .rank import _worker
+
 # the world's description and group kind live in .world; their names stay importable from here
 from .world import (
-    NATIVE_DIST_BACKEND,
     Event,
     PlannedCheck,
     WorldOutcome,

@@ -9,7 +9,6 @@ from typing import Any
 
 from vcga.contract import CheckResult
 
-
 #: The name the runner registers a backend's native group factory under in torch.distributed.
 NATIVE_DIST_BACKEND = "vcga_native"
 

@@ -216,7 +216,7 @@ class HcclBackend(Backend):
         options._timeout = timeout
         try:
             return pg_class(store, rank, world_size, options)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise VcgaBackendUnavailable(
                 self.name, f"ProcessGroupHCCL(rank={rank}, size={world_size}) failed: {type(e).__name__}: {e}") from e
 

@@ -179,7 +179,7 @@ class MluBackend(Backend):
             raise VcgaBackendUnavailable(self.name, reason)
         try:
             return torch_mlu._MLUC.ProcessGroupCNCL(store, rank, world_size, timeout)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise VcgaBackendUnavailable(
                 self.name, f"ProcessGroupCNCL(rank={rank}, size={world_size}) failed: {type(e).__name__}: {e}") from e
 

@@ -180,7 +180,7 @@ class NcclBackend(Backend):
         options._timeout = timeout
         try:
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
-        except Exception as e:  # noqa: BLE001 - the vendor's error becomes ours, with its text
+        except Exception as e:  # the vendor's error becomes ours, with its text
             raise VcgaBackendUnavailable(
                 self.name, f"ProcessGroupNCCL(rank={rank}, size={world_size}) failed: {type(e).__name__}: {e}") from e
 

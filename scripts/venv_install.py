@@ -1,4 +1,4 @@
-"""Install the project with its test extras into a venv: with uv when it can, with pip otherwise.
+"""Install the project with its test and lint extras into a venv: with uv when it can, with pip otherwise.
 
 Usage (what `make venv` runs): VENV/bin/python scripts/venv_install.py CONSTRAINTS
 
@@ -51,7 +51,7 @@ def parse_pip_config(out: str) -> dict[str, str]:
 def uv_command(constraints: str, settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     uv = str(Path(sys.executable).with_name("uv"))
     cmd = [uv, "pip", "install", "--quiet", "--python", sys.executable, "--index-strategy", "unsafe-best-match",
-           "-c", constraints, "-e", f"{PROJECT}[test]"]
+           "-c", constraints, "-e", f"{PROJECT}[test,lint]"]
     for link in settings.get("find-links", "").split():
         cmd += ["--find-links", link]
     if settings.get("index-url"):
@@ -75,7 +75,7 @@ def main() -> int:
         print(f"venv_install: uv failed ({shlex.join(cmd)}); installing with pip instead", file=sys.stderr)
     else:
         print("venv_install: could not install uv; installing with pip instead", file=sys.stderr)
-    return subprocess.run([*pip, "--no-compile", "-c", constraints, "-e", f"{PROJECT}[test]"]).returncode
+    return subprocess.run([*pip, "--no-compile", "-c", constraints, "-e", f"{PROJECT}[test,lint]"]).returncode
 
 
 if __name__ == "__main__":

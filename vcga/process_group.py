@@ -46,19 +46,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from vcga.pg.collectives import Collectives, _one
+from vcga import pypg
 from vcga.config import Config, load_config
 from vcga.contract import Collective, ReduceOp
-from vcga.pg.debug import FingerprintCheck, fingerprint
-from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.errors import (
     VcgaCollectiveError,
     VcgaError,
     VcgaTimeoutError,
 )
-from vcga import pypg
-from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
+from vcga.pg.collectives import Collectives, _one
+from vcga.pg.debug import FingerprintCheck, fingerprint
+from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
+from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
 
 __all__ = [
     "BACKEND_NAME",
@@ -97,7 +97,7 @@ def _shutdown_at_exit() -> None:
     for pg in list(_OPEN):
         try:
             pg.shutdown()
-        except Exception:  # noqa: BLE001 - at exit: the next group still gets its shutdown
+        except Exception:  # at exit: the next group still gets its shutdown
             log.warning("vcga: shutting down %r at exit failed", pg, exc_info=True)
 
 

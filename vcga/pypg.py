@@ -399,7 +399,7 @@ def run_counted(fn: Callable[[], Any], name: str) -> threading.Thread:
     def run() -> None:
         try:
             box.pop()()
-        except BaseException:  # noqa: BLE001 - teardown is best effort; nobody waits for a result
+        except BaseException:  # teardown is best effort; nobody waits for a result
             log.debug("vcga: %s failed", name, exc_info=True)
         finally:
             _release()

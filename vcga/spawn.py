@@ -183,13 +183,13 @@ def get_context(preload: Sequence[str] = ()) -> mp_context.BaseContext:
     with _lock:
         ours = _server.get("pid") == os.getpid()  # a forked child has no server of its own yet
         modules = (_server["preload"] if ours else set()) | set(preload)
-        running = ours and forkserver._forkserver._forkserver_pid is not None  # noqa: SLF001
+        running = ours and forkserver._forkserver._forkserver_pid is not None
         if running and (_server["env"] != env or modules != _server["preload"]):
             if _ranks_alive():
                 if _server["env"] != env:
                     return mp.get_context("spawn")
                 return _FORKSERVER  # the ranks import what the server lacks
-            forkserver._forkserver._stop()  # noqa: SLF001 - the one way to end multiprocessing's server
+            forkserver._forkserver._stop()  # the one way to end multiprocessing's server
             running = False
         if not running:
             forkserver.set_forkserver_preload([_PRELOAD, *sorted(modules)])

@@ -184,7 +184,7 @@ def import_vendor_module(name: str, install_hint: str) -> tuple[Any | None, str]
         return None, f"module {name} is not installed ({install_hint})"
     try:
         return importlib.import_module(name), ""
-    except BaseException as e:  # noqa: BLE001 - a vendor import may raise anything, even SystemExit
+    except BaseException as e:  # a vendor import may raise anything, even SystemExit
         if isinstance(e, KeyboardInterrupt):
             raise
         return None, f"import {name} failed: {_first_line(e)}"

@@ -17,7 +17,6 @@ from vcga.tensors import check_entry
 
 from ._format import ATTR_PREFIX, DTYPE_ATTR, GROUPS_KEY, NAME, OPAQUE_DTYPES, _h5py, decode_attr
 
-
 # ---------------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def _check_location(loc: RowLocation, pages: Sequence[Any], header: Header, file
         raise bad(f"ROW_GROUP_ID {loc.group} differs from its blob page's group {blob.page_type_id}")
     for kind, page, start, end in (("blob", blob, loc.blob_start, loc.blob_end),
                                    ("raw", pages[loc.raw_page], loc.raw_start, loc.raw_end)):
-        if not (0 <= start and start + 8 <= end <= page.used):
+        if not (start >= 0 and start + 8 <= end <= page.used):
             raise bad(f"{kind} row at [{start}, {end}) lies outside page {page.page_id} ({page.used} bytes used)")
         if header.page_offset(page.page_id) + end > file_size:
             raise bad(f"{kind} row ends beyond the end of the file")

@@ -31,13 +31,13 @@ from typing import Any
 from vcga.contract import FormatSpec, hookimpl
 
 from ._proto import (
+    _FIELD_EXTRA,
+    _FIELD_VALUE,
     CHECKPOINT_PROTO,
     CKPT_DTYPES,
     CRC_MARK,
     CRC_TRAILER,
     DEFAULT_SLICE_SIZE,
-    _FIELD_EXTRA,
-    _FIELD_VALUE,
     _varint,
     message_classes,
     value_prefix,

@@ -17,14 +17,14 @@ from vcga.errors import VcgaChecksumError, VcgaFormatError
 from vcga.formatkit import ReaderContext, pread_exact, unpack_tensor_metadata
 
 from ._proto import (
-    CRC_MARK,
-    CRC_TRAILER,
     _FIELD_EXTRA,
     _FIELD_VALUE,
     _MAX_DIMS,
     _MAX_MESSAGE,
     _MAX_NAME,
     _MAX_PREFIX,
+    CRC_MARK,
+    CRC_TRAILER,
     _dtype_of,
     _varint,
     message_classes,

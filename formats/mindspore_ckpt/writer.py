@@ -15,12 +15,12 @@ from vcga.errors import VcgaConfigError, VcgaConversionError
 from vcga.formatkit import WriterContext, is_unicode, pack_tensor_metadata
 
 from ._proto import (
+    _FIELD_EXTRA,
+    _FIELD_VALUE,
     CKPT_DTYPES,
     CRC_MARK,
     DEFAULT_SLICE_SIZE,
     WRITEBACK_BYTES,
-    _FIELD_EXTRA,
-    _FIELD_VALUE,
     message_classes,
     value_prefix,
 )

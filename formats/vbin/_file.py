@@ -16,6 +16,13 @@ from vcga import dtypes, tensors
 from vcga.errors import VcgaChecksumError, VcgaFormatError
 
 from ._format import (
+    _DOC_KEYS,
+    _DOC_OPTIONAL,
+    _ENTRY_KEYS,
+    _ENTRY_OPTIONAL,
+    _MAX_INDEX,
+    _PREAMBLE,
+    _TRAILER,
     FORMAT_NAME,
     MAGIC,
     MAX_ALIGNMENT,
@@ -25,14 +32,7 @@ from ._format import (
     TRAILER_MAGIC,
     TRAILER_SIZE,
     VERSION,
-    _DOC_KEYS,
-    _DOC_OPTIONAL,
-    _ENTRY_KEYS,
-    _ENTRY_OPTIONAL,
-    _MAX_INDEX,
-    _PREAMBLE,
     _Record,
-    _TRAILER,
     _required_alignment,
 )
 
@@ -231,7 +231,7 @@ class _VbinFile:
         for i, t in enumerate(items):
             if not isinstance(t, dict):
                 raise self._err(f"tensor #{i} is not an object", at, "a JSON object")
-            if not _ENTRY_KEYS <= t.keys():
+            if not t.keys() >= _ENTRY_KEYS:
                 raise self._err(f"tensor #{i} lacks {sorted(_ENTRY_KEYS - t.keys())}", at,
                                 f"keys {sorted(_ENTRY_KEYS)}")
             if strict and t.keys() - allowed:

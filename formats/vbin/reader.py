@@ -18,7 +18,6 @@ from vcga.formatkit import ReaderContext
 from ._file import _map_file, _VbinFile, check_zero_padding
 from ._format import PREAMBLE_SIZE, _Record
 
-
 # Bytes per read of read_in_order: each piece is hashed right after its read, while it is still
 # in the CPU's cache. Measured on a 128 MiB shard (docs/benchmarks.md): warm 3.1 GB/s with 1 MiB
 # against 2.8 with 8 MiB; cold all sizes from 256 KiB to 16 MiB read at the disk's pace.

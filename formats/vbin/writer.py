@@ -20,18 +20,18 @@ from vcga.errors import VcgaChecksumError, VcgaConversionError
 from vcga.formatkit import WriterContext
 
 from ._format import (
+    _PREAMBLE,
+    _TRAILER,
     DEFAULT_ALIGNMENT,
     FORMAT_NAME,
     MAGIC,
     MAX_NDIM,
     TRAILER_MAGIC,
     VERSION,
-    _PREAMBLE,
-    _Record,
-    _TRAILER,
     _check_alignment,
     _check_metadata,
     _check_text,
+    _Record,
     _required_alignment,
     _roundup,
     shard_name,

@@ -60,8 +60,8 @@ from vcga.bench.spec import (
     parse_size,
     sizes,
 )
-from vcga.pg.comm import all_gather_single, reduce_scatter_single
 from vcga.errors import VcgaError
+from vcga.pg.comm import all_gather_single, reduce_scatter_single
 
 __all__ = [
     "OPS",

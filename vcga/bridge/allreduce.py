@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
 from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit, segments
+from vcga.bridge.host import SharedMemoryBridge, combine_rows, combiner
 from vcga.bridge.plan import (
     MODEL_MAX_SEGMENTS,
     MODEL_MIN_SEGMENT_BYTES,
@@ -33,7 +34,6 @@ from vcga.bridge.plan import (
 )
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Dispatcher, Steps
-from vcga.bridge.host import SharedMemoryBridge, combine_rows, combiner
 
 __all__ = ["AllReduceAlgorithms"]
 

@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from vcga.bridge.cost import LinkFigures
 from vcga.bridge.group import BridgeGroup
+from vcga.bridge.host import SharedMemoryBridge, every_rank
 from vcga.bridge.plan import Plan, combined_table, link_classes, make_plan, pipelines
 from vcga.contract import Backend, CapabilityTable
+from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
 from vcga.pg.discovery import Layout, table_from_wire, table_to_wire
 from vcga.pg.dispatch import Dispatcher
-from vcga.errors import VcgaBackendUnavailable, VcgaError, VcgaTimeoutError
-from vcga.bridge.host import SharedMemoryBridge, every_rank
 from vcga.pg.transport import ClosedGroup, NativeTransport, StartupClock, Transport, abort_now, release_later, shut_down
 from vcga.pg.workqueue import WorkQueue
 
@@ -413,7 +413,7 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
         st.set("finished_all", "1")
     try:
         st.wait(["finished_all"], timeout)
-    except Exception as e:  # noqa: BLE001 - DistStoreError on timeout
+    except Exception as e:  # DistStoreError on timeout
         missing = [gr[r] for r in range(plan.size) if not st.check([f"done/{r}"])]
         raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=gr[rank], missing_ranks=missing,
                                detail="mixed-vendor bridge: ranks never reported their native vendor group") from e

@@ -11,8 +11,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Iterator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,12 +19,12 @@ import torch.distributed as dist
 
 from vcga.bridge.allreduce import AllReduceAlgorithms, _bytes, _host, _put
 from vcga.bridge.cost import LinkFigures
+from vcga.bridge.host import SharedMemoryBridge
 from vcga.bridge.plan import ALGORITHMS, AUTO_LARGE, MODEL_MAX_SEGMENTS, Plan
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Dispatcher
-from vcga.bridge.host import SharedMemoryBridge
-from vcga.pypg import PyWork, reduce_op_of
 from vcga.pg.workqueue import Continuation, WorkQueue
+from vcga.pypg import PyWork, reduce_op_of
 
 __all__ = ["BridgeGroup"]
 
@@ -177,7 +176,7 @@ class BridgeGroup(AllReduceAlgorithms):
         #: all_reduces that ran in two stages (tests and benchmarks read it)
         self.pipelined_all_reduces = 0
         #: how often each algorithm ran (tests and benchmarks read it)
-        self.counts = {a: 0 for a in ALGORITHMS}
+        self.counts = dict.fromkeys(ALGORITHMS, 0)
         #: reduce_scatter hierarchically where the bandwidth algorithm would run (see _reduce_scatter);
         #: False: always as an all_reduce of the whole buffer (the same on every rank; benchmarks compare)
         self.hierarchical_reduce_scatter = True

@@ -15,8 +15,8 @@ from typing import Any
 from vcga import dtypes as _dtypes
 from vcga.capabilities import LazyCapabilityTable
 from vcga.contract import Backend, CapabilityTable, Cell, CellKey, Collective, ReduceOp, Support
-from vcga.pg.discovery import table_digest, table_from_wire, table_to_wire  # noqa: F401 - re-exported by vcga.bridge
 from vcga.errors import VcgaConfigError
+from vcga.pg.discovery import table_digest, table_from_wire, table_to_wire  # noqa: F401 - re-exported by vcga.bridge
 
 __all__ = [
     "ALGORITHMS",

@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from vcga.testing import fault
 from vcga.errors import VcgaCheckpointError, VcgaError
+from vcga.testing import fault
 
 from .shard_writer import ShardWriterProcess
 from .staging import _Stager, changed, snapshot, versions
@@ -257,7 +257,7 @@ class _AsyncSaver:
                 if arena is not None and e.nbytes:
                     addr = np.frombuffer(e.data, dtype=np.uint8).ctypes.data
                     offset = addr - arena.base
-                    if 0 <= offset and offset + e.nbytes <= arena.size:
+                    if offset >= 0 and offset + e.nbytes <= arena.size:
                         where = ("arena", arena.id, offset, e.nbytes)
                 items.append((e.name, e.dtype, e.shape, dict(e.metadata), where or ("bytes", bytes(e.data))))
             return proc.write(path, metadata, items)

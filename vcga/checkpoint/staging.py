@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-
 _ALIGN = 64  # each buffer in the arena starts on a cache line (and on every dtype's alignment)
 
 
@@ -37,7 +36,7 @@ class _Arena:
             return None
         nbytes = t.numel() * t.element_size()
         offset = t.data_ptr() - self.base
-        if 0 <= offset and offset + nbytes <= self.size:
+        if offset >= 0 and offset + nbytes <= self.size:
             return offset, nbytes
         return None
 

@@ -54,8 +54,7 @@ def progress_bar(enabled: bool | None) -> Iterator[Callable[[str, int, int, str]
     if enabled is False or (enabled is None and not console.is_terminal):
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     bar = Progress(TextColumn("[bold]{task.fields[phase]}[/bold]"), BarColumn(), DownloadColumn(binary_units=True),
                    TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"),

@@ -57,8 +57,9 @@ def collect(verbose: bool = False) -> dict[str, Any]:
 
 
 def _render(data: dict[str, Any]) -> None:
-    from vcga.cli._common import stdout_console
     from rich.table import Table
+
+    from vcga.cli._common import stdout_console
 
     console = stdout_console()
     console.print(f"[bold]vcga {data['vcga']}[/bold] (python {data['python']})"
@@ -118,10 +119,10 @@ _MARK = {"native": "N", "stated": "E", "derived": "d", "refused": "·"}
 def _render_cells(data: dict[str, Any], only: tuple[str, ...]) -> None:
     """Every backend's table as a grid: one row per collective (and reduce op), one column per dtype.
     N native, E emulated as the plugin stated, d emulation VCGA derived, · refused."""
-    from vcga.cli._common import stdout_console
     from rich.table import Table
 
     from vcga import dtypes as vdt
+    from vcga.cli._common import stdout_console
     from vcga.contract import Collective, ReduceOp
 
     console = stdout_console()

@@ -52,9 +52,8 @@ def inspect(file: str | None, src_format: str | None, verify: bool, as_json: boo
         raise click.UsageError("give a FILE (or --formats)")
     from vcga.convert.inspect import inspect_checkpoint
 
-    with errors_as_one_line():
-        with progress_bar(progress if verify else False) as update:
-            report = inspect_checkpoint(file, src_format=src_format, verify=verify, progress=update)
+    with errors_as_one_line(), progress_bar(progress if verify else False) as update:
+        report = inspect_checkpoint(file, src_format=src_format, verify=verify, progress=update)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

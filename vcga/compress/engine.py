@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vcga.pg.comm import all_gather_single, reduce_scatter_single
-from vcga.contract import Combine, Compressor
 from vcga.compress.exchange import Exchange, mix_seed
 from vcga.compress.layout import Layout
 from vcga.compress.meter import WireMeter
 from vcga.compress.spec import CompressionSpec
 from vcga.compress.topology import Topology, discover_layout
+from vcga.contract import Combine, Compressor
 from vcga.errors import VcgaConfigError
+from vcga.pg.comm import all_gather_single, reduce_scatter_single
 
 __all__ = ["Layout", "Topology", "Exchange", "Reducer", "Pending", "discover_layout", "mix_seed", "create_compressor"]
 

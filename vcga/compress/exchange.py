@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from vcga.pg.comm import all_gather_single
-from vcga.contract import Combine, CompressContext, Compressor, Support
 from vcga.compress.ef import ErrorFeedback, Scratch
 from vcga.compress.layout import chunks, declared_sent
 from vcga.compress.meter import WireMeter
+from vcga.contract import Combine, CompressContext, Compressor, Support
 from vcga.errors import VcgaError
+from vcga.pg.comm import all_gather_single
 
 __all__ = ["Exchange", "mix_seed"]
 

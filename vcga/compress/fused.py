@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 

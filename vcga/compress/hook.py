@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vcga.compress.cost import CompressCost, LinkCost, link_from_transport, measure_compressor, measure_link, should_compress
+from vcga.compress.cost import (
+    CompressCost,
+    LinkCost,
+    link_from_transport,
+    measure_compressor,
+    measure_link,
+    should_compress,
+)
 from vcga.compress.engine import Pending, Reducer
 from vcga.compress.meter import WireMeter, sent_bytes
 from vcga.compress.spec import CompressionSpec, configured_spec, parse_spec
@@ -307,7 +314,7 @@ class CompressionState:
             # exist (resumed on another vendor's chips, or on CPU); each tensor goes to the
             # gradients' device at the next step (ErrorFeedback.input, the compressors' state)
             payload = torch.load(io.BytesIO(bytes(value)), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - whatever the unpickler says, as the reason
+        except Exception as e:  # whatever the unpickler says, as the reason
             raise VcgaCheckpointError(f"the compression state of rank {rank} could not be read: {e}") from e
         if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
             got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__

@@ -40,8 +40,9 @@ from typing import Any
 from vcga import dtypes
 from vcga.atomic import publish_set, remove_stale, temp_name
 from vcga.contract import FormatSpec, TensorEntry
+
 # finding formats lives in vcga.convert.detect; its names stay importable from here
-from vcga.convert.detect import available_formats, detect_source, detect_target, format_by_name
+from vcga.convert.detect import available_formats, detect_source, detect_target
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaDiskFullError, VcgaError, VcgaFormatError
 from vcga.tensors import check_entry, checksum
 

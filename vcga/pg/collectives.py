@@ -18,8 +18,8 @@ import torch
 
 from vcga import dtypes as _dtypes
 from vcga.contract import Collective
-from vcga.pg.dispatch import Steps
 from vcga.errors import VcgaError
+from vcga.pg.dispatch import Steps
 from vcga.pypg import options, reduce_op_of
 
 __all__ = ["Collectives"]

@@ -32,8 +32,8 @@ import torch
 from vcga import dtypes as _dtypes
 from vcga.contract import Cell, Collective, ReduceOp, Support
 from vcga.errors import VcgaUnsupportedError
-from vcga.pypg import options
 from vcga.pg.transport import Transport
+from vcga.pypg import options
 
 __all__ = ["Steps", "Dispatcher", "local_reduce", "MAX_EMULATION_DEPTH"]
 

@@ -35,10 +35,10 @@ from typing import Any
 import pluggy
 
 from vcga import contract
-from vcga.plugin_manager import vetting
 from vcga.config import Config, load_config
 from vcga.contract import Backend, CompressorSpec, ConformanceCheck, FormatSpec, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
+from vcga.plugin_manager import vetting
 
 __all__ = [
     "BUILTIN_PLUGINS",
