@@ -93,13 +93,13 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
         groups[v] = dist.new_group(backend="vcga", pg_options=VcgaOptions(
             config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
         if method is not None:
-            groups[v].transport.group.group_method = method
+            groups[v].transport.group.reducer.group_method = method
         if v == "p2p-ar":
             groups[v].transport.group.hierarchical_reduce_scatter = False
         if v == "p2p-1seg":
-            groups[v].transport.group.max_segments = 1
+            groups[v].transport.group.reducer.max_segments = 1
     auto_plan = groups[variants[1]].transport.plan
-    calibrated = [groups[v].transport.group.calibration for v in variants[1:]]
+    calibrated = [groups[v].transport.group.reducer.calibration for v in variants[1:]]
     measured = next((c for c in calibrated if c is not None), None)  # what "auto" measured at creation
     sync = dist.group.WORLD
     rows = []

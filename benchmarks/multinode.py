@@ -121,7 +121,7 @@ def rank_main(args: argparse.Namespace) -> None:
     segmented = {}
     for m in args.ddp_segments:
         segmented[m] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm="bandwidth")))
-        segmented[m].transport.group.fixed_segments = m
+        segmented[m].transport.group.reducer.fixed_segments = m
     out: dict[str, Any] = {"world": world, "calibration": dist.group.WORLD.transport.describe()["calibration"],
                            "pipeline": dist.group.WORLD.transport.describe()["pipeline"]}
 
@@ -156,8 +156,8 @@ def rank_main(args: argparse.Namespace) -> None:
         for v in variants:
             med[v] = statistics.median(slowest(times[v][1:]))  # the first repetition warms up
             wire[v] = statistics.median(slowest(sent[v][1:]))  # the node that sent most
-        chosen = dist.group.WORLD.transport.group.algorithm(x, _sum())
-        segs = dist.group.WORLD.transport.group._segment_count(mib * MIB) if chosen == "bandwidth" else 1
+        chosen = dist.group.WORLD.transport.group.reducer.algorithm(x, _sum())
+        segs = dist.group.WORLD.transport.group.reducer.segment_count(mib * MIB) if chosen == "bandwidth" else 1
         rows.append({"bytes": mib * MIB, "median_s": med, "auto_chose": chosen, "segments": segs,
                      "node_sent_bytes": wire})
     out["all_reduce"] = rows

@@ -199,11 +199,11 @@ def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]
             config=replace(load_config(), bridge_algorithm=alg, bridge_shm=shm)))
         exchanges[label] = g.transport.describe()["shard_exchange"]
         if method is not None:
-            g.transport.group.group_method = method
-        methods[label] = g.transport.group.group_method
+            g.transport.group.reducer.group_method = method
+        methods[label] = g.transport.group.reducer.group_method
         out["failures"] += numerics(g, check, rank, size, label)
         out["failures"] += reduce_scatters(g, rank, size, label)
-        counts[label] = {**g.transport.group.counts, "hierarchical_rs": g.transport.group.hierarchical_reduce_scatters}
+        counts[label] = {**g.transport.group.reducer.counts, "hierarchical_rs": g.transport.group.hierarchical_reduce_scatters}
         if label == "bandwidth":
             out["calibration"] = g.transport.describe()["calibration"]
     out["counts"] = counts
@@ -261,7 +261,7 @@ def no_device_world(rank: int, size: int, init_method: str, backends: list[str],
     group = dist.group.WORLD.transport.group
     t = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: a size where auto uses the large-message choice
     dist.all_reduce(t)
-    out = {"created_s": created, "calibration": group.calibration, "auto_large": group.auto_large,
+    out = {"created_s": created, "calibration": group.reducer.calibration, "auto_large": group.reducer.auto_large,
            "sum_ok": bool((t == sum(range(1, size + 1))).all())}
     dist.destroy_process_group()
     return out
@@ -322,15 +322,15 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
                        bridge={"leaders": AlphaBeta(5e-4, 1.25e8), "all_sets": AlphaBeta(5e-4, 6.25e7)},
                        classes={}, exchange="gloo", group_size=2, equal_groups=True,
                        min_segment_bytes=256 << 10, max_segments=16)
-    piped.transport.group.apply_figures(slow)
-    out["segments"] = [piped.transport.group._segment_count(n * 4) for n in (300_000, 1 << 20, 5_000_000)]
+    piped.transport.group.reducer.apply_figures(slow)
+    out["segments"] = [piped.transport.group.reducer.segment_count(n * 4) for n in (300_000, 1 << 20, 5_000_000)]
     # the same, pipelined across collectives (bridge_pipeline: on -- every set exchanges through
     # gloo here): a bandwidth all_reduce's in-group all-gather and callbacks run on the queue's
     # second thread, over a second native group, while the next one is reduce-scattered
     across = dist.new_group(backend="vcga", pg_options=VcgaOptions(
         config=replace(load_config(), bridge_algorithm="bandwidth", bridge_shm=False, bridge_pipeline="on")))
-    across.transport.group.apply_figures(slow)
-    across.transport.group.fixed_segments = 3  # every all_reduce in 3 segments (padded, uneven) through both stages
+    across.transport.group.reducer.apply_figures(slow)
+    across.transport.group.reducer.fixed_segments = 3  # every all_reduce in 3 segments (padded, uneven) through both stages
     out["pipeline_flags"] = [g.transport.describe()["pipeline"] for g in (dist.group.WORLD, sync, piped, across)]
     digests = {}
     for label, group in (("async", dist.group.WORLD), ("sync", sync), ("pipelined", piped), ("across", across)):
@@ -384,7 +384,7 @@ def async_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     out["identical_on_every_rank"] = len(set(every)) == 1
     out["queued"] = dist.group.WORLD.transport.group.queue.queued
     out["sync_has_no_queue"] = sync.transport.group.queue is None
-    out["counts"] = dict(dist.group.WORLD.transport.group.counts)
+    out["counts"] = dict(dist.group.WORLD.transport.group.reducer.counts)
 
     # 3.
     short = dist.new_group(backend="vcga", timeout=timedelta(seconds=3))

@@ -23,14 +23,14 @@ def _group(cache: str) -> Any:
 def _state(g: Any, check: Any) -> dict[str, Any]:
     """This rank's figures, their source and choices, one all_reduce's result per algorithm choice,
     and whether every rank holds the same figures (compared over ``check``)."""
-    cal = g.transport.group.calibration
+    cal = g.transport.group.reducer.calibration
     mine = json.dumps(cal["figures"], sort_keys=True)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine, group=check)
     t = torch.full((1 << 20,), float(dist.get_rank() + 1))  # 4 MiB: "auto" asks the figures
-    counts = dict(g.transport.group.counts)
+    counts = dict(g.transport.group.reducer.counts)
     dist.all_reduce(t, group=g)
-    ran = [a for a, n in g.transport.group.counts.items() if n > counts[a]]
+    ran = [a for a, n in g.transport.group.reducer.counts.items() if n > counts[a]]
     return {"source": cal["source"], "choice_4MiB": cal["choice"]["4 MiB"]["algorithm"], "ran": ran,
             "same_on_every_rank": len(set(every)) == 1, "figures": cal["figures"],
             "sum_ok": bool((t == sum(range(1, dist.get_world_size() + 1))).all())}

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pg_world import free_port
 from torch._C._distributed_c10d import _create_work_from_future
 
+from vcga import pypg
 from vcga.config import Config
 from vcga.contract import CapabilityTable, Collective, ReduceOp
-from vcga import pypg
 from vcga.errors import VcgaError, VcgaTimeoutError, VcgaUnsupportedError, typed
 from vcga.pypg import PyWork, completed_work, reduce_op_of, torch_reduce_op
-
-from pg_world import free_port
 
 
 def _work(value=None):
@@ -326,6 +325,7 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
     timeout to end the collective it is in before the groups are shut down and dropped."""
     import weakref
 
+    from vcga.bridge.comms import Communicators
     from vcga.bridge.create import BridgeTransport
     from vcga.bridge.group import BridgeGroup
     from vcga.errors import VcgaCollectiveError
@@ -341,11 +341,10 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
     native, world, queue = _StuckGroup(), _StuckGroup(), Queue()
     world.release.set()
     group = BridgeGroup.__new__(BridgeGroup)
-    # what __init__ sets and the groups' setters and _drop_groups use (no plan is needed here)
-    group._lanes, group._tl, group._choices, group._segment_counts, group.figures = \
-        [None, None], threading.local(), {}, {}, None
-    group.queue, group.inner, group.shard, group.world, group.shm = queue, object(), None, world, None
-    group._lanes[1] = (object(), object(), None)  # a pipelining bridge's second lane (set_lane_b)
+    # what abort and _drop_groups use (no plan is needed here)
+    group.comms = Communicators(object(), None, world, None)
+    group.comms.set_lane_b(object(), object())  # a pipelining bridge's second lane
+    group.queue = queue
     alive = weakref.ref(native)
     t = BridgeTransport.__new__(BridgeTransport)
     t.group, t.backend_name, t.timeout, t._closables = group, "fake", timedelta(seconds=60), [native, world]
@@ -359,7 +358,7 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
     alive().release.set()
     assert pypg._drain_at_exit(30) and alive() is None
     assert len(queue.waits) == 2 and queue.waits[1][0] >= 60 and queue.waits[1][1] != me
-    assert group.inner is None and group.world is None and group._lanes[1] is None
+    assert group.inner is None and group.world is None and not group.comms.two_lanes
 
 
 def test_completed_work() -> None:

@@ -1,5 +1,5 @@
 """The real vendor plugins' capability tables: the facts design.md states, the simulated stand-ins
-(plugins/sim.py) they must equal, and a cited source in every cell. (The walls every plugin keeps
+(plugins/sim/) they must equal, and a cited source in every cell. (The walls every plugin keeps
 are tested in tests/test_walls.py.)
 """
 

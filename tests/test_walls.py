@@ -169,7 +169,8 @@ def test_the_top_level_of_vcga_is_the_public_api():
 @pytest.mark.parametrize(("name", "source", "expected"), [
     ("vcga.plugins.nccl", "def f():\n    from vcga.pg.dispatch import Dispatcher\n", "a core internal, vcga.pg.dispatch"),
     ("vcga.plugins.nccl", "from vcga.plugins import gloo\n", "another plugin, vcga.plugins.gloo"),
-    ("vcga.plugins.sim", "from . import gloo\n", "another plugin, vcga.plugins.gloo"),
+    ("vcga.plugins.mlu", "from . import gloo\n", "another plugin, vcga.plugins.gloo"),
+    ("vcga.plugins.sim.group", "from .. import gloo\n", "another plugin, vcga.plugins.gloo"),
     ("vcga.plugins", "from .gloo import GlooBackend\n", "another plugin, vcga.plugins.gloo"),
     ("vcga.plugins.mlu", "import importlib\nm = importlib.import_module('vcga.bridge')\n", "a core internal, vcga.bridge"),
     ("vcga.formats.hdf5", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",

@@ -16,23 +16,18 @@ Every collective has the configured timeout; a failure or timeout in the native 
 as :class:`~vcga.errors.VcgaTimeoutError` / :class:`~vcga.errors.VcgaCollectiveError` on the rank
 that waited. In debug mode (``VCGA_DEBUG=1``) ranks compare fingerprints first (:mod:`vcga.pg.debug`).
 
-The collectives themselves (reductions, data movement, their argument checks) are in
-:mod:`vcga.pg.collectives`, a mixin of :class:`VcgaProcessGroup`; this module keeps creation, the
-plumbing they run on, point to point, barriers and coalescing.
-
-Hot path: a native cell with contiguous tensors goes straight to the native group, with no store
-traffic and no copies; a synchronous call waits inline (failures become typed errors there) and
-returns an already completed work.
+Each group owns a :class:`~vcga.pg.calls.CallPath` (how a call reaches the library: numbering,
+the hot path, dispatch, typed failures) and a :class:`~vcga.pg.collectives.Collectives` on it
+(reductions, data movement, their argument checks); this module keeps creation, torch's c10d
+methods, point to point, barriers and coalescing.
 """
 
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import logging
 import os
-import re
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -48,17 +43,17 @@ from torch.distributed import distributed_c10d as c10d
 
 from vcga import pypg
 from vcga.config import Config, load_config
-from vcga.contract import Collective, ReduceOp
+from vcga.contract import Collective
 from vcga.errors import (
-    VcgaCollectiveError,
     VcgaError,
     VcgaTimeoutError,
 )
-from vcga.pg.collectives import Collectives, _one
+from vcga.pg.calls import CallPath
+from vcga.pg.collectives import Collectives, one_tensor
 from vcga.pg.debug import FingerprintCheck, fingerprint
 from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
-from vcga.pypg import PyWork, options, reduce_op_of, timeout_given, waited_work
+from vcga.pypg import PyWork, options, timeout_given
 
 __all__ = [
     "BACKEND_NAME",
@@ -110,9 +105,6 @@ def _forget_in_child() -> None:
 pypg._AFTER_DRAIN.append(_shutdown_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-_TIMEOUT_RE = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
-
 
 @dataclass(frozen=True)
 class VcgaOptions:
@@ -249,7 +241,7 @@ class _CheckWork:
         pass
 
 
-class VcgaProcessGroup(Collectives, dist.ProcessGroup):
+class VcgaProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed.ProcessGroup`` that dispatches every collective through a transport.
 
     Created by :func:`create_process_group`; use it through ``torch.distributed`` as any group.
@@ -261,23 +253,20 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._group_name, self._group_desc = group_name, "undefined"
         self.transport = transport
-        self.native = transport.group
         self.config = config
         self.timeout = timeout
-        self._timeout_s = timeout.total_seconds()
         self._backend = transport.backend_name
-        self._d = Dispatcher(transport, rank, size)
-        self._seqs = itertools.count(1)  # next() is atomic under the GIL: DDP issues from autograd threads
         self._store = store
         self._global_ranks = list(global_ranks) or list(range(size))
-        self._debug = FingerprintCheck(dist.PrefixStore("vcga/debug", store), rank, size, timeout) if config.debug else None
+        debug = FingerprintCheck(dist.PrefixStore("vcga/debug", store), rank, size, timeout) if config.debug else None
+        #: how every call reaches the library (numbering, hot path, dispatch, typed failures)
+        self._calls = CallPath(rank, size, transport.group, Dispatcher(transport, rank, size), self._backend,
+                               timeout.total_seconds(), debug)
+        self._collectives = Collectives(self._calls)
         self._mb_store = dist.PrefixStore("vcga/monitored_barrier", store)
         self._mb_round = 0
         self._p2p_sent: dict[int, int] = {}
         self._p2p_recv: dict[int, int] = {}
-        self._coalescing: list[Any] | None = None
-        # collective -> (torch dtype, RedOpType or None) -> native? : the hot path's only lookup
-        self._fast: dict[Collective, dict[tuple[Any, Any], bool]] = {c: {} for c in Collective}
         if log.isEnabledFor(logging.DEBUG):
             log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
         _OPEN.add(self)  # shut down at exit if the script does not (see _shutdown_at_exit)
@@ -323,7 +312,7 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         self.transport.close()
         # The transport dropped its reference; these are the others (the hot path's and the
         # dispatcher's), so the native group's destructor runs now, not at interpreter exit.
-        self.native = self._d.group = self.transport.group
+        self._calls.use_native(self.transport.group)
 
     def abort(self) -> None:
         """``torch.distributed.distributed_c10d._abort_process_group`` (torchft, elastic recovery)
@@ -334,140 +323,132 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         _OPEN.discard(self)
         # Drop the hot path's and the dispatcher's references first: the transport hands its own
         # to the releasing thread, and the last one must go there, not here.
-        self.native = self._d.group = ClosedGroup(self._backend, "aborted")
+        self._calls.use_native(ClosedGroup(self._backend, "aborted"))
         self.transport.abort()
-        self.native = self._d.group = self.transport.group
+        self._calls.use_native(self.transport.group)
 
-    # -- plumbing --------------------------------------------------------------------------------
+    # ===========================================================================================
+    # Collectives (torch's c10d signatures; vcga.pg.collectives implements them)
+    # ===========================================================================================
 
-    def _next(self, name: str, tensors: Any = None, op: ReduceOp | None = None, root: int | None = None) -> int:
-        """The next sequence number; in debug mode, first compare this call's fingerprint
-        (built only then: the hot path pays one counter increment)."""
-        seq = next(self._seqs)
-        if self._debug is not None:
-            self._debug.check(seq, fingerprint(name, tensors, op.value if op is not None else None, root))
-        return seq
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._collectives.allreduce(tensors, opts)
 
-    def _translate(self, e: BaseException, name: str, seq: int | None) -> BaseException:
-        if isinstance(e, VcgaError):
-            return e
-        msg = str(e).strip()
-        first = msg.splitlines()[0] if msg else type(e).__name__
-        if isinstance(e, TimeoutError) or _TIMEOUT_RE.search(msg):
-            return VcgaTimeoutError(name, self._timeout_s, rank=self._rank, seq=seq,
-                                    detail=f"{self._backend}: {first}")
-        where = f"{name}" + (f" (#{seq})" if seq is not None else "")
-        return VcgaCollectiveError(f"{where} failed in the native library: {first}", rank=self._rank,
-                                   backend=self._backend)
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._collectives.allreduce_coalesced(tensors, opts)
 
-    def _fast_native(self, coll: Collective, t: torch.Tensor, red: Any = None) -> bool:
-        """Native cell and nothing to stage: the call can go straight to the library."""
-        key = (t.dtype, red)
-        ok = self._fast[coll].get(key)
-        if ok is None:
-            op = reduce_op_of(red)[0] if red is not None else None
-            ok = self._fast[coll][key] = self._d.is_native(coll, t.dtype, op)
-        return ok and t.is_contiguous()
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._collectives.reduce(tensors, opts)
 
-    def _issue(self, name: str, seq: int | None, build: Any, result: Sequence[torch.Tensor],
-               async_op: bool) -> Any:
-        """Run ``build(steps)`` (which issues the native calls) and wrap what it issued."""
-        steps = Steps()
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        return self._collectives.reduce_scatter(output_tensors, input_tensors, opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        return self._collectives.reduce_scatter_tensor(output, input, opts)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self._collectives.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._collectives.broadcast(tensors, opts)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        return self._collectives.allgather(output_tensors, input_tensors, opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+        return self._collectives.allgather_into_tensor(output, input, opts)
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        return self._collectives.allgather_coalesced(output_lists, input_list, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self._collectives.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> Any:
+        return self._collectives.gather(output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> Any:
+        return self._collectives.scatter(output_tensors, input_tensors, opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+                      input_split_sizes: list[int], opts: Any = None) -> Any:
+        return self._collectives.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._collectives.alltoall(output_tensors, input_tensors, opts)
+
+    @contextmanager
+    def native_replaced(self, group: Any) -> Iterator[None]:
+        """Route every call through ``group`` (wrapping the native group: the wire meter of
+        :mod:`vcga.compress.meter` counts bytes this way) while inside; the native group after."""
+        saved = self._calls.native
+        self._calls.use_native(group)
         try:
-            build(steps)
-        except (VcgaError, ValueError, TypeError):
-            raise  # refusals and argument errors are the caller's to see as they are
-        except Exception as e:
-            raise self._translate(e, name, seq) from e
-        return self._wrap(name, seq, steps, result, async_op)
-
-    def _wrap(self, name: str, seq: int | None, steps: Steps, result: Sequence[torch.Tensor], async_op: bool) -> Any:
-        if len(steps.works) == 1 and not steps.finish and steps.source is None and not async_op:
-            return self._wait_inline(steps.works[0], name, seq)
-        source = steps.source
-        work = PyWork(steps.works, steps.finish, result, translate=partial(self._translate, name=name, seq=seq),
-                      source_rank=(lambda: source._source_rank()) if source is not None else None)
-        if self._coalescing is not None:
-            self._coalescing.append(work)
-        if not async_op:
-            work.wait()
-        return work
-
-    def _wait_inline(self, work: Any, name: str, seq: int | None) -> Any:
-        """Wait for a synchronous call's one native work here (so a failure becomes a typed error)
-        and hand back a completed work (:func:`~vcga.pypg.waited_work`), not the native one:
-        torch's wrappers wait again on what they get, and gloo's reduce_scatter work copies its
-        chunk into the output on every wait (+375 us per call for 8 MiB on one rank, measured).
-        Nothing is left to collect when coalescing: the call is complete."""
-        try:
-            work.wait()
-        except Exception as e:
-            raise self._translate(e, name, seq) from e
-        return waited_work()
-
-    def _wrap_async(self, work: Any, name: str, seq: int | None, result: Sequence[torch.Tensor]) -> Any:
-        """An asynchronous native call's work, wrapped so its failures surface as typed errors."""
-        wrapped = PyWork([work], (), result, translate=partial(self._translate, name=name, seq=seq))
-        if self._coalescing is not None:
-            self._coalescing.append(wrapped)
-        return wrapped
-
-    def _native_call(self, name: str, seq: int, fn: Any, *args: Any, async_op: bool, result: Sequence[torch.Tensor]) -> Any:
-        """The hot path: one native call, no staging."""
-        try:
-            work = fn(*args)
-        except (ValueError, TypeError):
-            raise
-        except Exception as e:
-            raise self._translate(e, name, seq) from e
-        if not async_op:
-            return self._wait_inline(work, name, seq)
-        return self._wrap_async(work, name, seq, result)
+            yield
+        finally:
+            self._calls.use_native(saved)
 
     # ===========================================================================================
     # Point to point
     # ===========================================================================================
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:  # noqa: N803 - torch's names
-        t = _one(tensors, "send")
-        if t.numel() and self._fast_native(Collective.SEND_RECV, t):  # empty messages: see Dispatcher._empty_p2p
-            if self._debug is not None:
+        t = one_tensor(tensors, "send")
+        if t.numel() and self._calls.fast_native(Collective.SEND_RECV, t):  # empty messages: see Dispatcher._empty_p2p
+            if self._calls.debug is not None:
                 self._p2p_fingerprint_send(t, dstRank, tag)
-            return self._native_call("send", None, self.native.send, tensors, dstRank, tag, async_op=True,
+            return self._calls.native_call("send", None, self._calls.native.send, tensors, dstRank, tag, async_op=True,
                                      result=tensors)
         steps = Steps()
         try:
             # A refused dtype raises here, before anything is posted or counted; the receiver's
             # recv refuses the same dtype from the same table, so neither end waits for the other.
-            self._d.send(t, dstRank, tag, steps)
+            self._calls.d.send(t, dstRank, tag, steps)
         except (VcgaError, ValueError, TypeError):
             raise
         except Exception as e:
-            raise self._translate(e, "send", None) from e
-        if self._debug is not None:
+            raise self._calls.translate(e, "send", None) from e
+        if self._calls.debug is not None:
             self._p2p_fingerprint_send(t, dstRank, tag)
-        return self._wrap("send", None, steps, tensors, True)
+        return self._calls.wrap("send", None, steps, tensors, True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:  # noqa: N803
-        t = _one(tensors, "recv")
+        t = one_tensor(tensors, "recv")
         steps = Steps()
         try:
-            self._d.recv(t, srcRank, tag, steps)
+            self._calls.d.recv(t, srcRank, tag, steps)
         except (VcgaError, ValueError, TypeError):
             raise
         except Exception as e:
-            raise self._translate(e, "recv", None) from e
-        if self._debug is not None:
+            raise self._calls.translate(e, "recv", None) from e
+        if self._calls.debug is not None:
             # Checked when the receiver waits, before the data is awaited: a sender never blocks on
             # it (isend/irecv pairs in any order still work), and a mismatched send is named
             # instead of delivering reinterpreted bytes or a library error.
             n = self._p2p_next(self._p2p_recv, srcRank)
             steps.works.insert(0, _CheckWork(partial(self._p2p_fingerprint_recv, t, srcRank, tag, n)))
-        return self._wrap("recv", None, steps, tensors, True)
+        return self._calls.wrap("recv", None, steps, tensors, True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        t = _one(tensors, "recv")
-        return self._issue("recv", None, lambda s: self._d.recv(t, None, tag, s), tensors, True)
+        t = one_tensor(tensors, "recv")
+        return self._calls.issue("recv", None, lambda s: self._calls.d.recv(t, None, tag, s), tensors, True)
 
     @staticmethod
     def _p2p_next(counter: dict[int, int], peer: int) -> int:
@@ -478,13 +459,13 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         n = self._p2p_next(self._p2p_sent, dst)
         fp = fingerprint("send", t)
         fp["tag"] = tag
-        self._debug.store.set(f"p2p/{self._rank}->{dst}/{n}", json.dumps(fp))  # type: ignore[union-attr]
+        self._calls.debug.store.set(f"p2p/{self._rank}->{dst}/{n}", json.dumps(fp))  # type: ignore[union-attr]
 
     def _p2p_fingerprint_recv(self, t: torch.Tensor, src: int, tag: int, n: int) -> None:
         """Debug mode, receiver side: the matching send must carry the same dtype and shape."""
         from vcga.errors import VcgaMismatchError
 
-        store = self._debug.store  # type: ignore[union-attr]
+        store = self._calls.debug.store  # type: ignore[union-attr]
         key = f"p2p/{src}->{self._rank}/{n}"
         store.wait([key], self.timeout)
         sent = json.loads(store.get(key))
@@ -501,8 +482,8 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else options("barrier")
-        seq = self._next("barrier")
-        return self._native_call("barrier", seq, self.native.barrier, opts, async_op=opts.asyncOp, result=[])
+        seq = self._calls.next("barrier")
+        return self._calls.native_call("barrier", seq, self._calls.native.barrier, opts, async_op=opts.asyncOp, result=[])
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.
@@ -513,7 +494,7 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
         and the other ranks raise the same verdict.
         """
         limit = timeout_given(timeout) or self.timeout
-        self._next("monitored_barrier")
+        self._calls.next("monitored_barrier")
         self._mb_round += 1
         n, store = self._mb_round, self._mb_store
         store.set(f"{n}/arrive/{self._rank}", "1")
@@ -561,8 +542,8 @@ class VcgaProcessGroup(Collectives, dist.ProcessGroup):
 
     def start_coalescing(self, device: Any = None) -> None:
         """Collect the works issued until :meth:`end_coalescing` (torch's ``_coalescing_manager``)."""
-        self._coalescing = []
+        self._calls.coalescing = []
 
     def end_coalescing(self, device: Any = None) -> Any:
-        works, self._coalescing = self._coalescing or [], None
-        return PyWork(works, (), [], translate=partial(self._translate, name="coalesced collectives", seq=None))
+        works, self._calls.coalescing = self._calls.coalescing or [], None
+        return PyWork(works, (), [], translate=partial(self._calls.translate, name="coalesced collectives", seq=None))

@@ -1,10 +1,10 @@
 """The all_reduce algorithms of the bridge (leader, bandwidth, replicated) and their choice.
 
-:class:`AllReduceAlgorithms` is the half of :class:`~vcga.bridge.group.BridgeGroup` that reduces:
+:class:`AllReducer` is the half of a :class:`~vcga.bridge.group.BridgeGroup` that reduces:
 the building blocks (a step in the vendor group, a reduction among shard peers on the host), the
 three algorithms, the creation-time measurement of their steps' α–β figures per link class
 (:mod:`vcga.bridge.cost`) and the choice "auto" makes from them. Algorithms and error bounds are in
-``docs/bridge.md``. The attributes it reads are set by ``BridgeGroup.__init__``.
+``docs/bridge.md``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
+from vcga.bridge.comms import Communicators
 from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit, segments
-from vcga.bridge.host import SharedMemoryBridge, combine_rows, combiner
+from vcga.bridge.host import as_bytes, combine_rows, combiner, on_host, put_back
 from vcga.bridge.plan import (
+    ALGORITHMS,
+    AUTO_LARGE,
     MODEL_MAX_SEGMENTS,
     MODEL_MIN_SEGMENT_BYTES,
     PIPELINE_MAX_SEGMENTS,
@@ -33,9 +36,9 @@ from vcga.bridge.plan import (
     size_name,
 )
 from vcga.contract import CapabilityTable, ReduceOp
-from vcga.pg.dispatch import Dispatcher, Steps
+from vcga.pg.dispatch import Steps
 
-__all__ = ["AllReduceAlgorithms"]
+__all__ = ["AllReducer"]
 
 log = logging.getLogger("vcga.bridge")
 
@@ -48,84 +51,90 @@ def _run(steps: Steps) -> None:
         f()
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous host tensor ``t`` as a 1-D uint8 tensor (no copy)."""
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host, contiguous (itself when it already is)."""
-    if t.device.type != "cpu":
-        return t.detach().to("cpu", memory_format=torch.contiguous_format)
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _put(t: torch.Tensor, h: torch.Tensor) -> None:
-    if h is not t:
-        t.copy_(h.view(t.shape) if h.shape != t.shape else h)
-
-
 #: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
 _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
                  for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
 
 
-class AllReduceAlgorithms:
-    """All-reduce by the plan's algorithms, and choose among them (mixed into ``BridgeGroup``)."""
+class AllReducer:
+    """All-reduce by the plan's algorithms, and choose among them (the reducing half of a
+    :class:`~vcga.bridge.group.BridgeGroup`, which owns one).
 
-    plan: Plan
-    rank: int
-    vgroup: VendorGroup
-    local_rank: int
-    inner: Dispatcher | None
-    shard: Any
-    world: Any
-    shm: SharedMemoryBridge | None
-    tables: list[CapabilityTable]
-    _routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]]
-    counts: dict[str, int]
-    group_method: str
-    max_segments: int
-    fixed_segments: int | None
-    _segment_counts: dict[int, int]
-    _padded: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    auto_large: str
-    figures: LinkFigures | None
-    _choices: dict[int, str]
-    link_classes: dict[str, str]
-    calibration: dict[str, Any] | None
-    _debug: bool
-    #: choose by the per-all_reduce cost of a pipelined stream (the group pipelines across collectives)
-    stream_choice: bool
+    :param plan: the plan (same on every rank).
+    :param rank: this rank in the ``vcga`` group.
+    :param comms: the communicators it runs on, shared with its group (per lane).
+    :param tables: every vendor group's capability table, in plan order.
+    """
+
+    def __init__(self, plan: Plan, rank: int, comms: Communicators, tables: Sequence[CapabilityTable]) -> None:
+        self.plan, self.rank, self.comms = plan, rank, comms
+        self.tables = list(tables)
+        self.vgroup: VendorGroup = plan.group_of(rank)
+        self.local_rank = self.vgroup.ranks.index(rank)
+        self._routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]] = {}
+        #: how often each algorithm ran (tests and benchmarks read it)
+        self.counts = dict.fromkeys(ALGORITHMS, 0)
+        #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
+        #: "collective" (the library's reduce_scatter / all_gather) or "p2p" (rings over its
+        #: send/recv). Chosen per vendor group by measured cost (:meth:`measure_links`); every rank of
+        #: a vendor group must hold the same value (other groups may differ).
+        self.group_method = "collective"
+        #: pipeline segments at most (1: no pipelining); the same on every rank of the group
+        self.max_segments = MODEL_MAX_SEGMENTS
+        #: every pipelined all_reduce in exactly this many segments instead of the figures' choice
+        #: (benchmarks compare; None: chosen); the same on every rank of the group
+        self.fixed_segments: int | None = None
+        self._segment_counts: dict[int, int] = {}
+        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
+        #: what "auto" runs from BANDWIDTH_MIN_BYTES on when nothing was measured (the plan's rule)
+        self.auto_large = AUTO_LARGE
+        #: the α–β figures "auto" chooses from (:meth:`measure_links`; None: not measured)
+        self.figures: LinkFigures | None = None
+        self._choices: dict[int, str] = {}
+        #: the link class of each kind of step this rank's plan uses (set at creation)
+        self.link_classes: dict[str, str] = {}
+        #: the figures, their classes and the choice per size, for describe() (None: not measured)
+        self.calibration: dict[str, Any] | None = None
+        #: choose by the per-all_reduce cost of a pipelined stream (the group pipelines across collectives)
+        self.stream_choice = False
+        self._debug = log.isEnabledFor(logging.DEBUG)
+
+    def pipeline_across_collectives(self, on: bool) -> None:
+        """Choose for a pipelined stream of all_reduces (the group has a second lane) or not: the
+        choices are made again, by the new measure."""
+        self.stream_choice = on
+        self._choices.clear()
+        self._segment_counts.clear()
+        if self.figures is not None:
+            self.apply_figures(self.figures)  # describe()'s choice table, by the new measure
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def _in_group(self, issue: Callable[[Steps], None]) -> None:
-        if self.inner is not None:
+    def in_group(self, issue: Callable[[Steps], None]) -> None:
+        if self.comms.inner is not None:
             s = Steps()
             issue(s)
             _run(s)
 
-    def _bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
+    def bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
         peers = len(self.plan.shard_peers(self.local_rank))
-        h = _host(t)
-        if self.shm is not None:
+        h = on_host(t)
+        if self.comms.shm is not None:
             # Same node: through the shared segment, every dtype and op (combine_rows in peer order).
-            self.shm.all_reduce(h, op)
+            self.comms.shm.all_reduce(h, op)
         elif peers > 1 and (h.dtype, op) in _GLOO_REDUCES:
             # gloo's ring reduces each segment once and copies it to every peer: identical bits everywhere,
             # summation depth <= peers - 1 (the bound of docs/bridge.md), and no gathered copy.
             o = dist.AllreduceOptions()
             o.reduceOp = getattr(dist.ReduceOp, op.value)
-            self.shard.allreduce([h], o).wait()
+            self.comms.shard.allreduce([h], o).wait()
         elif peers > 1:
-            src = _bytes(h)
+            src = as_bytes(h)
             rows = torch.empty(peers * src.numel(), dtype=torch.uint8)
-            self.shard._allgather_base(rows, src).wait()
+            self.comms.shard._allgather_base(rows, src).wait()
             combine_rows(rows.view(peers, -1).view(h.dtype), op, h.reshape(-1))
-        _put(t, h)
+        put_back(t, h)
 
     def routes(self, dtype: torch.dtype, op: ReduceOp) -> tuple[str | None, ...]:
         """:func:`group_route` of every vendor group for one reduction (same on every rank)."""
@@ -138,7 +147,7 @@ class AllReduceAlgorithms:
 
     def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
         """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
-        alg = self._auto(t.numel() * t.element_size())
+        alg = self.auto_choice(t.numel() * t.element_size())
         if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
             alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
         return alg
@@ -165,38 +174,38 @@ class AllReduceAlgorithms:
     def _all_reduce_leader(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce to the leader in the vendor group, reduce among leaders on the host, broadcast back."""
         if self.routes(t.dtype, op)[self.vgroup.index] == "library":
-            self._in_group(lambda s: self.inner.reduce(t, 0, op, None, None, s))  # type: ignore[union-attr]
-        elif self.inner is not None:
+            self.in_group(lambda s: self.comms.inner.reduce(t, 0, op, None, None, s))  # type: ignore[union-attr]
+        elif self.comms.inner is not None:
             # The library cannot reduce this dtype: gather the raw bytes, reduce on the host in the dtype.
             rows = torch.empty((self.vgroup.size, *t.shape), dtype=t.dtype, device=t.device)
-            self._in_group(lambda s: self.inner.gather(  # type: ignore[union-attr]
+            self.in_group(lambda s: self.comms.inner.gather(  # type: ignore[union-attr]
                 list(rows.unbind(0)) if self.local_rank == 0 else [], t, 0, None, s))
             if self.local_rank == 0:
-                h = _host(t)
-                combine_rows(_host(rows).view(self.vgroup.size, -1), op, h.reshape(-1))
-                _put(t, h)
+                h = on_host(t)
+                combine_rows(on_host(rows).view(self.vgroup.size, -1), op, h.reshape(-1))
+                put_back(t, h)
         if self.local_rank == 0:
-            self._bridge_reduce(t, op)
-        self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+            self.bridge_reduce(t, op)
+        self.in_group(lambda s: self.comms.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
 
     def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The pipeline segments of a bandwidth all_reduce: a function of the size and of the figures
         every rank holds, so every vendor group cuts the same boundaries (shard peers must bridge
         the same elements)."""
         n = flat.numel()
-        count = max(1, min(self.max_segments, self._segment_count(n * flat.element_size()), n))
+        count = max(1, min(self.max_segments, self.segment_count(n * flat.element_size()), n))
         edges = [n * j // count for j in range(count + 1)]
         return [flat[edges[j]:edges[j + 1]] for j in range(count)]
 
     def _bridge_start(self, t: torch.Tensor, op: ReduceOp) -> Any:
         """Start reducing ``t`` across the shard peers; a work to wait for, or None when done already
         (dtypes gloo does not reduce, device tensors, and shared memory go the synchronous way)."""
-        if (self.shm is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
+        if (self.comms.shm is None and (t.dtype, op) in _GLOO_REDUCES and t.device.type == "cpu"
                 and len(self.plan.shard_peers(self.local_rank)) > 1):
             o = dist.AllreduceOptions()
             o.reduceOp = getattr(dist.ReduceOp, op.value)
-            return self.shard.allreduce([t], o)
-        self._bridge_reduce(t, op)
+            return self.comms.shard.allreduce([t], o)
+        self.bridge_reduce(t, op)
         return None
 
     def _all_reduce_bandwidth(self, t: torch.Tensor, op: ReduceOp, method: str | None = None,
@@ -210,7 +219,7 @@ class AllReduceAlgorithms:
         the previous all-gathered.
         """
         use_p2p = (method or self.group_method) == "p2p"
-        step = self._segment_p2p if use_p2p else self._segment_collective
+        step = self.segment_p2p if use_p2p else self._segment_collective
         pending: tuple[Any, torch.Tensor] | None = None
         for seg in self._segments(t.view(-1)):
             mine = step(seg, op, "reduce_scatter")
@@ -225,14 +234,14 @@ class AllReduceAlgorithms:
                 pending[0].wait()
             step(pending[1], op, "all_gather")
 
-    def _all_reduce_bandwidth_started(self, t: torch.Tensor, op: ReduceOp) -> Callable[[], None]:
+    def bandwidth_started(self, t: torch.Tensor, op: ReduceOp) -> Callable[[], None]:
         """The first stage of a pipelined bandwidth all_reduce (``BridgeGroup.allreduce``): every
         segment reduce-scattered in the vendor group and its exchange among the shard peers
         started, on this thread's lane. Returns the second stage -- wait for each exchange and
         all-gather its segment, in segment order -- which the caller runs on lane 1. The same steps
         on the same data as :meth:`_all_reduce_bandwidth`, each communicator's in the same order:
         the same bits."""
-        step = self._segment_p2p if self.group_method == "p2p" else self._segment_collective
+        step = self.segment_p2p if self.group_method == "p2p" else self._segment_collective
         started: list[tuple[Any, torch.Tensor]] = []
         for seg in self._segments(t.view(-1)):
             mine = step(seg, op, "reduce_scatter")
@@ -255,17 +264,17 @@ class AllReduceAlgorithms:
             buf = seg if c * k == n else torch.cat([seg, seg.new_zeros(c * k - n)])
             chunks = list(buf.view(k, c).unbind(0))
             shard = torch.empty(c, dtype=seg.dtype, device=seg.device)
-            self._in_group(lambda s: self.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
+            self.in_group(lambda s: self.comms.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
             self._padded[seg.data_ptr()] = (buf, shard)
             return shard[:max(0, min(c, n - i * c))]  # the padding is not bridged
         buf, shard = self._padded.pop(seg.data_ptr())
         chunks = list(buf.view(k, c).unbind(0))
-        self._in_group(lambda s: self.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
+        self.in_group(lambda s: self.comms.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
         if buf is not seg:
             seg.copy_(buf[:n])
         return shard
 
-    def _segment_p2p(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
+    def segment_p2p(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
         """One phase of one segment as a ring over the vendor library's own send/recv, in place on
         ``seg`` (no padding, no staging copy); returns this rank's chunk.
 
@@ -283,7 +292,7 @@ class AllReduceAlgorithms:
             return seg[min(j * c, n):min((j + 1) * c, n)]
 
         nxt, prv = (i + 1) % k, (i - 1) % k
-        inner = self.inner
+        inner = self.comms.inner
         assert inner is not None
 
         def swap(out_t: torch.Tensor, in_t: torch.Tensor, tag: int) -> None:
@@ -313,8 +322,8 @@ class AllReduceAlgorithms:
         """All-reduce in the vendor group; then every rank reduces the group's result with its shard
         peers, all shard groups at once. Each vendor group's partial is the same bits on all its
         ranks, so every shard group reduces the same inputs in the same order: the same result."""
-        self._in_group(lambda s: self.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
-        self._bridge_reduce(t, op)
+        self.in_group(lambda s: self.comms.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
+        self.bridge_reduce(t, op)
 
     def measure_links(self, device: torch.device, reps: int = 3) -> LinkFigures:
         """Measure, once at creation, the α–β figures of every step the algorithms take here
@@ -335,27 +344,27 @@ class AllReduceAlgorithms:
         (a MAX all-reduce of one table over the whole group), so the fits and every choice made from them agree on every rank. Needs equal vendor
         groups of size >= 2 (the only shape on which there is a choice).
         """
-        inner = self.inner
+        inner = self.comms.inner
         assert inner is not None and self.plan.equal_groups
         groups = self.plan.groups
         kinds = GROUP_KINDS + BRIDGE_KINDS
         xs = {n: torch.ones(max(n // 4, 1), dtype=torch.float32, device=device) for n in SIZES}
         steps: dict[str, Callable[[torch.Tensor], None]] = {
-            "reduce_bcast": lambda x: self._in_group(lambda s: (inner.reduce(x, 0, ReduceOp.SUM, None, None, s),
+            "reduce_bcast": lambda x: self.in_group(lambda s: (inner.reduce(x, 0, ReduceOp.SUM, None, None, s),
                                                                  inner.broadcast(x, 0, None, s))),
-            "all_reduce": lambda x: self._in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
+            "all_reduce": lambda x: self.in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
             "rsag_collective": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
             "rsag_p2p": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
-            "leaders": lambda x: self._bridge_reduce(x, ReduceOp.SUM) if self.local_rank == 0 else None,
-            "all_sets": lambda x: self._bridge_reduce(x, ReduceOp.SUM),
+            "leaders": lambda x: self.bridge_reduce(x, ReduceOp.SUM) if self.local_rank == 0 else None,
+            "all_sets": lambda x: self.bridge_reduce(x, ReduceOp.SUM),
         }
 
         def timed(step: Callable[[], None], closing: bool) -> float:
-            self.world.barrier().wait()
+            self.comms.world.barrier().wait()
             t0 = time.perf_counter()
             step()
             if closing:
-                self.world.barrier().wait()
+                self.comms.world.barrier().wait()
             return time.perf_counter() - t0
 
         # "all_sets" is timed until a barrier after it: its sets are independent collectives, and a
@@ -384,10 +393,10 @@ class AllReduceAlgorithms:
         table = torch.zeros(reps, g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
         table[:, self.vgroup.index, :k_n] = took[:, :k_n]
         table[:, g_n, k_n:len(kinds)] = took[:, k_n:]
-        table[:, g_n, len(kinds)] = 0.0 if self.shm is not None else 1.0
+        table[:, g_n, len(kinds)] = 0.0 if self.comms.shm is not None else 1.0
         o = dist.AllreduceOptions()
         o.reduceOp = dist.ReduceOp.MAX
-        self.world.allreduce([table], o).wait()
+        self.comms.world.allreduce([table], o).wait()
         table = table.amin(dim=0)
         t = table.tolist()
         fig = LinkFigures(
@@ -417,7 +426,7 @@ class AllReduceAlgorithms:
                             "choice": table}
         log.debug("vcga bridge link figures (rank %d): %s", self.rank, json.dumps(self.calibration))
 
-    def _segment_count(self, nbytes: int) -> int:
+    def segment_count(self, nbytes: int) -> int:
         """Pipeline segments of a bandwidth all_reduce of ``nbytes``: what the figures predict fastest
         (:func:`~vcga.bridge.cost.segments`), or without figures one per 8 MiB (at most 8), or
         :attr:`fixed_segments` where set."""
@@ -432,7 +441,7 @@ class AllReduceAlgorithms:
             m = self._segment_counts[nbytes] = segments(self.figures, nbytes)
         return m
 
-    def _auto(self, nbytes: int) -> str:
+    def auto_choice(self, nbytes: int) -> str:
         """What "auto" runs for ``nbytes`` on equal groups: the figures' cheapest prediction, or
         without figures the plan's size rule."""
         if self.figures is None or self.plan.algorithm != "auto":

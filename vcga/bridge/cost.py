@@ -5,7 +5,7 @@ it for a layout from saved figures, and a cache can store the figures as JSON.
 Each step an algorithm takes costs ``α + bytes / β`` (Hockney's model: α the fixed cost of a step --
 latency, synchronisation, a thread switch -- and β the bandwidth the step moves bytes at). The
 figures are measured at group creation on the steps themselves, as the algorithms run them
-(:meth:`vcga.bridge.allreduce.AllReduceAlgorithms.measure_links`), at two sizes each, slowest rank counting:
+(:meth:`vcga.bridge.allreduce.AllReducer.measure_links`), at two sizes each, slowest rank counting:
 
 - in each vendor group (link class *in-vendor*): the library's reduce + broadcast (what the leader
   algorithm runs in the group), its all-reduce (replicated), and its reduce-scatter + all-gather

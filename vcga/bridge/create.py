@@ -58,7 +58,7 @@ class BridgeTransport(Transport):
             names = self.layout.node_names()
             for g in d["plan"]["groups"]:
                 g["nodes"] = [names[n] if isinstance(n, int) and n < len(names) else n for n in g["nodes"]]
-        d["calibration"] = self.group.calibration
+        d["calibration"] = self.group.reducer.calibration
         d["shard_exchange"] = self.group.shard_exchange
         d["pipeline"] = self.group.pipelined
         return d
@@ -99,8 +99,7 @@ class BridgeTransport(Transport):
 def _drop_groups(group: Any) -> None:
     """Drop a closed bridge's references to its native groups (their destructors join their threads)."""
     if isinstance(group, BridgeGroup):
-        group.inner = group.shard = group.world = group.shm = None
-        group.set_lane_b(None, None)
+        group.comms.drop()
 
 
 def _wait(store: Any, keys: list[str], timeout: timedelta, what: str, rank: int, owners: Sequence[int]) -> None:
@@ -198,7 +197,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     group = BridgeGroup(plan, rank, inner, shard, world, tables, shm)
     if piped and native2 is not None:
         group.set_lane_b(Dispatcher(NativeTransport(backend, native2), local, me.size), shard2)
-    group.link_classes = link_classes(plan, peers)
+    group.reducer.link_classes = link_classes(plan, peers)
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if calibrate:
         with clock.phase("calibration"):
@@ -257,16 +256,16 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
     Rank 0 decided (:func:`_publish_figures`) and every rank does what it decided (``decided``:
     what rank 0 published). Figures found: every rank applies rank 0's (its own cache is never
     read, so ranks with other caches still agree). Otherwise the group measures
-    (:meth:`BridgeGroup.measure_links`, over the whole group) and rank 0 stores the result. Without
+    (:meth:`~vcga.bridge.allreduce.AllReducer.measure_links`, over the whole group) and rank 0 stores the result. Without
     a cache hit, a rank that cannot name its device makes every rank skip the measurement: "auto"
     then keeps the plan's rule."""
     from vcga.bridge import figcache
 
     rank = group.rank
     if "figures" in decided:
-        group.apply_figures(LinkFigures.from_json(decided["figures"]))
-        assert group.calibration is not None
-        group.calibration["source"] = "cache"
+        group.reducer.apply_figures(LinkFigures.from_json(decided["figures"]))
+        assert group.reducer.calibration is not None
+        group.reducer.calibration["source"] = "cache"
         return
     try:
         device = backend.accelerator().device()
@@ -277,9 +276,9 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
     # The measurement is collective: run it only if every rank can (else ranks that can would
     # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
     if every_rank(group.world, device is not None):
-        fig = group.measure_links(device)
-        assert group.calibration is not None
-        group.calibration["source"] = "measured"
+        fig = group.reducer.measure_links(device)
+        assert group.reducer.calibration is not None
+        group.reducer.calibration["source"] = "measured"
         if rank == 0 and directory is not None and topo is not None:
             path = figcache.store(directory, topo, fig)
             log.debug("vcga bridge: link figures stored in %s", path)

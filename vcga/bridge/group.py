@@ -7,20 +7,18 @@ and their error bounds are in ``docs/bridge.md``, the overview in :mod:`vcga.bri
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vcga.bridge.allreduce import AllReduceAlgorithms, _bytes, _host, _put
-from vcga.bridge.cost import LinkFigures
-from vcga.bridge.host import SharedMemoryBridge
-from vcga.bridge.plan import ALGORITHMS, AUTO_LARGE, MODEL_MAX_SEGMENTS, Plan
+from vcga.bridge.allreduce import AllReducer
+from vcga.bridge.comms import Communicators
+from vcga.bridge.host import SharedMemoryBridge, as_bytes, on_host, put_back
+from vcga.bridge.plan import Plan
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Dispatcher
 from vcga.pg.workqueue import Continuation, WorkQueue
@@ -101,20 +99,6 @@ def _op_of(opts: Any) -> ReduceOp:
     return reduce_op_of(opts.reduceOp)[0] if opts is not None else ReduceOp.SUM
 
 
-class _LaneMember:
-    """One communicator of a :class:`BridgeGroup`'s lanes (``_lanes``): read, that of the lane the
-    calling thread uses; set, lane 0's (the second lane is given whole, by ``set_lane_b``)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __get__(self, group: Any, owner: type | None = None) -> Any:
-        return self if group is None else group._lane()[self.index]
-
-    def __set__(self, group: Any, value: Any) -> None:
-        group._set(self.index, value)
-
-
 def _first(*args: Any) -> Sequence[torch.Tensor]:
     return args[0]
 
@@ -140,14 +124,15 @@ def _nothing(*args: Any) -> Sequence[torch.Tensor]:
 # ===================================================================================================
 
 
-class BridgeGroup(AllReduceAlgorithms):
+class BridgeGroup:
     """The hierarchical collectives, with the c10d methods of :data:`vcga.pg.transport.TRANSPORT_METHODS`.
 
     Each collective goes on the group's :class:`~vcga.pg.workqueue.WorkQueue` (:attr:`queue`) and
     returns at once with a work its communication thread completes, in issue order (``asyncOp``
     false: it completes before returning); with no queue (``bridge_async: false``) each runs to
     completion in the calling thread. Point-to-point returns gloo's own asynchronous work. Tensors
-    arrive contiguous, in dtypes and ops the combined table calls native.
+    arrive contiguous, in dtypes and ops the combined table calls native. All-reduces, and the
+    choice among their algorithms, are its :attr:`reducer`'s.
 
     :param plan: the plan (same on every rank).
     :param rank: this rank in the ``vcga`` group.
@@ -162,106 +147,65 @@ class BridgeGroup(AllReduceAlgorithms):
                  tables: Sequence[CapabilityTable], shm: SharedMemoryBridge | None = None) -> None:
         self.plan, self.rank, self.size = plan, rank, plan.size
         self.tables = list(tables)
-        self._routes: dict[tuple[torch.dtype, ReduceOp], tuple[str | None, ...]] = {}
         self.vgroup = plan.group_of(rank)
         self.local_rank = self.vgroup.ranks.index(rank)
-        self.world = world
-        # The communicators of each lane: (vendor-group dispatcher, shard peers' gloo group, shared
-        # segment). Lane 0 runs everything, except the second stage of pipelined all_reduces and
-        # what runs on the queue's second thread: lane 1 (set_lane_b; None: nothing is pipelined).
-        self._lanes: list[tuple[Any, Any, Any] | None] = [(inner, shard, shm), None]
-        #: "auto" chooses by the cost per all_reduce of a pipelined stream (set with lane 1)
-        self.stream_choice = False
-        self._tl = threading.local()  # .lane: the lane this thread uses now (0 when unset)
+        #: the communicators, per lane: lane 0 runs everything, except the second stage of pipelined
+        #: all_reduces and what runs on the queue's second thread (lane 1, :meth:`set_lane_b`)
+        self.comms = Communicators(inner, shard, world, shm)
+        #: the all_reduce algorithms and their choice
+        self.reducer = AllReducer(plan, rank, self.comms, tables)
         #: all_reduces that ran in two stages (tests and benchmarks read it)
         self.pipelined_all_reduces = 0
-        #: how often each algorithm ran (tests and benchmarks read it)
-        self.counts = dict.fromkeys(ALGORITHMS, 0)
         #: reduce_scatter hierarchically where the bandwidth algorithm would run (see _reduce_scatter);
         #: False: always as an all_reduce of the whole buffer (the same on every rank; benchmarks compare)
         self.hierarchical_reduce_scatter = True
         #: reduce_scatters that ran hierarchically (the rest ran as an all_reduce, see _reduce_scatter)
         self.hierarchical_reduce_scatters = 0
-        #: how the bandwidth algorithm reduce-scatters and all-gathers inside this vendor group:
-        #: "collective" (the library's reduce_scatter / all_gather) or "p2p" (rings over its
-        #: send/recv). Chosen per vendor group by measured cost (:meth:`measure_links`); every rank of
-        #: a vendor group must hold the same value (other groups may differ).
-        self.group_method = "collective"
-        #: pipeline segments at most (1: no pipelining); the same on every rank of the group
-        self.max_segments = MODEL_MAX_SEGMENTS
-        #: every pipelined all_reduce in exactly this many segments instead of the figures' choice
-        #: (benchmarks compare; None: chosen); the same on every rank of the group
-        self.fixed_segments: int | None = None
-        self._segment_counts: dict[int, int] = {}
-        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> (padded copy, shard)
-        #: what "auto" runs from BANDWIDTH_MIN_BYTES on when nothing was measured (the plan's rule)
-        self.auto_large = AUTO_LARGE
-        #: the α–β figures "auto" chooses from (:meth:`measure_links`; None: not measured)
-        self.figures: LinkFigures | None = None
-        self._choices: dict[int, str] = {}
-        #: the link class of each kind of step this rank's plan uses (set at creation)
-        self.link_classes: dict[str, str] = {}
-        #: the figures, their classes and the choice per size, for describe() (None: not measured)
-        self.calibration: dict[str, Any] | None = None
-        self._debug = log.isEnabledFor(logging.DEBUG)
         #: the ordered queue and communication thread of asynchronous collectives (None: every
         #: collective runs in the calling thread); set at creation
         self.queue: WorkQueue | None = None
 
     # -- lanes: communicators per pipeline stage ------------------------------------------------
 
-    def _lane(self) -> tuple[Any, Any, Any]:
-        lane = self._lanes[getattr(self._tl, "lane", 0)]
-        assert lane is not None
-        return lane
+    @property
+    def inner(self) -> Dispatcher | None:
+        return self.comms.inner
 
-    #: the vendor group's dispatcher (Dispatcher | None), the shard peers' gloo group, the shared
-    #: segment (SharedMemoryBridge | None): of the lane this thread uses; set on lane 0
-    inner = _LaneMember(0)
-    shard = _LaneMember(1)
-    shm = _LaneMember(2)
+    @property
+    def shard(self) -> Any:
+        return self.comms.shard
 
-    def _set(self, i: int, value: Any) -> None:
-        lane = list(self._lanes[0] or (None, None, None))
-        lane[i] = value
-        self._lanes[0] = (lane[0], lane[1], lane[2])
+    @property
+    def shm(self) -> SharedMemoryBridge | None:
+        return self.comms.shm
+
+    @property
+    def world(self) -> Any:
+        return self.comms.world
 
     def set_lane_b(self, inner: Dispatcher | None, shard: Any) -> None:
         """Give the group its second lane -- a second native group of this rank's vendor group and a
         second gloo group of its shard peers -- and so pipeline its bandwidth all_reduces (the same
         on every rank of the group; None drops it). Only where every set of shard peers exchanges
         through gloo: lane 1 has no shared segment."""
-        self._lanes[1] = (inner, shard, None) if inner is not None else None
-        self.stream_choice = self._lanes[1] is not None
-        self._choices.clear()
-        self._segment_counts.clear()
-        if self.figures is not None:
-            self.apply_figures(self.figures)  # describe()'s choice table, by the new measure
+        self.comms.set_lane_b(inner, shard)
+        self.reducer.pipeline_across_collectives(self.comms.two_lanes)
+
+    def enter_lane_b(self) -> None:
+        """Make this thread use lane 1 (the queue's second thread calls it when it starts)."""
+        self.comms.enter_lane_b()
 
     @property
     def pipelined(self) -> bool:
         """Whether consecutive bandwidth all_reduces run pipelined (:meth:`pipelinable`)."""
-        return self._lanes[1] is not None and self.queue is not None
-
-    def enter_lane_b(self) -> None:
-        """Make this thread use lane 1 (the queue's second thread calls it when it starts)."""
-        self._tl.lane = 1
-
-    @contextlib.contextmanager
-    def _on_lane_b(self) -> Iterator[None]:
-        was = getattr(self._tl, "lane", 0)
-        self._tl.lane = 1
-        try:
-            yield
-        finally:
-            self._tl.lane = was
+        return self.comms.two_lanes and self.queue is not None
 
     def pipelinable(self, t: torch.Tensor, op: ReduceOp) -> bool:
         """Whether an all_reduce of ``t`` runs in two stages (docs/bridge.md, 'Pipelining across
         collectives'): the group pipelines and ``t`` goes the bandwidth way. The same on every rank
         (the algorithm is), so each lane's communicators see the same operations in the same order
         everywhere."""
-        return self.pipelined and t.numel() > 0 and self.algorithm(t, op) == "bandwidth"
+        return self.pipelined and t.numel() > 0 and self.reducer.algorithm(t, op) == "bandwidth"
 
     @property
     def shard_exchange(self) -> str | None:
@@ -273,7 +217,7 @@ class BridgeGroup(AllReduceAlgorithms):
     @_on_queue(_first, _allreduce_two_stage)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
         (t,) = tensors
-        self.all_reduce(t, _op_of(opts))
+        self.reducer.all_reduce(t, _op_of(opts))
         return PyWork(result=tensors)
 
     def _allreduce_started(self, tensors: list[torch.Tensor], op: ReduceOp) -> Continuation:
@@ -282,15 +226,15 @@ class BridgeGroup(AllReduceAlgorithms):
         second waits for the exchanges and all-gathers on lane 1 (docs/bridge.md, 'Pipelining
         across collectives')."""
         (t,) = tensors
-        self.counts["bandwidth"] += 1
+        self.reducer.counts["bandwidth"] += 1
         self.pipelined_all_reduces += 1
-        if self._debug:
+        if self.reducer._debug:
             log.debug("bridge all_reduce %s %s x%d (%d B): bandwidth, pipelined", op.value, t.dtype,
                       t.numel(), t.numel() * t.element_size())
-        finish = self._all_reduce_bandwidth_started(t, op)
+        finish = self.reducer.bandwidth_started(t, op)
 
         def complete() -> PyWork:
-            with self._on_lane_b():
+            with self.comms.on_lane_b():
                 finish()
             return PyWork(result=tensors)
         return Continuation(complete)
@@ -299,7 +243,7 @@ class BridgeGroup(AllReduceAlgorithms):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PyWork:
         op, _ = reduce_op_of(opts.reduceOp) if opts is not None else (ReduceOp.SUM, None)
         for t in tensors:
-            self.all_reduce(t, op)
+            self.reducer.all_reduce(t, op)
         return PyWork(result=tensors)
 
     @_on_queue(_first)
@@ -308,7 +252,7 @@ class BridgeGroup(AllReduceAlgorithms):
         (t,) = tensors
         op, _ = reduce_op_of(opts.reduceOp)
         w = t.clone()
-        self.all_reduce(w, op)
+        self.reducer.all_reduce(w, op)
         if self.rank == opts.rootRank:
             t.copy_(w)
         return PyWork(result=tensors)
@@ -336,10 +280,10 @@ class BridgeGroup(AllReduceAlgorithms):
         """
         nbytes = sum(c.numel() for c in chunks) * out.element_size()
         if (not self.hierarchical_reduce_scatter or not self.plan.equal_groups
-                or any(r != "library" for r in self.routes(out.dtype, op))
-                or self._auto(nbytes) == "leader" or out.numel() == 0):
+                or any(r != "library" for r in self.reducer.routes(out.dtype, op))
+                or self.reducer.auto_choice(nbytes) == "leader" or out.numel() == 0):
             buf = torch.cat(chunks)
-            self.all_reduce(buf, op)
+            self.reducer.all_reduce(buf, op)
             out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))
             return
         self.hierarchical_reduce_scatters += 1
@@ -348,21 +292,21 @@ class BridgeGroup(AllReduceAlgorithms):
         # holds its vendor group's partial of the chunks of ranks (g, i) for every g, in bridge order.
         buf = torch.cat([chunks[g.ranks[i]] for i in range(k) for g in groups])
         c = out.numel()
-        if self.group_method == "p2p":
-            mine = self._segment_p2p(buf, op, "reduce_scatter")
+        if self.reducer.group_method == "p2p":
+            mine = self.reducer.segment_p2p(buf, op, "reduce_scatter")
         else:
             mine = torch.empty(len(groups) * c, dtype=buf.dtype, device=buf.device)
-            self._in_group(lambda s: self.inner.reduce_scatter(  # type: ignore[union-attr]
+            self.reducer.in_group(lambda s: self.inner.reduce_scatter(  # type: ignore[union-attr]
                 mine, list(buf.view(k, -1).unbind(0)), op, None, None, s))
-        rows = _host(mine).view(len(groups), c)
+        rows = on_host(mine).view(len(groups), c)
         g = self.vgroup.index
         if self.shm is not None:
             flat = out.view(-1)
-            h = _host(flat)
+            h = on_host(flat)
             self.shm.reduce_scatter(rows, op, h)
-            _put(flat, h)
+            put_back(flat, h)
         else:
-            self._bridge_reduce(rows, op)
+            self.reducer.bridge_reduce(rows, op)
             out.copy_(rows[g].view(out.shape))
 
     # -- data movement ---------------------------------------------------------------------------
@@ -375,19 +319,19 @@ class BridgeGroup(AllReduceAlgorithms):
         rg = self.plan.group_of(root)
         mine = rg is self.vgroup or rg.index == self.vgroup.index
         if mine and rg.size > 1:
-            self._in_group(lambda s: self.inner.broadcast(t, rg.ranks.index(root), None, s))  # type: ignore[union-attr]
+            self.reducer.in_group(lambda s: self.inner.broadcast(t, rg.ranks.index(root), None, s))  # type: ignore[union-attr]
         if self.local_rank == 0 and t.numel():
-            h = _host(t)
+            h = on_host(t)
             o = dist.BroadcastOptions()
             o.rootRank = rg.index
-            self.shard.broadcast([_bytes(h)], o).wait()
-            _put(t, h)
+            self.shard.broadcast([as_bytes(h)], o).wait()
+            put_back(t, h)
         if not mine:
-            self._in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+            self.reducer.in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
         return PyWork(result=tensors)
 
     def _gather_bytes(self, inp: torch.Tensor) -> torch.Tensor:
-        src = _bytes(_host(inp))
+        src = as_bytes(on_host(inp))
         rows = torch.empty(self.size * src.numel(), dtype=torch.uint8)
         if src.numel():
             pipelined_allgather(self.world, rows, src)
@@ -415,7 +359,7 @@ class BridgeGroup(AllReduceAlgorithms):
         nbytes = [o.numel() * o.element_size() for o in outs]
         width = max(nbytes)
         src = torch.zeros(width, dtype=torch.uint8)
-        mine = _bytes(_host(inp))
+        mine = as_bytes(on_host(inp))
         src[: mine.numel()] = mine
         rows = torch.empty(self.size * width, dtype=torch.uint8)
         pipelined_allgather(self.world, rows, src)
@@ -442,7 +386,7 @@ class BridgeGroup(AllReduceAlgorithms):
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> PyWork:
         (inp,) = inputs
         root = opts.rootRank
-        src = _bytes(_host(inp))
+        src = as_bytes(on_host(inp))
         o = dist.GatherOptions()
         o.rootRank = root
         if self.rank == root:
@@ -461,21 +405,21 @@ class BridgeGroup(AllReduceAlgorithms):
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> PyWork:
         (out,) = outputs
         root = opts.rootRank
-        h = _host(out)
-        dst = _bytes(h)
+        h = on_host(out)
+        dst = as_bytes(h)
         o = dist.ScatterOptions()
         o.rootRank = root
         if dst.numel():
-            ins = [[_bytes(_host(x)) for x in inputs[0]]] if self.rank == root else []
+            ins = [[as_bytes(on_host(x)) for x in inputs[0]]] if self.rank == root else []
             self.world.scatter([dst], ins, o).wait()
-        _put(out, h)
+        put_back(out, h)
         return PyWork(result=outputs)
 
     @_on_queue(_first_as_list)
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],  # noqa: A002
                       in_splits: list[int], opts: Any = None) -> PyWork:
         """``all_to_all_single`` as bytes; splits count rows of dim 0, scaled to bytes per row."""
-        hi, ho = _host(input), _host(output)
+        hi, ho = on_host(input), on_host(output)
 
         def in_bytes(splits: list[int], t: torch.Tensor) -> list[int]:
             if not splits:
@@ -483,17 +427,17 @@ class BridgeGroup(AllReduceAlgorithms):
             row = (t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1) * t.element_size()
             return [s * row for s in splits]
 
-        src, dst = _bytes(hi), _bytes(ho)
+        src, dst = as_bytes(hi), as_bytes(ho)
         if src.numel() or dst.numel() or out_splits or in_splits:
             self.world.alltoall_base(dst, src, in_bytes(out_splits, output), in_bytes(in_splits, input),
                                      dist.AllToAllOptions()).wait()
-        _put(output, ho)
+        put_back(output, ho)
         return PyWork(result=[output])
 
     @_on_queue(_first)
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> PyWork:
         dt = inputs[0].dtype
-        send = torch.cat([_host(x).reshape(-1) for x in inputs])
+        send = torch.cat([on_host(x).reshape(-1) for x in inputs])
         recv = torch.empty(sum(o.numel() for o in outputs), dtype=dt)
         self.alltoall_base(recv, send, [o.numel() for o in outputs], [x.numel() for x in inputs])
         offset = 0
@@ -506,23 +450,23 @@ class BridgeGroup(AllReduceAlgorithms):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         (t,) = tensors
-        return self.world.send([_bytes(_host(t))], dst, tag)
+        return self.world.send([as_bytes(on_host(t))], dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         (t,) = tensors
-        h = _host(t)
-        work = self.world.recv([_bytes(h)], src, tag)
+        h = on_host(t)
+        work = self.world.recv([as_bytes(h)], src, tag)
         if h is t:
             return work
-        return PyWork([work], [lambda: _put(t, h)], tensors)
+        return PyWork([work], [lambda: put_back(t, h)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         (t,) = tensors
-        h = _host(t)
-        work = self.world.recv_anysource([_bytes(h)], tag)
+        h = on_host(t)
+        work = self.world.recv_anysource([as_bytes(h)], tag)
         if h is t:
             return work
-        return PyWork([work], [lambda: _put(t, h)], tensors, source_rank=work._source_rank)
+        return PyWork([work], [lambda: put_back(t, h)], tensors, source_rank=work._source_rank)
 
     @_on_queue(_nothing)
     def barrier(self, opts: Any = None) -> Any:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from vcga.contract import ReduceOp
 from vcga.errors import VcgaCollectiveError
 
-__all__ = ["combine_rows", "combiner", "every_rank", "SharedMemoryBridge", "SHM_DIR", "SLOT_BYTES"]
+__all__ = ["as_bytes", "on_host", "put_back", "combine_rows", "combiner", "every_rank", "SharedMemoryBridge", "SHM_DIR", "SLOT_BYTES"]
 
 log = logging.getLogger("vcga.bridge")
 
@@ -58,6 +58,25 @@ _COMBINE_BOOL: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.PRODUCT: torch.logical_and, ReduceOp.MIN: torch.logical_and, ReduceOp.BAND: torch.logical_and,
     ReduceOp.BXOR: torch.logical_xor,
 }
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous host tensor ``t`` as a 1-D uint8 tensor (no copy)."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, contiguous (itself when it already is)."""
+    if t.device.type != "cpu":
+        return t.detach().to("cpu", memory_format=torch.contiguous_format)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def put_back(t: torch.Tensor, h: torch.Tensor) -> None:
+    """Copy host copy ``h`` back into ``t`` (nothing when ``h`` is ``t`` itself)."""
+    if h is not t:
+        t.copy_(h.view(t.shape) if h.shape != t.shape else h)
 
 
 def combiner(dtype: torch.dtype, op: ReduceOp) -> Callable[..., Any]:

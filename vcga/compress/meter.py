@@ -126,7 +126,7 @@ class WireMeter:
     def transport_of(group: Any) -> Any:
         """The ``vcga`` process group behind ``group`` (it is the group itself for a Python
         backend), or None for any other group."""
-        return group if hasattr(group, "transport") and hasattr(group, "_d") and hasattr(group, "native") else None
+        return group if hasattr(group, "transport") and hasattr(group, "native_replaced") else None
 
     @contextmanager
     def attached(self, group: Any, label: str) -> Iterator[bool]:
@@ -136,11 +136,6 @@ class WireMeter:
         if pg is None:
             yield False
             return
-        inner = pg.transport.group
-        proxy = _Metered(inner, self, label, pg.size())
-        saved = pg.native, pg._d.group
-        pg.native, pg._d.group = proxy, proxy
-        try:
+        proxy = _Metered(pg.transport.group, self, label, pg.size())
+        with pg.native_replaced(proxy):
             yield True
-        finally:
-            pg.native, pg._d.group = saved

@@ -1,11 +1,10 @@
 """The collectives of the ``vcga`` process group: reductions, data movement and their argument checks.
 
-:class:`Collectives` is a mixin of :class:`vcga.process_group.VcgaProcessGroup` and runs on its
-plumbing (``_next``, ``_fast_native``, ``_native_call``, ``_issue``, ``_wrap``, ``_translate``):
-each collective checks its arguments, takes the hot path straight to the native group when the
-table calls the cell native and the tensors are contiguous, and otherwise hands the call to the
-dispatcher (:mod:`vcga.pg.dispatch`). Point to point, barriers and coalescing stay in
-:mod:`vcga.process_group`.
+A :class:`~vcga.process_group.VcgaProcessGroup` owns one :class:`Collectives` and hands it each
+collective with torch's c10d signature. Each checks its arguments and runs on the group's
+:class:`~vcga.pg.calls.CallPath`: the hot path straight to the native group when the table calls
+the cell native and the tensors are contiguous, otherwise the dispatcher (:mod:`vcga.pg.dispatch`).
+Point to point, barriers and coalescing stay in :mod:`vcga.process_group`.
 """
 
 from __future__ import annotations
@@ -19,10 +18,11 @@ import torch
 from vcga import dtypes as _dtypes
 from vcga.contract import Collective
 from vcga.errors import VcgaError
+from vcga.pg.calls import CallPath
 from vcga.pg.dispatch import Steps
 from vcga.pypg import options, reduce_op_of
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "one_tensor"]
 
 #: dtype -> small integer, for exchanging dtypes in an int64 tensor (gather/scatter size checks).
 _DTYPE_CODES: dict[torch.dtype, int] = {_dtypes.to_torch(name): i for i, name in enumerate(_dtypes.ALL)}
@@ -69,7 +69,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+def one_tensor(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
                          "(several tensors per process are deprecated in torch.distributed)")
@@ -77,7 +77,13 @@ def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
 
 
 class Collectives:
-    """The collectives of :class:`~vcga.process_group.VcgaProcessGroup` (see the module docstring)."""
+    """The collectives of one :class:`~vcga.process_group.VcgaProcessGroup` (see the module docstring).
+
+    :param calls: the group's call path (sequence numbers, hot path, dispatch, typed failures).
+    """
+
+    def __init__(self, calls: CallPath) -> None:
+        self.calls = calls
 
     # ===========================================================================================
     # Reductions
@@ -85,100 +91,96 @@ class Collectives:
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce")
-        t = _one(tensors, "all_reduce")
+        t = one_tensor(tensors, "all_reduce")
         red = opts.reduceOp
         if t.layout is not torch.strided:
             # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
             # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
-            return self._native_call("all_reduce", self._next("all_reduce"), self.native.allreduce, tensors, opts,
+            return self.calls.native_call("all_reduce", self.calls.next("all_reduce"), self.calls.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
-        if self._debug is None and self._fast_native(Collective.ALL_REDUCE, t, red.op):
-            return self._native_call("all_reduce", next(self._seqs), self.native.allreduce, tensors, opts,
+        if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red.op):
+            return self.calls.native_call("all_reduce", next(self.calls.seqs), self.calls.native.allreduce, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
         op, factor = reduce_op_of(red)
-        seq = self._next("all_reduce", t, op)
+        seq = self.calls.next("all_reduce", t, op)
         c = _complex_again(t)
-        return self._issue("all_reduce", seq, lambda s: self._d.all_reduce(c, op, factor, opts, s), tensors,
+        return self.calls.issue("all_reduce", seq, lambda s: self.calls.d.all_reduce(c, op, factor, opts, s), tensors,
                            opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce_coalesced")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("all_reduce_coalesced", list(tensors), op)
+        seq = self.calls.next("all_reduce_coalesced", list(tensors), op)
         same = len({t.dtype for t in tensors}) == 1
-        if same and tensors and all(self._fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op) for t in tensors):
-            return self._native_call("all_reduce_coalesced", seq, self.native.allreduce_coalesced, tensors, opts,
+        if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op) for t in tensors):
+            return self.calls.native_call("all_reduce_coalesced", seq, self.calls.native.allreduce_coalesced, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
 
         def build(s: Steps) -> None:
             for t in tensors:
-                self._d.all_reduce(_complex_again(t), op, factor, opts, s)
+                self.calls.d.all_reduce(_complex_again(t), op, factor, opts, s)
 
-        return self._issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp)
+        return self.calls.issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce")
-        t = _one(tensors, "reduce")
+        t = one_tensor(tensors, "reduce")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce", t, op, opts.rootRank)
-        if self._rank == opts.rootRank and self._fast_native(Collective.REDUCE, t, opts.reduceOp.op):
-            return self._native_call("reduce", seq, self.native.reduce, tensors, opts, async_op=opts.asyncOp,
+        seq = self.calls.next("reduce", t, op, opts.rootRank)
+        if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp.op):
+            return self.calls.native_call("reduce", seq, self.calls.native.reduce, tensors, opts, async_op=opts.asyncOp,
                                      result=tensors)
-        return self._issue("reduce", seq, lambda s: self._d.reduce(t, opts.rootRank, op, factor, opts, s), tensors,
+        return self.calls.issue("reduce", seq, lambda s: self.calls.d.reduce(t, opts.rootRank, op, factor, opts, s), tensors,
                            opts.asyncOp)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce_scatter")
-        out = _one(output_tensors, "reduce_scatter")
-        ins = _one(input_tensors, "reduce_scatter")
+        out = one_tensor(output_tensors, "reduce_scatter")
+        ins = one_tensor(input_tensors, "reduce_scatter")
         self._check_count(ins, "reduce_scatter input list")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter", out, op)
+        seq = self.calls.next("reduce_scatter", out, op)
         if (all(x.dtype == out.dtype for x in ins)
-                and self._fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
+                and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
                 and all(x.is_contiguous() for x in ins)):
-            return self._native_call("reduce_scatter", seq, self.native.reduce_scatter, output_tensors,
+            return self.calls.native_call("reduce_scatter", seq, self.calls.native.reduce_scatter, output_tensors,
                                      input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
-        return self._issue("reduce_scatter", seq, lambda s: self._d.reduce_scatter(out, list(ins), op, factor, opts, s),
+        return self.calls.issue("reduce_scatter", seq, lambda s: self.calls.d.reduce_scatter(out, list(ins), op, factor, opts, s),
                            output_tensors, opts.asyncOp)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("reduce_scatter")
-        if input.numel() != output.numel() * self._size:
+        if input.numel() != output.numel() * self.calls.size:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
-                             f"{output.numel()} times the group size {self._size}")
-        if (self._debug is None and input.dtype == output.dtype and input.is_contiguous()
-                and self._fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
-            return self._native_call("reduce_scatter_tensor", next(self._seqs), self.native._reduce_scatter_base,
+                             f"{output.numel()} times the group size {self.calls.size}")
+        if (self.calls.debug is None and input.dtype == output.dtype and input.is_contiguous()
+                and self.calls.fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
+            return self.calls.native_call("reduce_scatter_tensor", next(self.calls.seqs), self.calls.native._reduce_scatter_base,
                                      _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter_tensor", output, op)
+        seq = self.calls.next("reduce_scatter_tensor", output, op)
 
         def build(s: Steps) -> None:
-            chunks = list(input.reshape(self._size, *output.shape).unbind(0)) if self._size else []
-            self._d.reduce_scatter(output, chunks, op, factor, opts, s)
+            chunks = list(input.reshape(self.calls.size, *output.shape).unbind(0)) if self.calls.size else []
+            self.calls.d.reduce_scatter(output, chunks, op, factor, opts, s)
 
-        return self._issue("reduce_scatter_tensor", seq, build, [output], opts.asyncOp)
-
-    reduce_scatter_single = _reduce_scatter_base
+        return self.calls.issue("reduce_scatter_tensor", seq, build, [output], opts.asyncOp)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce_scatter")
         op, factor = reduce_op_of(opts.reduceOp)
-        seq = self._next("reduce_scatter_tensor_coalesced", list(outputs), op)
+        seq = self.calls.next("reduce_scatter_tensor_coalesced", list(outputs), op)
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
-                if inp.numel() != out.numel() * self._size:
+                if inp.numel() != out.numel() * self.calls.size:
                     raise ValueError("reduce_scatter_tensor_coalesced: each input needs group size times its "
                                      "output's elements")
-                self._d.reduce_scatter(out, list(inp.reshape(self._size, *out.shape).unbind(0)), op, factor, opts, s)
+                self.calls.d.reduce_scatter(out, list(inp.reshape(self.calls.size, *out.shape).unbind(0)), op, factor, opts, s)
 
-        return self._issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp)
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+        return self.calls.issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp)
 
     # ===========================================================================================
     # Data movement
@@ -186,53 +188,51 @@ class Collectives:
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("broadcast")
-        t = _one(tensors, "broadcast")
+        t = one_tensor(tensors, "broadcast")
         root = opts.rootRank
-        if self._debug is None and self._fast_native(Collective.BROADCAST, t):
-            return self._native_call("broadcast", next(self._seqs), self.native.broadcast, tensors, opts,
+        if self.calls.debug is None and self.calls.fast_native(Collective.BROADCAST, t):
+            return self.calls.native_call("broadcast", next(self.calls.seqs), self.calls.native.broadcast, tensors, opts,
                                      async_op=opts.asyncOp, result=tensors)
-        seq = self._next("broadcast", t, root=root)
-        return self._issue("broadcast", seq, lambda s: self._d.broadcast(t, root, opts, s), tensors, opts.asyncOp)
+        seq = self.calls.next("broadcast", t, root=root)
+        return self.calls.issue("broadcast", seq, lambda s: self.calls.d.broadcast(t, root, opts, s), tensors, opts.asyncOp)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
-        inp = _one(input_tensors, "all_gather")
-        outs = _one(output_tensors, "all_gather")
+        inp = one_tensor(input_tensors, "all_gather")
+        outs = one_tensor(output_tensors, "all_gather")
         self._check_count(outs, "all_gather output list")
-        seq = self._next("all_gather", inp)
-        if (self._fast_native(Collective.ALL_GATHER, inp)
+        seq = self.calls.next("all_gather", inp)
+        if (self.calls.fast_native(Collective.ALL_GATHER, inp)
                 and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
-            return self._native_call("all_gather", seq, self.native.allgather, output_tensors, input_tensors, opts,
+            return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors, input_tensors, opts,
                                      async_op=opts.asyncOp, result=outs)
-        return self._issue("all_gather", seq, lambda s: self._d.all_gather(list(outs), inp, opts, s), outs,
+        return self.calls.issue("all_gather", seq, lambda s: self.calls.d.all_gather(list(outs), inp, opts, s), outs,
                            opts.asyncOp)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
+    def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("allgather")
-        if output.numel() != input.numel() * self._size:
+        if output.numel() != input.numel() * self.calls.size:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, expected the input's "
-                             f"{input.numel()} times the group size {self._size}")
-        if (self._debug is None and output.dtype == input.dtype and output.is_contiguous()
-                and self._fast_native(Collective.ALL_GATHER, input)):
-            return self._native_call("all_gather_into_tensor", next(self._seqs), self.native._allgather_base,
+                             f"{input.numel()} times the group size {self.calls.size}")
+        if (self.calls.debug is None and output.dtype == input.dtype and output.is_contiguous()
+                and self.calls.fast_native(Collective.ALL_GATHER, input)):
+            return self.calls.native_call("all_gather_into_tensor", next(self.calls.seqs), self.calls.native._allgather_base,
                                      _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
-        seq = self._next("all_gather_into_tensor", input)
+        seq = self.calls.next("all_gather_into_tensor", input)
 
         def build(s: Steps) -> None:
             buf = output if output.is_contiguous() else output.contiguous()
-            self._d.all_gather(list(buf.view(self._size, *input.shape).unbind(0)), input, opts, s)
+            self.calls.d.all_gather(list(buf.view(self.calls.size, *input.shape).unbind(0)), input, opts, s)
             if buf is not output:
                 s.finish.append(partial(output.copy_, buf))
 
-        return self._issue("all_gather_into_tensor", seq, build, [output], opts.asyncOp)
-
-    all_gather_single = _allgather_base
+        return self.calls.issue("all_gather_into_tensor", seq, build, [output], opts.asyncOp)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
-        seq = self._next("all_gather_coalesced", list(input_list))
+        seq = self.calls.next("all_gather_coalesced", list(input_list))
         for outs in output_lists:
             if len(outs) != len(input_list):
                 raise ValueError("all_gather_coalesced: every output list needs one tensor per input tensor")
@@ -240,62 +240,60 @@ class Collectives:
 
         def build(s: Steps) -> None:
             for i, inp in enumerate(input_list):
-                self._d.all_gather([outs[i] for outs in output_lists], inp, opts, s)
+                self.calls.d.all_gather([outs[i] for outs in output_lists], inp, opts, s)
 
         flat = [t for outs in output_lists for t in outs]
-        return self._issue("all_gather_coalesced", seq, build, flat, opts.asyncOp)
+        return self.calls.issue("all_gather_coalesced", seq, build, flat, opts.asyncOp)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
-        seq = self._next("all_gather_into_tensor_coalesced", list(inputs))
+        seq = self.calls.next("all_gather_into_tensor_coalesced", list(inputs))
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
-                if out.numel() != inp.numel() * self._size:
+                if out.numel() != inp.numel() * self.calls.size:
                     raise ValueError("all_gather_into_tensor_coalesced: each output needs group size times its "
                                      "input's elements")
                 buf = out if out.is_contiguous() else out.contiguous()
-                self._d.all_gather(list(buf.view(self._size, *inp.shape).unbind(0)), inp, opts, s)
+                self.calls.d.all_gather(list(buf.view(self.calls.size, *inp.shape).unbind(0)), inp, opts, s)
                 if buf is not out:
                     s.finish.append(partial(out.copy_, buf))
 
-        return self._issue("all_gather_into_tensor_coalesced", seq, build, outputs, opts.asyncOp)
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+        return self.calls.issue("all_gather_into_tensor_coalesced", seq, build, outputs, opts.asyncOp)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> Any:
         opts = opts if opts is not None else options("gather")
-        inp = _one(input_tensors, "gather")
+        inp = one_tensor(input_tensors, "gather")
         root = opts.rootRank
-        if self._rank == root:
-            outs = _one(output_tensors, "gather")
+        if self.calls.rank == root:
+            outs = one_tensor(output_tensors, "gather")
             self._check_count(outs, "gather output list")
         else:
             if output_tensors and any(len(o) for o in output_tensors):
                 raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
             outs = []
-        seq = self._next("gather", inp, root=root)
+        seq = self.calls.next("gather", inp, root=root)
         self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
-        return self._issue("gather", seq, lambda s: self._d.gather(list(outs), inp, root, opts, s), list(outs),
+        return self.calls.issue("gather", seq, lambda s: self.calls.d.gather(list(outs), inp, root, opts, s), list(outs),
                            opts.asyncOp)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:
         opts = opts if opts is not None else options("scatter")
-        out = _one(output_tensors, "scatter")
+        out = one_tensor(output_tensors, "scatter")
         root = opts.rootRank
-        if self._rank == root:
-            ins = _one(input_tensors, "scatter")
+        if self.calls.rank == root:
+            ins = one_tensor(input_tensors, "scatter")
             self._check_count(ins, "scatter input list")
         else:
             if input_tensors and any(len(i) for i in input_tensors):
                 raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
             ins = []
-        seq = self._next("scatter", out, root=root)
+        seq = self.calls.next("scatter", out, root=root)
         self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
-        return self._issue("scatter", seq, lambda s: self._d.scatter(out, list(ins), root, opts, s), [out],
+        return self.calls.issue("scatter", seq, lambda s: self.calls.d.scatter(out, list(ins), root, opts, s), [out],
                            opts.asyncOp)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
@@ -303,27 +301,25 @@ class Collectives:
         opts = opts if opts is not None else options("alltoall")
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
         for splits, t, what in ((out_splits, output, "output"), (in_splits, input, "input")):
-            if splits and (len(splits) != self._size or sum(splits) != (t.shape[0] if t.dim() else 1)):
+            if splits and (len(splits) != self.calls.size or sum(splits) != (t.shape[0] if t.dim() else 1)):
                 raise ValueError(f"all_to_all_single: {what}_split_sizes {splits} must have one entry per rank "
-                                 f"({self._size}) adding up to the {what}'s dim 0 ({t.shape[0] if t.dim() else 1})")
-        seq = self._next("all_to_all_single")
+                                 f"({self.calls.size}) adding up to the {what}'s dim 0 ({t.shape[0] if t.dim() else 1})")
+        seq = self.calls.next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
         if _overlap(input, output):
             # In place (nccl-tests' in-place all_to_all): libraries read the input while peers' chunks
             # land in the output, so an aliased input would be overwritten before it is sent.
             input = input.clone()  # noqa: A001
-        return self._issue("all_to_all_single", seq,
-                           lambda s: self._d.all_to_all(output, input, out_splits, in_splits, opts, s), [output],
+        return self.calls.issue("all_to_all_single", seq,
+                           lambda s: self.calls.d.all_to_all(output, input, out_splits, in_splits, opts, s), [output],
                            opts.asyncOp)
-
-    all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("alltoall")
         self._check_count(output_tensors, "all_to_all output list")
         self._check_count(input_tensors, "all_to_all input list")
-        seq = self._next("all_to_all")
+        seq = self.calls.next("all_to_all")
         dtypes_ = {t.dtype for t in [*output_tensors, *input_tensors]}
         if len(dtypes_) > 1:
             raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes_))}")
@@ -334,7 +330,7 @@ class Collectives:
             dev = input_tensors[0].device if input_tensors else output_tensors[0].device
             send = torch.cat([x.reshape(-1) for x in input_tensors]) if input_tensors else torch.empty(0, dtype=dt)
             recv = torch.empty(sum(o.numel() for o in output_tensors), dtype=dt, device=dev)
-            self._d.all_to_all(recv, send, [o.numel() for o in output_tensors], [x.numel() for x in input_tensors],
+            self.calls.d.all_to_all(recv, send, [o.numel() for o in output_tensors], [x.numel() for x in input_tensors],
                                opts, s)
 
             def scatter_back() -> None:
@@ -345,7 +341,7 @@ class Collectives:
 
             s.finish.append(scatter_back)
 
-        return self._issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp)
+        return self.calls.issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp)
 
     # -- argument checks -------------------------------------------------------------------------
 
@@ -365,40 +361,40 @@ class Collectives:
         def code(dt: torch.dtype) -> int:
             return _DTYPE_CODES.get(dt, -1)
 
-        row = [mine.numel(), code(mine.dtype)] + [-1] * (2 * self._size)
-        if self._rank == root:
+        row = [mine.numel(), code(mine.dtype)] + [-1] * (2 * self.calls.size)
+        if self.calls.rank == root:
             for r, t in enumerate(listed):
                 row[2 + 2 * r], row[3 + 2 * r] = t.numel(), code(t.dtype)
-        if self._size == 1:
+        if self.calls.size == 1:
             rows = [row]
         else:
             vec = torch.tensor(row, dtype=torch.int64, device=mine.device)
-            table = torch.empty((self._size, len(row)), dtype=torch.int64, device=mine.device)
+            table = torch.empty((self.calls.size, len(row)), dtype=torch.int64, device=mine.device)
             steps = Steps()
             try:
-                self._d.all_gather(list(table.unbind(0)), vec, options("allgather"), steps)
+                self.calls.d.all_gather(list(table.unbind(0)), vec, options("allgather"), steps)
             except (VcgaError, ValueError, TypeError):
                 raise
             except Exception as e:
-                raise self._translate(e, name, seq) from e
-            self._wrap(name, seq, steps, [table], False)
+                raise self.calls.translate(e, name, seq) from e
+            self.calls.wrap(name, seq, steps, [table], False)
             rows = table.cpu().tolist()
         want_n, want_dt = rows[root][0], rows[root][1]
-        listed_n = [rows[root][2 + 2 * r] for r in range(self._size)]
-        listed_dt = [rows[root][3 + 2 * r] for r in range(self._size)]
+        listed_n = [rows[root][2 + 2 * r] for r in range(self.calls.size)]
+        listed_dt = [rows[root][3 + 2 * r] for r in range(self.calls.size)]
         differences: dict[str, dict[int, Any]] = {}
         if any(r[0] != want_n for r in rows):
-            differences["numel"] = {r: rows[r][0] for r in range(self._size)}
+            differences["numel"] = {r: rows[r][0] for r in range(self.calls.size)}
         if any(n != want_n for n in listed_n):
             differences[f"numel of the {list_name} entries (rank {root} is the root)"] = {root: listed_n}
         if any(r[1] != want_dt for r in rows) or any(d != want_dt for d in listed_dt):
             names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
-            differences["dtype"] = {r: names.get(rows[r][1], "?") for r in range(self._size)}
+            differences["dtype"] = {r: names.get(rows[r][1], "?") for r in range(self.calls.size)}
             if any(d != want_dt for d in listed_dt):
                 differences[f"dtype of the {list_name} entries"] = {root: [names.get(d, "?") for d in listed_dt]}
         if differences:
-            raise VcgaMismatchError(seq, differences, rank=self._rank)
+            raise VcgaMismatchError(seq, differences, rank=self.calls.rank)
 
     def _check_count(self, items: Sequence[Any], what: str) -> None:
-        if len(items) != self._size:
-            raise ValueError(f"{what} must have one entry per rank ({self._size}), got {len(items)}")
+        if len(items) != self.calls.size:
+            raise ValueError(f"{what} must have one entry per rank ({self.calls.size}), got {len(items)}")
