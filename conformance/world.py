@@ -113,8 +113,8 @@ def vcga_group_status() -> tuple[bool, str]:
             pass
     if registered:
         return True, "the vcga process group is registered with torch.distributed"
-    return False, ("this VCGA build does not register the `vcga` torch.distributed backend yet "
-                   "(issue #3); only native groups can be verified")
+    return False, ("this VCGA build does not register the `vcga` torch.distributed backend; "
+                   "only native groups can be verified")
 
 
 def resolve_group_kind(spec: WorldSpec) -> tuple[str | None, str]:

@@ -8,9 +8,9 @@ Steps, in order (docs/gpu-check.md says what each proves):
 4. Accelerator calls               -- device, memory stats, RNG, streams/events, to-host hook
 5. ProcessGroupNCCL ws=1 vs table  -- the plugin's factory; every all_reduce cell the table calls
                                       native runs and is exact, every other one is refused by NCCL
-6. vcga group ws=1 on NCCL         -- init_process_group("vcga") on the GPU      (needs issue #3)
-7. mixed world, CPU sims only      -- 4 ranks sim-nccl/sim-hccl/sim-cncl/sim-hccl (needs #3, #4)
-8. mixed world, 1 CUDA + 3 sims    -- rank 0 real nccl on the GPU, ranks 1-3 simulated (#3, #4)
+6. vcga group ws=1 on NCCL         -- init_process_group("vcga") on the GPU
+7. mixed world, CPU sims only      -- 4 ranks sim-nccl/sim-hccl/sim-cncl/sim-hccl
+8. mixed world, 1 CUDA + 3 sims    -- rank 0 real nccl on the GPU, ranks 1-3 simulated
 
 A step prints PASS, FAIL or SKIP with a reason: SKIP when the machine has no NVIDIA GPU, or when a
 step's prerequisite (the ``vcga`` process group, the mixed-vendor bridge) is not in this checkout.
@@ -69,10 +69,10 @@ def gpu_hardware() -> str | None:
 
 
 def vcga_group_registered() -> bool:
-    """Is the `vcga` torch.distributed backend (issue #3) registered after `import vcga`?"""
+    """Is the `vcga` torch.distributed backend registered after `import vcga`?"""
     import torch.distributed as dist
 
-    import vcga  # noqa: F401 - registration happens on import once #3 is merged
+    import vcga  # noqa: F401 - importing vcga registers the backend
 
     return "vcga" in [b.lower() for b in dist.Backend.backend_list]
 
@@ -232,7 +232,7 @@ def need_vcga_group() -> None:
     except Exception as e:  # noqa: BLE001
         raise Skip(f"importing vcga failed: {type(e).__name__}: {e}") from e
     if not ok:
-        raise Skip("the `vcga` torch.distributed backend is not registered in this checkout (issue #3)")
+        raise Skip("the `vcga` torch.distributed backend is not registered in this checkout")
 
 
 def step_vcga_ws1(ctx: dict) -> str:
