@@ -1,4 +1,4 @@
-"""Where vendor-bin's time goes: the experiments behind docs/benchmarks.md "vendor-bin: what was tried".
+"""Where vendor-bin's time goes: the experiments behind docs/vendor-bin.md, "Piece sizes and access patterns".
 
 Three measurements, each printed as a small table (medians over interleaved repetitions):
 

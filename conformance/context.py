@@ -123,7 +123,7 @@ class Context:
         return dist.group.WORLD
 
     @property
-    def pg(self) -> Any:  # the name the first version of the context used
+    def pg(self) -> Any:  # an alias of ``group``, kept for checks written against it
         return self.group
 
     @property

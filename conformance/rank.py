@@ -155,7 +155,7 @@ def _die_with_parent() -> None:
 
 
 def _bridge_in_this_build() -> bool:
-    """Whether this build has the mixed-vendor bridge (issue #4: ``vcga.bridge``)."""
+    """Whether this build has the mixed-vendor bridge (``vcga.bridge``)."""
     import importlib.util
 
     return importlib.util.find_spec("vcga.bridge") is not None

@@ -11,7 +11,7 @@ Why pip's configuration is handed over: uv does not read pip.conf or PIP_* varia
 is often set up through them (a local wheel directory holding the CPU build of torch, a local
 mirror, a company CA). Each setting pip would use (`pip config list`) is passed to uv as the same
 option, and uv chooses as pip does (the best version over all indexes), so both install the same
-wheels. Anything unexpected -- no uv on the index, uv failing -- falls back to pip, as before.
+wheels. Anything unexpected -- no uv on the index, uv failing -- falls back to pip.
 """
 
 from __future__ import annotations

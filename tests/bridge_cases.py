@@ -5,7 +5,7 @@ library's rules, including CNCL reducing fp64 as fp32).
 :func:`mixed_world` runs, on one spawned world:
 
 1. the collective matrix of tests/pg_cases.py on the mixed ``vcga`` group (every collective
-   variant x the issue's eight dtypes x ops x layouts, exact small-integer data: every native or
+   variant x pg_cases.DTYPES x ops x layouts, exact small-integer data: every native or
    emulated cell must be bit-exact, every refused cell must raise before any rank communicates);
 2. numerics on random data, through a group per all_reduce algorithm (leader, bandwidth): every
    rank ends with the same bits (compared over a separate gloo group), the error against an
@@ -135,7 +135,7 @@ def reduce_scatters(group: Any, rank: int, size: int, label: str) -> list[str]:
 
 def uneven_all_gather(group: Any, rank: int, size: int) -> list[str]:
     """The list form of all_gather with a different size per rank (zero included) across vendors:
-    exact on every rank (found by `vcga verify`: it used to abort a rank inside gloo)."""
+    exact on every rank (gloo's own list form aborts a rank on uneven sizes)."""
     failures = []
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         sizes = [(3 * r + 1) % 5 for r in range(size)]  # 1, 4, 2, 0, ...

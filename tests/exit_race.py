@@ -8,8 +8,8 @@ thread, ``vcga-work-watch``), waits for its future, drops the handle, destroys t
 through the end of this script. The input is large (2 x 64 MiB), so the work's C++ destructor takes
 a while, and the watcher is made to pause for 0.3 s right before it leaves the exit drain's count
 (``vcga.pypg._release``), as a thread descheduled on a busy machine would. A watcher that still
-held the work at that point dropped it during the interpreter's finalization and the process
-aborted (SIGABRT, "terminate called without an active exception"): 8 of 10 jobs before the fix.
+held the work at that point would drop it during the interpreter's finalization and the process
+would abort (SIGABRT, "terminate called without an active exception").
 
 A rank's exit code: 0; 3 a wrong result; -6 the abort.
 """

@@ -29,7 +29,7 @@ from vcga.contract import Collective, ReduceOp, Support
 from vcga.errors import VcgaUnsupportedError
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool"]
-#: dtypes beyond the issue's eight: they drive the upcast / bitcast / as_real recipes on gloo.
+#: dtypes beyond those eight: they drive the upcast / bitcast / as_real recipes on gloo.
 EXTRA_DTYPES = ["int16", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"]
 LAYOUTS = ["contig", "strided", "empty"]
 CHUNK = 5  # elements per rank-chunk (non-empty layouts)

@@ -1,6 +1,6 @@
 """A test plugin: backend ``test-emulations``, gloo underneath, with a table that forces recipes.
 
-The shipped tables never need some recipes on the issue's dtypes (gloo does bool PRODUCT itself;
+The shipped tables never need some recipes on pg_cases.DTYPES (gloo does bool PRODUCT itself;
 no vendor needs ``upcast`` or ``as_real`` to move data). This table declares a library that is
 poorer than gloo -- native only on a few dtypes and ops -- so that the dispatcher must emulate
 everything else with every recipe in ``vcga.contract.EMULATIONS``, against a real library (gloo).

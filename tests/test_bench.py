@@ -1,6 +1,6 @@
 """``vcga bench``: nccl-tests' sizes, formulas and columns, exact checks, and the CLI's outputs.
 
-Two real worlds, both 2 ranks: the issue's command on a simulated mixed-vendor world (spawned with
+Two real worlds, both 2 ranks: docs/bench.md's command on a simulated mixed-vendor world (spawned with
 ``--nranks``, JSON), and every collective on one vendor under torchrun (CSV, ``--compare gloo``,
 ``--plot``). Everything else is pure functions.
 """

@@ -115,7 +115,7 @@ def test_figures_round_trip_through_json_and_name_their_topology():
 
 
 def test_a_pipelining_group_predicts_the_bandwidth_algorithm_per_all_reduce_of_a_stream():
-    """Figures of two namespace nodes over 1 Gbit/s (docs/benchmarks.md, run 3): one 4 MiB
+    """Figures one group measured between two namespace nodes over 1 Gbit/s: one 4 MiB
     all_reduce alone is a tie between the leaders (41.0 ms) and the bandwidth algorithm (41.0 ms,
     in-group steps plus exchange). In a group that pipelines consecutive all_reduces (a DDP step's
     buckets) the in-group steps overlap the previous and next buckets' exchanges: per all_reduce

@@ -1,7 +1,7 @@
 """Fixtures made by the real producers (h5py, Keras 3, safetensors, torch) read back exactly.
 
 Every value is checked: each tensor's bytes are recomputed from tests/fixtures/recipes.py, which
-scripts/make_fixtures.py used to make the files.
+scripts/make_fixtures.py also uses to make the files.
 """
 
 from __future__ import annotations

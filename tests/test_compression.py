@@ -539,7 +539,7 @@ def test_on_a_data_parallel_subgroup_the_default_scope_is_all_and_bridge_is_refu
     """Fake-backed (nccl:2,hccl:2 simulated). DDP over a subgroup of the job, each spanning both
     vendors: scope bridge would create island and peer groups that every rank of the job must
     join, and the other ranks never come. Without a scope the hook compresses the whole all_reduce
-    there (it used to refuse, naming a scope the user had not given); an explicit ``scope=bridge``
+    there (not a refusal naming a scope the user had not given); an explicit ``scope=bridge``
     is refused with a typed error that says what to use. The groups come from a ``DeviceMesh``;
     passing every data-parallel group read from it (docs/compression.md's line) makes scope bridge
     the default."""

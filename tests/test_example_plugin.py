@@ -145,7 +145,7 @@ def test_the_example_plugin_passes_the_full_quick_profile(first_day):
     refused = [r for r in acme if r["status"] == "skip" and r["detail"].startswith("refused by")]
     assert refused and all("acme capability table: acme does not support this combination" in r["detail"]
                            for r in refused)
-    # what the issue found broken: p2p and moving of every dtype, DDP (it broadcasts int32)
+    # what a plugin most easily breaks: p2p and moving of every dtype, DDP (it broadcasts int32)
     by_case = {(r["world"], r["check"], r["case"]): r for r in acme}
     for ws in (2, 3):
         for dt in ("bool", "int32", "uint8", "bfloat16"):

@@ -1,14 +1,14 @@
-"""A finished job exits cleanly (issue: ranks aborted at exit after a run of asynchronous collectives).
+"""A finished job exits cleanly after a run of asynchronous collectives.
 
-The native gloo group under a ``vcga`` group outlived ``destroy_process_group()`` (gloo's
-``shutdown()`` does nothing; only its destructor joins its worker threads), so its threads ran on
-into the interpreter's exit and the group was destroyed whenever its last reference went: in one of
+A native gloo group left to its destructor outlives ``destroy_process_group()`` (gloo's
+``shutdown()`` does nothing; only its destructor joins its worker threads), so its threads run on
+into the interpreter's exit and the group is destroyed whenever its last reference goes: in one of
 its own worker threads (which then joins itself: "terminate called after throwing an instance of
 'std::system_error' -- Resource deadlock avoided") or while Python finalized (a worker releasing a
 Python object then takes the GIL, Python ends that thread inside a ``noexcept`` destructor:
 "terminate called without an active exception"). tests/exit_soak.py runs many short jobs built to
 hit that, and each rank also reports gloo worker threads still alive after the destroy (exit code 4),
-which the old code left whenever the script still held a work handle.
+which a group left to its destructor leaves whenever the script still holds a work handle.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh on this CPU machine: exits 0, every step that needs a GPU is skipped.
 
 Step 7 (the mixed world of simulated CPU ranks) runs the real `vcga` group through the mixed-vendor
-bridge (#4) and must pass.
+bridge and must pass.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def test_accelerate_helper_refuses_compression_beside_torchs_hook():
 
 
 def test_accelerate_alone_refuses_vcga_on_cpu():
-    """Why the helper exists: asked for backend vcga on CPU, Accelerate raises (as the issue found)."""
+    """Why the helper exists: asked for backend vcga on CPU, Accelerate raises."""
     pytest.importorskip("accelerate")
     code = ("from accelerate import Accelerator\nfrom accelerate.utils import InitProcessGroupKwargs\n"
             "try:\n    Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend='vcga')])\n"

@@ -2,7 +2,7 @@
 
 MindSpore's own reader trusts the ``.db`` offsets (one bad blob offset and it reads out of bounds);
 VCGA's readers check every size and offset against the file before reading. The hand-made cases
-below cover each class of damage the issue names; the fuzz test then mutates real files at random
+below cover each class of damage (sizes, offsets, counts, checksums); the fuzz test then mutates real files at random
 (CI-sized by default; ``VCGA_FUZZ_ITERATIONS=5000`` for a long run) and requires that every outcome
 is either a clean read or a VcgaFormatError, with traced allocations bounded by the input's size.
 """

@@ -22,7 +22,7 @@ EXHAUSTIVE = os.environ.get("VCGA_TEST_EXHAUSTIVE", "") == "1"
 
 
 def plan(world_size: int) -> list[tuple[str, list[str]]]:
-    """(backend, dtypes) per world. The CI-sized default still runs the issue's eight dtypes on
+    """(backend, dtypes) per world. The CI-sized default still runs the eight dtypes of pg_cases.DTYPES on
     gloo, sim-hccl and sim-cncl at every world size; sim-nccl joins at 1 and 2 ranks, and the
     extra dtypes (upcast / bitcast / as_real paths) run on gloo at 2 ranks."""
     from pg_cases import DTYPES, EXTRA_DTYPES

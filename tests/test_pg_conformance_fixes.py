@@ -1,4 +1,4 @@
-"""Regression tests for what `vcga verify` (issue #8) found in the ``vcga`` group (issue #3).
+"""Regression tests for what `vcga verify` checks in the ``vcga`` group, where raw gloo fails.
 
 One spawned 3-rank world runs every scenario through the public ``torch.distributed`` API and
 reports what each rank saw; the tests below assert on it. Scenarios on the simulated vendors
@@ -6,10 +6,10 @@ reports what each rank saw; the tests below assert on it. Scenarios on the simul
 ``new_group`` inside the same world.
 
 - uneven gather / scatter: refused with ``VcgaMismatchError`` on EVERY rank, promptly (torch's
-  backends check only on the root, and the other ranks used to wait for the timeout);
+  backends check only on the root, and the other ranks would wait for the timeout);
 - a zero-length receive from any source completes and names the sender (gloo's enforce failed);
 - a complex128 refusal names complex128 (torch hands backends ``view_as_real`` views);
-- sim-cncl's table and dispatcher agree on complex128 SUM/AVG/PREMUL_SUM (now emulated);
+- sim-cncl's table and dispatcher agree on complex128 SUM/AVG/PREMUL_SUM (emulated);
 - raw gloo's bugs stay out of reach: strided tensors, uneven list all_to_all, reduce_scatter works
   that never report completion and have no future.
 """

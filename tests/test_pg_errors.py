@@ -15,7 +15,7 @@ from pg_world import WorldFailed, run_world
 
 TIMEOUT_S = 3.0
 #: How much later than the timeout a waiting rank may raise: a store or gloo poll interval plus
-#: process scheduling on a loaded 2-core machine ("timeout plus a few seconds" in the issue).
+#: process scheduling on a loaded 2-core machine ("timeout plus a few seconds").
 SLACK_S = 20.0
 
 

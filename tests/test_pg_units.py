@@ -104,7 +104,7 @@ def test_pywork_waits_on_a_watched_work_once() -> None:
     w = PyWork([native], [], [t])
     fut = w.get_future()
     assert native.entered.wait(10)  # the watcher is inside the native wait
-    # Only unblocks the watcher if wait() below does not: the old code's second native wait did.
+    # Only unblocks the watcher if wait() below does not: a second native wait would.
     timer = threading.Timer(0.2, native.release.set)
     timer.start()
     try:

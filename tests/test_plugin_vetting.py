@@ -51,7 +51,7 @@ def by_name(data: dict) -> dict:
 
 
 def test_vcga_info_survives_plugins_that_end_or_crash_the_process(tmp_path):
-    """Done-when of issue 15: `vcga info --json` exits 0 and names each plugin with its failure;
+    """`vcga info --json` exits 0 and names each plugin with its failure;
     a second run answers from the cache."""
     site = write_plugins(tmp_path / "site", "p_exit", "p_segv", "p_abort", "p_osexit", "p_atexit", "p_raise", "p_ok")
     write_entry_point_dist(site, PLUGINS["p_segv"])

@@ -1,4 +1,4 @@
-"""What creating a group costs the store, and the bridge's link-figure cache (issue 22).
+"""What creating a group costs the store, and the bridge's link-figure cache.
 
 Discovery runs on threads over one in-process store that counts every request (no world needed);
 the cache's world is fake-backed: its vendors are the simulated sim-nccl / sim-hccl (CPU stand-ins
@@ -101,8 +101,8 @@ def _backends() -> tuple[Any, Any]:
 
 def test_discovery_costs_each_rank_a_constant_and_the_store_linear_in_the_world() -> None:
     """Every rank but 0 makes the same few requests of the same size at 4 and at 32 ranks; rank 0
-    reads every record once, so the store carries O(n) bytes (reading every record on every rank,
-    as before, made that O(n²))."""
+    reads every record once, so the store carries O(n) bytes (reading every record on every rank
+    would make that O(n²))."""
     nccl, hccl = _backends()
     per_rank, totals = {}, {}
     for n in (4, 32):

@@ -212,8 +212,8 @@ def test_formats_do_not_import_torch_at_run_time():
     assert r.stdout.strip() == "[]"
 
 
-#: issue 15's size rule: no module of the four folders is over ~600 lines; split by responsibility
-#: before one reaches this (a read pass once grew formats/vbin/reader.py to 785 unnoticed).
+#: The size rule: no module of the four folders is over ~600 lines; split by responsibility
+#: before one reaches this (a module grows past it unnoticed one feature at a time).
 MAX_MODULE_LINES = 650
 
 

@@ -398,8 +398,9 @@ class LazyCapabilityTable(CapabilityTable):
     stated); a refused stated cell is non-final, so VCGA's standard emulations are derived on top,
     exactly as :meth:`CapabilityBuilder.build` derives them -- the same cells, one at a time. Why:
     a mixed-vendor group's combined table (:func:`vcga.bridge.combined_table`) has some 500 cells,
-    each a function of the vendor groups' tables; working them all out took every rank ~10 ms of
-    CPU at every group creation, where a training job's collectives ask for a handful. Anything
+    each a function of the vendor groups' tables; working them all out costs every rank CPU at
+    every group creation (docs/bridge.md, "Discovery and the plan"), where a training job's
+    collectives ask for a handful. Anything
     that reads the whole table (:meth:`cells`, :meth:`to_json`, :meth:`summary`, comparisons)
     works it out in full, once. (Core's own: plugins state their tables with the builder, so
     :mod:`vcga.contract` does not export it.)

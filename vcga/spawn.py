@@ -2,10 +2,10 @@
 measurement, ``vcga verify``'s worlds, ``vcga bench --nranks N``, the multi-process benchmarks and
 the tests share this.
 
-:func:`get_context` is the multiprocessing context for rank processes. Every rank used to be a
-fresh interpreter (``spawn``) that spent about 2 s of CPU in ``import torch`` before doing
-anything; ``vcga verify`` starts a dozen of them. On Linux it is now a *forkserver* that has
-imported torch once: each rank is forked from it, with torch already loaded. What a rank sees is
+:func:`get_context` is the multiprocessing context for rank processes. A fresh interpreter
+(``spawn``) spends about 2 s of CPU in ``import torch`` before doing anything, and ``vcga verify``
+starts a dozen ranks; so on Linux it is a *forkserver* that has imported torch once: each rank is
+forked from it, with torch already loaded. What a rank sees is
 kept equal to ``spawn`` (see :class:`_Process`): the parent's environment and stdout/stderr at
 ``start()``, its ``sys.path``, working directory and ``__main__``.
 
@@ -18,7 +18,7 @@ reads (``TORCH_*``, ``OMP_*``, ...; :data:`IMPORT_ENV_PREFIXES`) are those of th
 started; when the parent has changed one of them since, the server is started again (or, while
 ranks of the old one still run, ranks are spawned instead).
 
-``VCGA_START_METHOD=spawn`` turns the forkserver off (fresh interpreters, as before).
+``VCGA_START_METHOD=spawn`` turns the forkserver off (a fresh interpreter per rank).
 
 :func:`run_ranks` spawns ``world`` ranks with a free TCP port for their rendezvous. A rank that
 exits non-zero ends the wait at once instead of leaving the caller waiting for the whole timeout.

@@ -27,7 +27,7 @@ from ._format import (
     _one_line,
 )
 
-log = logging.getLogger("vcga.formats.hdf5")  # the format's name, as before the split
+log = logging.getLogger("vcga.formats.hdf5")  # the package's name, the one users configure for HDF5 messages
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ class Hdf5Writer(WriterContext):
         try:
             # HDF5 is given the file object, not a path: the output is an anonymous file (vcga.atomic),
             # and HDF5 resolves a path's real name, which /proc/self/fd/N does not have. (h5py's
-            # file-object driver writes big datasets as fast as the path driver; docs/benchmarks.md.)
+            # file-object driver writes big datasets as fast as the path driver: docs/benchmarks.md,
+            # "Checkpoint conversion", hdf5 -> hdf5.)
             # track_order: groups list their members in creation order, so a round trip keeps the order.
             self._h5 = h5py.File(self._af.file, "w", track_order=True)
         except BaseException:

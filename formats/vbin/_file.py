@@ -386,8 +386,7 @@ def _map_file(path: Path) -> _VbinFile:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     # Parsing touches the preamble, the trailer and the index only: a cold fault then reads just
     # its page, not the kernel's read-around of up to 8 MiB on each side of it, read before the
-    # caller has asked for any tensor (measured on a cold 128 MiB shard: opening took 14 ms with
-    # the read-around, 1.2 ms without, and the whole load was faster; docs/benchmarks.md).
+    # caller has asked for any tensor (docs/vendor-bin.md, "Piece sizes and access patterns").
     # Lazy tensor access gets the read-around back.
     random = getattr(mmap, "MADV_RANDOM", None)
     if random is not None:

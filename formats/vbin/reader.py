@@ -19,8 +19,8 @@ from ._file import _map_file, _VbinFile, check_zero_padding
 from ._format import PREAMBLE_SIZE, _Record
 
 # Bytes per read of read_in_order: each piece is hashed right after its read, while it is still
-# in the CPU's cache. Measured on a 128 MiB shard (docs/benchmarks.md): warm 3.1 GB/s with 1 MiB
-# against 2.8 with 8 MiB; cold all sizes from 256 KiB to 16 MiB read at the disk's pace.
+# in the CPU's cache. Measured on a 128 MiB shard (docs/vendor-bin.md, "Piece sizes and access
+# patterns"): warm 3.1 GB/s with 1 MiB against 2.8 with 8 MiB; cold every size reads at the disk's pace.
 READ_CHUNK = 1 << 20
 
 
@@ -262,7 +262,8 @@ class VbinReader(ReaderContext):
         One sequential pass of :data:`READ_CHUNK`-byte reads per file, so that verifying costs
         little beside reading: each read brings a piece of the file from the disk (the kernel
         reading ahead meanwhile) and it is hashed while still in the CPU's cache. Reads rather
-        than the mapping: measured on a 128 MiB shard (docs/benchmarks.md), reading straight into
+        than the mapping: measured on a 128 MiB shard (docs/vendor-bin.md, "Piece sizes and access
+        patterns"), reading straight into
         the destination was faster cold and warm than hashing in the mapping and copying out of
         it (page faults, then a copy).
 

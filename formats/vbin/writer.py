@@ -42,7 +42,7 @@ _WRITEBACK_CHUNK = 8 << 20  # start the disk on every 8 MiB written
 # Write-and-hash step. Small enough that the hash reads the piece from cache right after the copy
 # (a server core's L2 is 1-2 MiB, its L3 far more), large enough that the page cache keeps large
 # folios: reading a file back through a mapping faults longer after smaller writes
-# (docs/benchmarks.md, "vendor-bin against safetensors").
+# (docs/vendor-bin.md, "Piece sizes and access patterns").
 _HASH_PIECE = 2 << 20
 
 
@@ -254,7 +254,8 @@ class VbinWriter(WriterContext):
         data = tensors.check_entry(entry, target=FORMAT_NAME)
         # The checksum is computed piece by piece as the bytes are written (see _FileWriter.put).
         # A helper thread hashing while this one writes gained nothing where it was measured
-        # (memory bandwidth, not the CPU, is the limit; docs/benchmarks.md), so there is none.
+        # (memory bandwidth, not the CPU, is the limit; docs/vendor-bin.md, "Piece sizes and access
+        # patterns"), so there is none.
         hasher = xxhash.xxh3_64()
         try:
             writer = self._writer_for(data.nbytes)

@@ -124,7 +124,8 @@ def _cast(name: str, dtype: str, prescale: bool) -> CompressorSpec:
 # -- top-k ------------------------------------------------------------------------------------------
 
 
-#: Where narrowing first pays (benchmarks/topk_select.py, one CPU thread): from 2^18 elements when
+#: Where narrowing first pays (benchmarks/topk_select.py, one CPU thread; docs/benchmarks.md, "Top-k's
+#: selection"): from 2^18 elements when
 #: at most 1/32 of them are kept; a larger share (10%) only from 2^22 elements on.
 _NARROW_MIN_N, _NARROW_MAX_SHARE, _NARROW_ANY_SHARE_N = 1 << 18, 1 / 32, 1 << 22
 
@@ -134,14 +135,14 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     same set ``torch.topk(a, k)`` selects (up to which of equal values at the k-th are taken;
     a NaN counts as largest, as in ``torch.topk``).
 
-    ``torch.topk`` over millions of elements costs ~100 ms on one CPU thread for 1% of 4.2 M
-    (benchmarks/topk_select.py). Deep Gradient Compression estimates the threshold from a sample
-    (Lin et al. 2018, sec. 3.4, "hierarchical top-k"); here the estimate only narrows the search and
-    the result stays exact: a strided sample (deterministic: every rank, every run the same) gives
-    a threshold ``t`` expected to keep about 2k elements; when at least k are not below ``t``,
-    every element of the k largest is among them (the k-th largest is then ≥ ``t``), and
-    ``torch.topk`` over those candidates picks them. When the sample misjudged (fewer than k
-    candidates), the whole tensor is searched, as before."""
+    ``torch.topk`` over millions of elements on one CPU thread costs more than a slow link saves
+    (docs/benchmarks.md, "Top-k's selection"). Deep Gradient Compression estimates the threshold
+    from a sample (Lin et al. 2018, sec. 3.4, "hierarchical top-k"); here the estimate only narrows
+    the search and the result stays exact: a strided sample (deterministic: every rank, every run
+    the same) gives a threshold ``t`` expected to keep about 2k elements; when at least k are not
+    below ``t``, every element of the k largest is among them (the k-th largest is then ≥ ``t``),
+    and ``torch.topk`` over those candidates picks them. When the sample misjudged (fewer than k
+    candidates), the whole tensor is searched."""
     import torch
 
     n = a.numel()
@@ -209,7 +210,7 @@ class TopK(Compressor):
         idx = largest(flat.abs(), k)
         # ascending: the decoder's writes never depend on the library's order. Sorting k indices
         # costs k log k; marking them and reading the marks back costs n: from k > n/16 on, less
-        # (at 10% of 4.2 M elements 14 ms against 38; benchmarks/topk_select.py)
+        # (benchmarks/topk_select.py times both)
         if k > flat.numel() // 16:
             mark = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
             mark[idx] = True
@@ -267,9 +268,9 @@ def _build_select() -> Any:
     does (a NaN above infinity: largest, as in ``torch.topk``). Three histogram passes (11, 10 and
     10 bits) find the k-th largest magnitude ``t`` exactly; a last pass, in index order, takes every
     element above ``t`` and, of those equal to it, the first ones, until k are taken -- the indices
-    come out ascending, with no sort. ``torch.topk`` plus the ordering costs 28 ms at 1% of 4.2 M
-    elements on one CPU thread and 83 ms at 10%; this loop 14 and 21 ms (docs/compression.md). It
-    selects what the torch path selects (up to which of equal magnitudes at the k-th it takes)."""
+    come out ascending, with no sort: a fraction of the time of ``torch.topk`` plus the ordering on
+    one CPU thread (docs/benchmarks.md, "Top-k's selection"). It selects what the torch path selects
+    (up to which of equal magnitudes at the k-th it takes)."""
     import numba
     import numpy as np
 
@@ -381,9 +382,9 @@ class Sign(Compressor):
         scale = (flat.abs().sum(dtype=torch.float64) / flat.numel()).to(torch.float32).reshape(1) if flat.numel() \
             else torch.zeros(1, dtype=torch.float32, device=flat.device)
         if flat.device.type == "cpu":  # numpy's packbits has _packbits' bit order (first element high)
-            import numpy as np  # and takes ~1 ms for 4 M elements where the torch expressions take ~20
+            import numpy as np  # and is many times faster than the torch expressions
 
-            # numpy has no bfloat16: the test in torch then (8 ms more for 4 M elements)
+            # numpy has no bfloat16: the test in torch then (slower)
             ge = (flat >= 0).numpy() if flat.dtype == torch.bfloat16 else flat.detach().numpy() >= 0
             return [torch.from_numpy(np.packbits(ge)), scale]
         return [_packbits(flat >= 0), scale]

@@ -122,9 +122,8 @@ def segments(fig: LinkFigures, nbytes: int) -> int:
     fixed cost once more, and that cost is CPU work (Python, syscalls, thread wake-ups of the host
     bridge) which the pipeline hides in wall time only when the cores are otherwise idle. Under
     DDP they are not: backward runs on the same cores while its buckets are reduced, so every
-    segment's fixed cost is paid in full (two nodes at 1 Gbit/s, docs/benchmarks.md: 16 segments
-    per 4 MiB bucket took 0.58 CPU-s per DDP step of the four ranks, one segment 0.34, for a
-    predicted gain of 2 %). Ties: fewer segments."""
+    segment's fixed cost is paid in full (measured on two nodes at 1 Gbit/s: docs/benchmarks.md,
+    "DDP steps: pipelined and in order"). Ties: fewer segments."""
     extra = segment_cost(fig)
     best, best_t, m = 1, bandwidth_time(fig, nbytes, 1), 2
     while m <= fig.max_segments and nbytes / m >= fig.min_segment_bytes:

@@ -221,7 +221,7 @@ def _lazy_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     address and returns at once; a pair of ranks connects, through the store, the first time a
     collective or a send/recv needs it -- so a group that never runs a collective between vendors
     costs nothing more, and the order in which ranks create such groups cannot deadlock them.
-    On a torch without lazy init the group connects eagerly, as before."""
+    On a torch without lazy init the group connects eagerly."""
     with _LAZY_LOCK:
         was = os.environ.get("TORCH_GLOO_LAZY_INIT")
         os.environ["TORCH_GLOO_LAZY_INIT"] = "1"

@@ -130,11 +130,10 @@ class SharedMemoryBridge:
 
     The peers meet at a barrier made of named pipes (FIFOs), one per ordered pair of peers:
     arriving, a peer writes one byte into its pipe to every other peer, then reads one byte from
-    each other peer's pipe to it (``poll`` with the collective timeout). Between two processes on
-    the development machine a gloo barrier takes 250-295 us, this one 32-34 us
-    (benchmarks/host_exchange.py, figures in docs/benchmarks.md). One byte per pair and barrier
-    keeps it exact when a fast peer's byte for the next barrier arrives early (it waits in the pipe
-    for the next read). A pipe per pair also tells which peer is gone: when a peer's process dies,
+    each other peer's pipe to it (``poll`` with the collective timeout), far cheaper than a gloo
+    barrier (docs/benchmarks.md, "Shared memory between same-node shard peers"). One byte per pair
+    and barrier keeps it exact when a fast peer's byte for the next barrier arrives early (it waits
+    in the pipe for the next read). A pipe per pair also tells which peer is gone: when a peer's process dies,
     its write ends close (the reader sees end-of-file) and its read ends close (a writer gets
     EPIPE), so the others fail at once naming it -- as gloo does on a closed connection -- instead
     of waiting for the timeout.

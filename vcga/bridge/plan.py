@@ -40,7 +40,8 @@ ALGORITHMS = ("leader", "bandwidth", "replicated")
 #: α–β figures predict fastest (:mod:`vcga.bridge.cost`, :meth:`AllReducer.measure_links <vcga.bridge.allreduce.AllReducer.measure_links>`). The
 #: rule below is what it runs when the group has measured nothing (a rank that cannot name its
 #: device): leader below BANDWIDTH_MIN_BYTES, AUTO_LARGE up to PIPELINED_MIN_BYTES, bandwidth above
-#: (the crossovers measured on one node before the model existed; docs/benchmarks.md).
+#: (the crossovers of the one-node measurements: docs/benchmarks.md, "Mixed-vendor all_reduce on
+#: one node").
 BANDWIDTH_MIN_BYTES = 1 << 20
 AUTO_LARGE = "replicated"
 #: The bandwidth algorithm pipelines a message in segments of at least this size (at most

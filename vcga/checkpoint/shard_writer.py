@@ -2,11 +2,10 @@
 
 Why a process: a background *thread* that hashes and writes a shard shares the training process's
 GIL, and every Python line of it -- DCP's planning aside, the vendor-bin loop, the checksums --
-makes the training thread wait for the GIL between its operators. Measured on 2 cores
-(docs/benchmarks.md), the steps running alongside the thread lost about as much time as the
-synchronous write itself takes. Here the training process only plans (DCP, in its background
-thread, which then sleeps on a pipe) and the bytes are hashed, written and fsynced by a child
-process with an interpreter of its own.
+makes the training thread wait for the GIL between its operators (docs/benchmarks.md,
+"Checkpointing and recovery", measures both writers' stall). Here the training process only
+plans (DCP, in its background thread, which then sleeps on a pipe) and the bytes are hashed,
+written and fsynced by a child process with an interpreter of its own.
 
 No copy crosses the process boundary. The stager puts the staged tensors in one *arena*: an
 anonymous shared-memory file (``memfd_create``) that the training process maps and hands to the

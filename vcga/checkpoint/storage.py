@@ -411,7 +411,7 @@ class VcgaStorageReader(StorageReader):
                                                 "belongs to another checkpoint", expected=pinned)
                 # A chunk that fills its whole destination, a contiguous CPU tensor of the stored
                 # dtype, is read straight into the destination's memory: no copy, and no page
-                # faults of a cold mapping (docs/benchmarks.md, "Where a cold load's time goes").
+                # faults of a cold mapping (docs/vendor-bin.md, "Piece sizes and access patterns").
                 into: dict[str, memoryview] = {}
                 direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}
                 for tname, reqs in by_tensor.items():

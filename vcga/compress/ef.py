@@ -49,7 +49,7 @@ class EFRecord:
 #: Elements an error-feedback pass works on at a time on the CPU: its seven element-wise operations
 #: then run on blocks that stay in the core's cache (5 tensors x 64 Ki float32 = 1.25 MiB) instead
 #: of streaming the whole gradient through memory once per operation, and few enough blocks that
-#: each operation's fixed cost (~5-10 us per call) stays small. Every element goes through the same
+#: each operation's fixed cost per call stays small. Every element goes through the same
 #: operations in the same order: the same bits as one pass over the whole tensor.
 BLOCK = 65536
 

@@ -93,8 +93,8 @@ def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
 
 #: Rows of ``p @ q.T`` :func:`outer_sum` forms at a time: its r products and additions then run on
 #: a block that stays in the CPU's cache (128 rows of 1024 float32 = 512 KiB) instead of streaming
-#: the whole matrix through memory r times -- 2-4x faster on a 1024 x 1024 matrix here, and the
-#: same operations on every element, so the same bits.
+#: the whole matrix through memory r times -- several times faster on a 1024 x 1024 matrix, and
+#: the same operations on every element, so the same bits.
 OUTER_BLOCK_ROWS = 128
 
 

@@ -17,7 +17,7 @@ from vcga.errors import VcgaConversionError, VcgaFormatError
 
 __all__ = ["available_formats", "format_by_name", "detect_source", "detect_target"]
 
-log = logging.getLogger("vcga.convert")  # the conversion's logger, as before the split
+log = logging.getLogger("vcga.convert")  # the package's name, the one users configure for conversion messages
 
 _SHARD_SUFFIX = re.compile(r"^(?P<stem>.*?)(?P<digits>\d+)$")
 

@@ -1,6 +1,6 @@
 """Inspecting a checkpoint: its tensors and, on request, each one's checksum checked (``vcga inspect``).
 
-Also importable from :mod:`vcga.convert`, where it was first.
+Also importable from :mod:`vcga.convert`.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ __all__ = ["Cluster", "Node", "Launch", "NodeResult", "NodesUnavailable", "parse
 
 #: The tools the harness runs (all from iproute2 and util-linux).
 TOOLS = ("ip", "tc", "unshare", "nsenter", "setpriv")
-#: tbf's queue limit expressed as time (as measured in shared/notes: 100 ms queues no drops at 1 Gbit/s).
+#: tbf's queue limit expressed as time: a queue long enough (12.5 MB at 1 Gbit/s) that the shaped
+#: link drops no packets under the bridge's streams, so TCP runs at the rate instead of backing off.
 TBF_LATENCY = "100ms"
 #: The port of the c10d rendezvous on node 0 (every node has its own network stack: always free).
 RDZV_PORT = 29400
@@ -125,8 +126,9 @@ def parse_rate(rate: str | float) -> float:
 def _tbf_burst(rate_bps: float) -> int:
     """tbf's bucket: 1 ms at the rate, at least 64 KiB (one GSO segment). A real link never sends
     faster than its rate, and what the bucket holds leaves at the veth's speed: a bucket of 8 ms at
-    1 Gbit/s made a 2 MiB transfer look twice as fast as the link (measured), which misleads any
-    measurement of the link at such sizes (the bridge's α–β figures). tbf's watchdog is an hrtimer,
+    1 Gbit/s (1 MB) lets half of a 2 MiB transfer through at once, so the transfer looks about twice
+    as fast as the link, which misleads any measurement of the link at such sizes (the bridge's
+    α–β figures). tbf's watchdog is an hrtimer,
     so a bucket this small still reaches the rate."""
     return max(64 * 1024, int(rate_bps / 8 * 0.001))
 
