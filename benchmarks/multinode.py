@@ -18,7 +18,7 @@ node), joined by a veth pair shaped with ``tc tbf`` at both ends. Ranks start th
    once), the bridge asynchronous (the default: consecutive bucket all_reduces pipelined, a
    bucket's in-node reduce-scatter and exchange overlapping the previous one's exchange and
    all-gather), the bridge asynchronous in order (``bridge_pipeline: off``, one all_reduce after
-   the other: the default before the pipeline), the bridge synchronous (``bridge_async: false``),
+   the other: the anchor of the pipeline), the bridge synchronous (``bridge_async: false``),
    flat gloo. The all_reduces are timed "in order" too. The bound: max(compute, gradient bytes / link rate); and, since DDP reduces gradients
    only while backward runs, max(compute, forward + gradient bytes / link rate) (the forward pass
    timed alone in the compute-only steps). After the timed steps every rank checks that the two
@@ -114,8 +114,8 @@ def rank_main(args: argparse.Namespace) -> None:
     for alg in ALGORITHMS:
         groups[alg] = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_algorithm=alg)))
     sync = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_async=False)))
-    # asynchronous, one collective after the other (what the default did before all_reduces were
-    # pipelined across collectives): the before of the same run
+    # asynchronous, one collective after the other: what the pipeline across collectives is
+    # measured against, in the same run
     inorder = dist.new_group(backend="vcga", pg_options=VcgaOptions(config=replace(cfg, bridge_pipeline="off")))
     groups["in order"] = inorder
     segmented = {}
