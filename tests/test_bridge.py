@@ -125,7 +125,7 @@ def test_table_json_round_trip() -> None:
 
 
 def test_combined_table_worked_out_on_demand_equals_the_whole_build() -> None:
-    """The combined table works its cells out as they are asked for (creation no longer builds all
+    """The combined table works its cells out as they are asked for (creation does not build all
     ~500): asked one cell at a time, in any order, it gives exactly the cells a builder's
     build(derive=True) gives for the same stated cells, notes included, for every pair and the
     triple of the simulated vendors' tables."""

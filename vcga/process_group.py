@@ -163,8 +163,8 @@ def _collection_deferred() -> Iterator[None]:
 
     A process that has imported torch holds some 170,000 objects, and the first few thousand
     allocations after the import -- creating a group makes that many -- trigger a full collection
-    that scans all of them: 40-90 ms of one rank's CPU (measured in fresh processes, docs/benchmarks.md
-    "Group creation"), while every other rank waits for that rank. Nothing is skipped: the
+    that scans all of them: tens of milliseconds of one rank's CPU (``gc_s`` in the JSON of
+    benchmarks/startup.py), while every other rank waits for that rank. Nothing is skipped: the
     collection runs at the next allocation after creation, outside the ranks' rendezvous.
     """
     was = gc.isenabled()

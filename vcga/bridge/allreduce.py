@@ -381,7 +381,7 @@ class AllReducer:
                 for i, kind in enumerate(kinds):
                     took[r, i, j] = timed(lambda: steps[kind](xs[n]), closing[i])  # noqa: B023 - called at once
         # The fastest empty step of all repetitions, taken off once they are all done: a first empty
-        # step slowed by the machine, taken off its own repetition, left nothing of a 2 MiB step.
+        # step slowed by the machine, taken off its own repetition, could leave nothing of a 2 MiB step.
         took[:, closing] = (took[:, closing] - empty).clamp_(min=0.0)
         # Per repetition, rows 0..G-1: each vendor group's in-group steps (each rank fills its
         # group's row); row G: the host steps, and whether this rank's set reduces through shared

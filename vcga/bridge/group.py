@@ -35,9 +35,9 @@ log = logging.getLogger("vcga.bridge")
 
 #: An all_gather of more bytes per rank than two pieces of this size travels as several all_gathers
 #: in flight at once (at most :data:`GATHER_MAX_PIECES`). gloo moves one large message per pair of
-#: ranks at ~0.6 of a shaped link's rate (8.4 MB between two nodes at 1 Gbit/s: 113 ms against the
-#: link's 67); pieces in flight keep the link busy (72 ms with 16). docs/benchmarks.md, "all_gather
-#: across nodes".
+#: ranks at ~0.6 of a shaped link's rate, and pieces in flight keep the link busy (8 MiB per rank
+#: between two nodes at 1 Gbit/s: gloo 110 ms against the link's 67, 16 pieces 80 ms; docs/benchmarks.md,
+#: "all_gather across nodes").
 GATHER_PIECE_BYTES = 512 * 1024
 GATHER_MAX_PIECES = 16
 
