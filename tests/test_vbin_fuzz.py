@@ -11,8 +11,8 @@ Four mutators, each producing a file the reader must survive:
 - ``fields``: preamble and trailer fields set to extreme values and re-checksummed.
 
 CI runs ``VCGA_FUZZ_EXAMPLES`` examples per mutator (default 150). The benchmark-sized run
-(docs/benchmarks.md) sets it to 2,500 or more: ``VCGA_FUZZ_EXAMPLES=2500 pytest tests/test_vbin_fuzz.py``
-is 10,000 mutated files.
+(docs/vendor-bin.md, "Piece sizes and access patterns") sets it to 2,500 or more:
+``VCGA_FUZZ_EXAMPLES=2500 pytest tests/test_vbin_fuzz.py`` is 10,000 mutated files.
 
 Allocation bound: peak traced allocation while reading stays under ``file size + 64 x index length
 + 64 KiB``. Tensors cost nothing (they are views of the mapping) and no claimed size is ever
