@@ -381,7 +381,7 @@ class AtomicFile:
         try:
             if not self.committed:
                 self.abort()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer cannot report; at interpreter exit any name may be gone
             pass
 
 

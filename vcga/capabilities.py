@@ -119,7 +119,8 @@ EMULATIONS: Mapping[str, str] = {
     "upcast:<dtype>": "cast to a wider dtype the library has, run natively, cast back (integers: exact, "
     "wrap-around included; low-precision floats: one rounding at the end instead of one per step)",
     "bitcast:<dtype>": "move the same bytes as <dtype> elements: a view when <dtype>'s width divides this one's, "
-    "else the bytes padded to whole <dtype> elements and cut back after the call (data movement; bool MIN/MAX as uint8)",
+    "else the bytes padded to whole <dtype> elements and cut back after the call (data movement; "
+    "bool MIN/MAX as uint8)",
     "as_real": "complex viewed as pairs of its real dtype (SUM, AVG, PREMUL_SUM and data movement)",
     "gather_then_reduce": "all-gather the raw bytes, reduce locally in rank order in the dtype itself",
 }
@@ -210,7 +211,8 @@ class CapabilityTable:
                     counts[cell.support.value] += 1
                     derived += cell.derived
         native_reduce = sorted(
-            {dt for (c, dt, op), cell in self._cells.items() if c is Collective.ALL_REDUCE and cell.support is Support.NATIVE},
+            {dt for (c, dt, op), cell in self._cells.items()
+             if c is Collective.ALL_REDUCE and cell.support is Support.NATIVE},
             key=_dtypes.ALL.index,
         )
         native_ops = sorted(
@@ -544,7 +546,8 @@ def _runs(key: CellKey, cells: Mapping[CellKey, Cell], final: AbstractSet[CellKe
     return _derive(key, cells, final) is not None
 
 
-def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell], final: AbstractSet[CellKey] = frozenset()) -> str | None:
+def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell],
+            final: AbstractSet[CellKey] = frozenset()) -> str | None:
     coll, dt, op = key
 
     def native(c: Collective, d: str, o: ReduceOp | None) -> bool:
@@ -566,9 +569,11 @@ def _derive(key: CellKey, native_cells: Mapping[CellKey, Cell], final: AbstractS
         if op is ReduceOp.PREMUL_SUM and info.kind == "f" and native(coll, dt, ReduceOp.SUM):
             return "mul_then_sum"
         if dt == "bool":
-            if op in (ReduceOp.SUM, ReduceOp.BOR) and (native(coll, "bool", ReduceOp.MAX) or native(coll, "uint8", ReduceOp.MAX)):
+            if op in (ReduceOp.SUM, ReduceOp.BOR) and (native(coll, "bool", ReduceOp.MAX)
+                                                      or native(coll, "uint8", ReduceOp.MAX)):
                 return "bool_as_max"
-            if op in (ReduceOp.PRODUCT, ReduceOp.BAND) and (native(coll, "bool", ReduceOp.MIN) or native(coll, "uint8", ReduceOp.MIN)):
+            if op in (ReduceOp.PRODUCT, ReduceOp.BAND) and (native(coll, "bool", ReduceOp.MIN)
+                                                           or native(coll, "uint8", ReduceOp.MIN)):
                 return "bool_as_min"
             if op in (ReduceOp.MAX, ReduceOp.MIN) and native(coll, "uint8", op):
                 return "bitcast:uint8"

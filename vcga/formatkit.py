@@ -86,7 +86,8 @@ def pack_tensor_metadata(metadata: Mapping[str, str], per_tensor: Mapping[str, M
     return out
 
 
-def unpack_tensor_metadata(metadata: Mapping[str, str], *, path: Any = "") -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+def unpack_tensor_metadata(metadata: Mapping[str, str], *,
+                           path: Any = "") -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """Split file-level metadata into (file metadata, per-tensor metadata).
 
     :raises VcgaFormatError: the key is present but not a JSON object of string maps.

@@ -206,7 +206,8 @@ class PyWork(dist._Work):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if all(w.is_completed() or (f is not None and f.done()) for w, f in zip(self._works, self._watched())):
+        if all(w.is_completed() or (f is not None and f.done())
+               for w, f in zip(self._works, self._watched(), strict=True)):
             try:
                 self.wait()  # every native work finished: this only runs the completion steps
             except BaseException:  # noqa: BLE001 - recorded; wait() and exception() report it

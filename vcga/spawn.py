@@ -94,7 +94,7 @@ class _Stdio:
         return (_Stdio, (fds,))
 
     def install(self) -> None:
-        for target, dup in zip((1, 2), self.fds):
+        for target, dup in zip((1, 2), self.fds, strict=False):  # made in the parent: no descriptors
             if dup is None:
                 continue
             fd = dup.detach()
@@ -106,8 +106,8 @@ class _Stdio:
 class _Process(mp_context.ForkServerProcess):
     """A forkserver process that starts and ends as a spawned one would: the parent's environment
     and stdout/stderr at ``start()``, the device extensions loaded after the fork, no hold on the
-    server's lifetime, and its atexit hooks run at the end. (Python's ``random`` reseeds itself after a fork; the server imports nothing
-    else with a global random state.)"""
+    server's lifetime, and its atexit hooks run at the end. (Python's ``random`` reseeds itself
+    after a fork; the server imports nothing else with a global random state.)"""
 
     def start(self) -> None:
         self._vcga_env = dict(os.environ)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, NamedTuple
@@ -295,7 +296,7 @@ def _remaining(stream: IO[bytes]) -> int | None:
     try:
         fd = stream.fileno()
         st = os.fstat(fd)
-        if not (st.st_mode & 0o170000) == 0o100000:  # not a regular file
+        if not stat.S_ISREG(st.st_mode):
             return None
         return st.st_size - stream.tell()
     except (OSError, AttributeError, ValueError, io.UnsupportedOperation):

@@ -211,7 +211,8 @@ class _Collective:
             return 0
         out, want = got
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
-        want_t = want.to(self.dtype) if self.dtype not in (torch.uint32, torch.uint64) else want.to(torch.int64).to(self.dtype)
+        unsigned = self.dtype in (torch.uint32, torch.uint64)
+        want_t = want.to(torch.int64).to(self.dtype) if unsigned else want.to(self.dtype)
         return int((out.detach().cpu().contiguous().view(bits) != want_t.contiguous().view(bits)).sum())
 
 
@@ -318,8 +319,9 @@ def run(spec: BenchSpec, *, device: Any, backend: str, on_rows: OnRow | None = N
     for tier, units in units_by_tier:
         mine = next((u for u in units if u.member), None)
         if tier != "world":
-            note(f"tier {tier}: " + "; ".join(f"ranks {','.join(map(str, u.ranks))} ({'+'.join(dict.fromkeys(u.backends))})"
-                                             for u in units) + " side by side")
+            note(f"tier {tier}: "
+                 + "; ".join(f"ranks {','.join(map(str, u.ranks))} ({'+'.join(dict.fromkeys(u.backends))})"
+                             for u in units) + " side by side")
         for op in spec.ops:
             redops = spec.redops if op in REDUCING else ("sum",)
             for dt in dtype_names:
@@ -349,7 +351,8 @@ def run(spec: BenchSpec, *, device: Any, backend: str, on_rows: OnRow | None = N
         "skipped": skipped,
         "out_of_bounds": sum(r.wrong for r in checked if r.wrong),
         "avg_bus_bandwidth_gbps": (sum(r.busbw_gbps for r in vcga_rows) / len(vcga_rows)) if vcga_rows else 0.0,
-        "layout": [{"rank": r, "backend": b, "node": n, "pid": p, "device": d} for r, (b, n, p, d) in enumerate(layouts)],
+        "layout": [{"rank": r, "backend": b, "node": n, "pid": p, "device": d}
+                   for r, (b, n, p, d) in enumerate(layouts)],
     }
 
 

@@ -56,7 +56,8 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(s) * scale
     except ValueError:
-        raise VcgaConfigError("size", text, "a byte count with an optional K, M or G suffix (binary), e.g. 8, 1K, 32M") from None
+        raise VcgaConfigError("size", text,
+                              "a byte count with an optional K, M or G suffix (binary), e.g. 8, 1K, 32M") from None
     if value < 0 or not math.isfinite(value):
         raise VcgaConfigError("size", text, "a byte count >= 0")
     return int(value)

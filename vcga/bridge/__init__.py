@@ -25,8 +25,9 @@ their simulated stand-ins), :func:`vcga.pg.transport.make_transport` hands over 
 Inside a vendor group every step goes through that vendor's own :class:`~vcga.pg.dispatch.Dispatcher`
 (its capability table, its emulations: CNCL's fp64 is reduced on the host in fp64, not by CNCL as
 fp32). Across vendor groups bytes travel through gloo on the host (or shared memory, for shard
-peers on one node) and reductions are computed on the host in the tensor's dtype, in plan order; each cross-vendor result is computed from the same
-bytes by the same operations in the same order on every peer and then copied, so every rank ends
+peers on one node) and reductions are computed on the host in the tensor's dtype, in plan order;
+each cross-vendor result is computed from the same bytes by the same operations in the same order
+on every peer and then copied, so every rank ends
 with the same bits. Algorithms and error bounds: ``docs/bridge.md``.
 
 Modules: :mod:`vcga.bridge.plan` (the plan and the combined table: pure, no torch),
@@ -64,18 +65,22 @@ from vcga.bridge.plan import (
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO_LARGE",
     "BANDWIDTH_MIN_BYTES",
     "BridgeGroup",
     "BridgeTransport",
+    "PIPELINED_MIN_BYTES",
     "Plan",
     "VendorGroup",
     "combined_table",
     "create_bridge_transport",
+    "group_route",
     "link_classes",
     "make_plan",
     "node_name",
     "plan_for_layout",
     "reduction_routes",
+    "table_digest",
     "table_from_json",
     "table_from_wire",
     "table_to_wire",

@@ -32,8 +32,9 @@ in-group step, since every group must finish it):
   than they hide. In a group that pipelines consecutive all_reduces (docs/bridge.md, "Pipelining
   across collectives") the bandwidth algorithm is predicted per all_reduce of such a stream
   (``stream``): ``m·max(r, b)``, each stage busy on its own thread and communicators -- what a DDP
-  step's buckets cost, one after the other (from ``STREAM_MIN_BYTES``, 1 MiB); ``m`` stays the count chosen for one all_reduce alone
-  (one segment would make a large message alone wait for its whole reduce-scatter first).
+  step's buckets cost, one after the other (from ``STREAM_MIN_BYTES``, 1 MiB); ``m`` stays the
+  count chosen for one all_reduce alone (one segment would make a large message alone wait for its
+  whole reduce-scatter first).
 
 The chosen algorithm is the cheapest prediction (ties: leader, then bandwidth, then replicated).
 """
@@ -46,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "segment_cost", "bandwidth_time", "FIGURES_VERSION", "SIZES",
-           "GROUP_KINDS", "BRIDGE_KINDS"]
+__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "segment_cost",
+           "bandwidth_time", "FIGURES_VERSION", "SIZES", "GROUP_KINDS", "BRIDGE_KINDS"]
 
 #: Bumped when the figures' meaning changes (a cache keyed on it drops older entries).
 FIGURES_VERSION = 1
@@ -69,7 +70,7 @@ class AlphaBeta:
     """``time(bytes) = alpha_s + bytes / beta_Bps``."""
 
     alpha_s: float
-    beta_Bps: float
+    beta_Bps: float  # noqa: N815 - B is bytes (bps would be bits); a public field and JSON key
 
     def time(self, nbytes: float) -> float:
         return self.alpha_s + nbytes / self.beta_Bps
@@ -203,7 +204,8 @@ def predict(fig: LinkFigures, nbytes: int, stream: bool = False) -> dict[str, fl
     return out
 
 
-def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str, stream: bool = False) -> dict[str, dict[str, Any]]:
+def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str,
+            stream: bool = False) -> dict[str, dict[str, Any]]:
     """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s", "segments"}}``
     (segments: the bandwidth algorithm's pipeline depth, where it is a choice; what
     ``describe()["calibration"]["choice"]`` and ``vcga info --plan --figures`` show)."""

@@ -310,11 +310,12 @@ def _read_published(bstore: Any, layout: Layout | None, plan: Plan, backend: Bac
     key is in the store and nothing here waits."""
     assert layout is not None
     digests = {f.name: f.digest for f in layout.backends}
-    wanted = [digests[g.backend] for g in plan.groups if g.backend != backend.name and digests[g.backend] not in _TABLES]
+    wanted = [digests[g.backend] for g in plan.groups
+              if g.backend != backend.name and digests[g.backend] not in _TABLES]
     wanted = list(dict.fromkeys(wanted))
     keys = [f"table/{d}" for d in wanted] + (["figures"] if figures else [])
     values = bstore.multi_get(keys) if keys else []
-    for d, v in zip(wanted, values):
+    for d, v in zip(wanted, values, strict=False):  # values ends with the figures when they were asked for
         name = next(f.name for f in layout.backends if f.digest == d)
         _TABLES[d] = table_from_wire(name, zlib.decompress(v))
     decided = json.loads(values[-1]) if figures else {}
@@ -422,7 +423,7 @@ def _create_native(bstore: Any, store: Any, plan: Plan, rank: int, backend: Back
         if status["state"] == "ok":
             _shutdown(result.get("pg"))
             _shutdown(result.get("pg2"))
-        who = "; ".join(f"rank {gr[r]} ({s['backend']}): {s['reason']}" for r, s in zip(ranks, statuses))
+        who = "; ".join(f"rank {gr[r]} ({s['backend']}): {s['reason']}" for r, s in zip(ranks, statuses, strict=True))
         err = VcgaBackendUnavailable(
             "vcga", f"mixed-vendor group: the native process group could not be created on {who}. Fix or exclude "
                     "those ranks (see `vcga info` on their nodes), or give them another backend (VCGA_BACKEND)")

@@ -149,7 +149,7 @@ class SharedMemoryBridge:
         self.names = list(names) or [f"shard peer {q}" for q in range(peers)]
         self._mm, self._in, self._out = mm, pipes_in, pipes_out
         self._from = {fd: q for q, fd in pipes_in.items()}
-        self._to = list(zip([q for q in range(peers) if q != me], pipes_out))  # (peer, write end)
+        self._to = list(zip([q for q in range(peers) if q != me], pipes_out, strict=True))  # (peer, write end)
         self._one = b"\1"
         #: (set, peer) -> [sequence number, bytes] of the piece in that slot: checked after each
         #: barrier, so peers that disagree on what they reduce fail loudly instead of mixing data

@@ -185,7 +185,8 @@ class Plan:
             "collectives": {
                 "all_reduce": {size_name(s): a for s, a in lead.items()},
                 "reduce": {size_name(s): a + " (all_reduce, result kept at the root)" for s, a in lead.items()},
-                "reduce_scatter": {size_name(s): a + " (all_reduce, each rank keeps its chunk)" for s, a in lead.items()},
+                "reduce_scatter": {size_name(s): a + " (all_reduce, each rank keeps its chunk)"
+                                   for s, a in lead.items()},
                 "broadcast": "in root's vendor group, leaders over the bridge, then in every other vendor group",
                 "all_gather": "host bridge (gloo, whole group, bytes)",
                 "gather": "host bridge (gloo, whole group, bytes)",
@@ -219,7 +220,7 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
         if cell.support is Support.REFUSED:
             row["note"] = cell.note
         else:
-            for g, t in zip(plan.groups, tables):
+            for g, t in zip(plan.groups, tables, strict=True):
                 own = t.lookup(Collective.ALL_REDUCE, reduced, op)
                 row["groups"].append({"backend": g.backend, "route": group_route(t, reduced, op),
                                       "library_cell": own.support.value, "library_via": own.via})
@@ -228,7 +229,8 @@ def reduction_routes(plan: Plan, tables: Sequence[CapabilityTable], dtypes: Sequ
     return rows
 
 
-def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str], algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
+def plan_for_layout(backends: Sequence[Backend], nodes: Sequence[str],
+                    algorithm: str = "auto") -> tuple[Plan, list[CapabilityTable]]:
     """The plan and vendor-group tables that ranks running ``backends`` (one per rank) on ``nodes``
     would compute -- the same facts :func:`vcga.pg.transport.make_transport` publishes, without
     creating any group (``vcga info --plan``)."""
@@ -295,7 +297,8 @@ def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
     for name, ranks in by_backend.items():
         kinds = {(peers[r]["vendor"], peers[r]["device_type"]) for r in ranks}
         if len(kinds) > 1:
-            raise VcgaConfigError("backend", name, f"one vendor and device type per backend name; ranks report {sorted(kinds)}")
+            raise VcgaConfigError("backend", name,
+                                  f"one vendor and device type per backend name; ranks report {sorted(kinds)}")
     groups = []
     for name, ranks in by_backend.items():
         ordered = sorted(ranks, key=lambda r: (node_order[peers[r].get("node", "")], r))
@@ -332,8 +335,9 @@ def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTa
     A reducing cell (all_reduce, reduce, reduce_scatter) is native when the host can reduce the
     dtype exactly (:data:`HOST_REDUCIBLE`), the op is one the bridge implements, and every vendor
     group has a route for it (:func:`group_route`: its library reduces it, or it can at least move
-    it and its leader reduces the raw bytes on the host). A broadcast is native when every vendor group can broadcast the dtype;
-    the other data movement goes through the host bridge as bytes and is native for every dtype.
+    it and its leader reduces the raw bytes on the host). A broadcast is native when every vendor
+    group can broadcast the dtype; the other data movement goes through the host bridge as bytes and
+    is native for every dtype.
     Every other cell is refused with the refusing vendors' reasons, non-final, so the standard
     emulations are derived on top: AVG = SUM then divide, PREMUL_SUM = scale then SUM, fp16/bf16/fp8
     through fp32 (accumulated across vendors in fp32), complex as real pairs.
@@ -343,7 +347,8 @@ def combined_table(name: str, tables: Sequence[CapabilityTable]) -> CapabilityTa
     """
     tables = list(tables)
     backends = ", ".join(t.backend for t in tables)
-    routes: dict[tuple[int, str, ReduceOp], str | None] = {}  # group_route per (table, dtype, op): once, not per collective
+    # group_route per (table, dtype, op): once, not per collective
+    routes: dict[tuple[int, str, ReduceOp], str | None] = {}
 
     def stated(key: CellKey) -> Cell:
         coll, dt, op = key

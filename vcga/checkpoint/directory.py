@@ -260,7 +260,7 @@ def _torch_tensor_chunk(view: memoryview, where: str) -> tuple[str, tuple[int, .
     for s in ref.size:
         numel *= s
     if numel:
-        last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride))
+        last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=True))
         if (last + 1) * itemsize > raw.nbytes:
             raise VcgaFormatError(where, "chunk view runs past its storage")
         base = np.frombuffer(raw, dtype=np.uint8)
@@ -406,7 +406,7 @@ class DcpDirectoryReader(ReaderContext):
             off, size = tuple(getattr(c, "offsets", ()) or ()), tuple(getattr(c, "sizes", ()) or ())
             if (len(off) != len(shape) or len(size) != len(shape)
                     or not all(type(v) is int and v >= 0 for v in (*off, *size))
-                    or any(o + s > d for o, s, d in zip(off, size, shape))):
+                    or any(o + s > d for o, s, d in zip(off, size, shape, strict=True))):
                 raise VcgaFormatError(where, f"tensor {fqn!r}: chunk at {list(off)} of size {list(size)} lies outside "
                                       f"its shape {list(shape)}")
             loc = storage.get((fqn, off))
@@ -489,7 +489,7 @@ class DcpDirectoryReader(ReaderContext):
                 if dtype != t.dtype or shape != size:
                     raise VcgaFormatError(where, f"holds {dtype} {list(shape)} where the metadata says {t.dtype} "
                                           f"{list(size)}")
-            out[tuple(slice(o, o + s) for o, s in zip(off, size))] = arr
+            out[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))] = arr
             del arr
         return memoryview(out.reshape(-1))
 
@@ -575,7 +575,8 @@ def _overlap(chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], Any]]) -> 
         for b_off, b_size in boxes[i + 1:]:
             if a_off and b_off and b_off[0] >= a_off[0] + a_size[0]:
                 break  # sorted by the first offset: no later box reaches back into this one
-            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)):
+            if all(bo < ao + asz and ao < bo + bsz
+                   for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size, strict=True)):
                 return True
     return False
 

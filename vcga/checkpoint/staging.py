@@ -140,7 +140,7 @@ def _rehome(cache: dict[str, Any], sources: list[torch.Tensor]) -> _Arena:
         size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     arena = _Arena(size)
     storage = arena.base_tensor.untyped_storage()
-    for t, off in zip(bufs, offsets):
+    for t, off in zip(bufs, offsets, strict=True):
         t.set_(storage, off // t.element_size(), t.shape)  # contiguous, as torch.empty made it
     return arena
 

@@ -31,7 +31,7 @@ def plot_rows(rows: list[Any], path: str) -> None:
         raise ValueError("nothing was measured, nothing to plot")
     fig, axes = plt.subplots(1, len(ops), figsize=(5.6 * len(ops), 4.4), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, op in zip(axes[0], ops):
+    for ax, op in zip(axes[0], ops, strict=True):
         series: dict[tuple[str, str, str, str], list[Any]] = {}
         for r in rows:
             if r.op == op and r.size_bytes > 0 and not r.in_place:

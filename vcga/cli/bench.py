@@ -38,7 +38,8 @@ def _ops(values: tuple[str, ...]) -> tuple[str, ...]:
         elif key in OPS:
             out.append(key)
         else:
-            raise click.BadParameter(f"{v!r} is not a collective; use {', '.join(OPS)} or all", param_hint="COLLECTIVES")
+            raise click.BadParameter(f"{v!r} is not a collective; use {', '.join(OPS)} or all",
+                                     param_hint="COLLECTIVES")
     return tuple(dict.fromkeys(out)) or ("all_reduce",)
 
 
@@ -48,10 +49,13 @@ def _under_torchrun() -> bool:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("collectives", nargs=-1, metavar="[COLLECTIVE]...")
-@click.option("-b", "--minbytes", default="32M", show_default=True, help="Smallest size (bytes; K, M, G suffixes, binary).")
+@click.option("-b", "--minbytes", default="32M", show_default=True,
+              help="Smallest size (bytes; K, M, G suffixes, binary).")
 @click.option("-e", "--maxbytes", default="32M", show_default=True, help="Largest size.")
-@click.option("-f", "--stepfactor", type=click.IntRange(min=1), default=None, help="Multiply the size by this between rows.")
-@click.option("-i", "--stepbytes", default=None, help="Add this many bytes between rows (when no stepfactor; default 1M).")
+@click.option("-f", "--stepfactor", type=click.IntRange(min=1), default=None,
+              help="Multiply the size by this between rows.")
+@click.option("-i", "--stepbytes", default=None,
+              help="Add this many bytes between rows (when no stepfactor; default 1M).")
 @click.option("-n", "--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed calls per row.")
 @click.option("-w", "--warmup_iters", "--warmup-iters", "warmup_iters", type=click.IntRange(min=0), default=1,
               show_default=True, help="Untimed calls per size before the measurement.")
@@ -60,7 +64,8 @@ def _under_torchrun() -> bool:
 @click.option("-d", "--datatype", default="float", show_default=True,
               help="int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16, or all.")
 @click.option("-o", "--op", "redop", default="sum", show_default=True, help="sum, prod, max, min, avg, or all.")
-@click.option("-r", "--root", type=click.IntRange(min=0), default=0, show_default=True, help="Root of broadcast and reduce.")
+@click.option("-r", "--root", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Root of broadcast and reduce.")
 @click.option("--nranks", type=click.IntRange(min=1, max=256), default=None,
               help="Spawn this many local ranks (default 2; under torchrun its world is used).")
 @click.option("--backend", default=None, metavar="NAME", help="VCGA backend of every rank (gloo, nccl, sim-hccl, ...).")
@@ -72,7 +77,8 @@ def _under_torchrun() -> bool:
               help="Measure each tier of the bridge by itself (default: on in mixed or multi-node worlds).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=None,
               help="Collective timeout in seconds (default: the config's).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON object with `rows` on stdout (the table goes to stderr).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON object with `rows` on stdout (the table goes to stderr).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV rows on stdout (the table goes to stderr).")
 @click.option("--plot", "plot", default=None, type=click.Path(dir_okay=False), metavar="FILE.png|svg",
               help="Plot busbw against size per collective and group (needs matplotlib: pip install 'vcga[plot]').")
@@ -171,7 +177,8 @@ def _rank_env(backend: str | None, vendors: str | None, timeout: float | None) -
     return env
 
 
-def _run_here(spec: Any, backend: str | None, vendors: str | None, timeout: float | None, table: _Table) -> dict[str, Any]:
+def _run_here(spec: Any, backend: str | None, vendors: str | None, timeout: float | None,
+              table: _Table) -> dict[str, Any]:
     """Under torchrun: this process is one rank; rank 0 prints."""
     import vcga
     from vcga.bench import runner as lib
@@ -276,7 +283,8 @@ class _Table:
         self._out(f"#  {text}")
 
     def _columns(self, tier: str) -> None:
-        head1 = f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}           out-of-place                       in-place          "
+        head1 = (f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}"
+                 "           out-of-place                       in-place          ")
         head2 = (f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>7}  {'algbw':>6}  "
                  f"{'busbw':>6}  {'#wrong':>6}  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}")
         head3 = (f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>7}  {'(GB/s)':>6}  "

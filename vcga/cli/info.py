@@ -41,7 +41,7 @@ def collect(verbose: bool = False) -> dict[str, Any]:
             entry["capabilities"] = table.summary()
             if verbose:
                 entry["capability_cells"] = table.to_json()
-        except Exception as e:  # isolation: one plugin's broken table must not hide the others
+        except Exception as e:  # noqa: BLE001 - isolation: one plugin's broken table must not hide the others
             entry["capabilities"] = None
             entry["capabilities_error"] = f"{type(e).__name__}: {e}"
         out["backends"].append(entry)
@@ -84,7 +84,8 @@ def _render(data: dict[str, Any]) -> None:
             c = caps["cells"]
             counts = f"{c['native']}/{c['emulated']}/{c['refused']}"
             derived = str(caps.get("derived_cells", ""))
-            ops = " ".join(caps["all_reduce_native_ops"]).replace("PRODUCT", "PROD").replace("PREMUL_SUM", "PREMUL") or "-"
+            ops = (" ".join(caps["all_reduce_native_ops"]).replace("PRODUCT", "PROD").replace("PREMUL_SUM", "PREMUL")
+                   or "-")
         else:
             counts, derived, ops = "[red]error[/red]", "", b.get("capabilities_error", "-")
         lib = b["dist_backend"] + (f" (sim {b['stands_for']})" if b.get("simulated") else "")
@@ -213,7 +214,8 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
                 raise VcgaConfigError("sim_vendors", config.sim_vendors, "a loaded plugin that lays out simulated "
                                       "vendors (vcga.plugins.sim; is plugin autoload or VCGA_PLUGINS excluding it?)")
             names.append(name)
-        source = f"sim_vendors {config.sim_vendors}" + (f", backend {config.backend}" if config.backend != "auto" else "")
+        source = (f"sim_vendors {config.sim_vendors}"
+                  + (f", backend {config.backend}" if config.backend != "auto" else ""))
     size = len(names)
     if nodes is not None:
         if nodes < 1 or size % nodes:
@@ -325,9 +327,9 @@ def render_plan(data: dict[str, Any]) -> str:
     lines.append("vendor groups (bridge order)")
     w = max(len(g["backend"]) for g in p["groups"])
     for g in p["groups"]:
-        lines.append(f"  {g['index']}  {g['backend']:<{w}}  {g['vendor']}/{g['device_type']}  ranks {_ranks(g['ranks'])}"
-                     f"  leader {g['leader']}  node {','.join(g['nodes'])}")
-    peers = "  ".join(f"[{_ranks(s)}] {how}" for s, how in zip(p["shard_peers"], data["shard_exchange"]))
+        lines.append(f"  {g['index']}  {g['backend']:<{w}}  {g['vendor']}/{g['device_type']}"
+                     f"  ranks {_ranks(g['ranks'])}  leader {g['leader']}  node {','.join(g['nodes'])}")
+    peers = "  ".join(f"[{_ranks(s)}] {how}" for s, how in zip(p["shard_peers"], data["shard_exchange"], strict=True))
     lines.append(f"shard peers (a host bridge group each): {peers}" if len(p["shard_peers"]) > 1 else
                  f"leaders' bridge group (unequal vendor groups: no shard peers): {peers}")
     lines.append("")
@@ -354,7 +356,8 @@ def render_plan(data: dict[str, Any]) -> str:
     for size, alg in p["collectives"]["all_reduce"].items():
         lines.append(f"  {size:>7}  {alg}")
     if any("measured" in a for a in p["collectives"]["all_reduce"].values()):
-        lines.append("  (measured: the group runs the algorithm its α–β link figures predict fastest -- rank 0's cached")
+        lines.append("  (measured: the group runs the algorithm its α–β link figures predict fastest -- "
+                     "rank 0's cached")
         lines.append("   figures for this topology, else timed at creation and cached; describe()['calibration'];")
         lines.append("   --figures FILE shows saved figures, --calibrate measures them on this host now)")
     lines.append("other collectives")
@@ -384,7 +387,7 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 
     lines.append(f"α–β figures ({f['file']}; time = α + bytes/β per step; shard peers exchange through "
                  f"{fig['exchange']})")
-    for g, steps in zip(data["plan"]["groups"], fig["groups"]):
+    for g, steps in zip(data["plan"]["groups"], fig["groups"], strict=True):
         lines.append(f"  {g['backend']} ({classes.get(g['backend'], 'in-vendor')}): "
                      + "; ".join(f"{k} {ab(v)}" for k, v in steps.items()))
     lines.append(f"  between vendor groups ({classes.get('bridge', '?')}): "
@@ -407,7 +410,8 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 @click.option("--backend", "only", multiple=True, metavar="NAME", help="With --cells: only this backend (repeatable).")
 @click.option("--plan", "plan", is_flag=True,
               help="Show the mixed-vendor plan (vendor groups, leaders, shard peers, routes, algorithm per size).")
-@click.option("--vendors", metavar="SPEC", help="With --plan: simulated vendors, VCGA_SIM_VENDORS syntax (nccl:2,hccl:2).")
+@click.option("--vendors", metavar="SPEC",
+              help="With --plan: simulated vendors, VCGA_SIM_VENDORS syntax (nccl:2,hccl:2).")
 @click.option("--backends", metavar="SPEC", help="With --plan: registered backends per rank (nccl:8,hccl:8).")
 @click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
 @click.option("--figures", metavar="FILE", help="With --plan: measured α–β link figures (JSON): show them and "

@@ -22,9 +22,9 @@ from typing import Any
 
 from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, configured_spec, parse_spec
 
-__all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "configured_spec", "compressors", "ddp_hook", "CompressionState",
-           "Reducer", "Exchange", "Topology", "Layout", "create_compressor", "ErrorFeedback", "WireMeter",
-           "sent_bytes", "LinkCost", "CompressCost"]
+__all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "configured_spec", "compressors", "ddp_hook",
+           "CompressionState", "Reducer", "Exchange", "Topology", "Layout", "create_compressor", "ErrorFeedback",
+           "WireMeter", "sent_bytes", "LinkCost", "CompressCost"]
 
 _LAZY = {
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",

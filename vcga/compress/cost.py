@@ -40,7 +40,7 @@ class LinkCost:
 
     name: str
     alpha_s: float
-    beta_Bps: float
+    beta_Bps: float  # noqa: N815 - B is bytes (bps would be bits); a public field and JSON key
     source: str = "nominal"
 
     def time(self, sent: float, collectives: int = 1) -> float:
@@ -140,7 +140,7 @@ def measure_compressor(compressor: Any, dtype: Any = None, sizes: tuple[int, int
             side = max(2, int(math.isqrt(n)))
             x = torch.randn(side, side, generator=g, dtype=torch.float32).to(dtype)
 
-        def once() -> None:
+        def once(x: torch.Tensor = x) -> None:
             state: dict[str, Any] = {}
             ctx = CompressContext(peers, 0, 0, 1)
             out = None

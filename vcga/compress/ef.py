@@ -161,7 +161,8 @@ class ErrorFeedback:
             return
         hi, lo = saved
         if hi.shape != lo.shape or hi.dtype != lo.dtype:
-            raise ValueError(f"a residual's two parts differ: {tuple(hi.shape)} {hi.dtype} and {tuple(lo.shape)} {lo.dtype}")
+            raise ValueError(f"a residual's two parts differ: {tuple(hi.shape)} {hi.dtype} and "
+                             f"{tuple(lo.shape)} {lo.dtype}")
         c = torch.contiguous_format
         self.hi, self.lo = hi.contiguous(memory_format=c), lo.contiguous(memory_format=c)
         self._x = torch.empty_like(self.hi, memory_format=c)  # input()'s output buffer

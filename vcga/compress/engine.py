@@ -11,8 +11,9 @@ Scope ``bridge`` (``docs/compression.md`` has the pictures):
    creation): inside one, links are the vendor's own (NVLink, HCCS, shared memory); between them
    runs the slow hop (the host bridge between vendors, Ethernet between nodes).
 2. Islands of equal size k: the buffer is cut into k equal parts (element ranges; a compressor
-   that needs shapes sees the parameters in its part, or their rows: :meth:`Reducer.pieces`); a **reduce-scatter inside each island** (exact, the vendor's
-   library) leaves part i, summed over the island, on local rank i; the **local ranks i of all
+   that needs shapes sees the parameters in its part, or their rows: :meth:`Reducer.pieces`); a
+   **reduce-scatter inside each island** (exact, the vendor's library) leaves part i, summed over
+   the island, on local rank i; the **local ranks i of all
    islands** (the shard peers) sum it across islands *compressed*; an **all-gather inside each
    island** copies the parts back. Every island link carries its share; the slow hop carries each
    part once, compressed, from every island in parallel (as the bridge's bandwidth algorithm).
@@ -219,7 +220,7 @@ class Reducer:
         for i in range(1, k):
             target = i * n / k
             j = bisect.bisect_left(offsets, target)
-            near = [o for o in offsets[max(j - 1, 0):j + 1]]
+            near = list(offsets[max(j - 1, 0):j + 1])
             best = min(near, key=lambda o: (abs(o - target), o)) if near else 0
             cuts.append(max(best, cuts[-1]))
         cuts.append(n)
@@ -235,7 +236,8 @@ class Reducer:
         return out
 
     @staticmethod
-    def pieces(shapes: Sequence[tuple[int, ...]], offsets: Sequence[int], a: int, b: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    def pieces(shapes: Sequence[tuple[int, ...]], offsets: Sequence[int], a: int,
+               b: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """The tensors a compressor that needs shapes sees for elements [a, b) of a bucket: (parameter
         index, start in the bucket, shape) -- whole parameters, or, where a part boundary cuts a
         matrix, its whole rows in the range as a matrix of their own (PowerSGD compresses it on its
@@ -246,7 +248,7 @@ class Reducer:
         parameters would hand the whole of a bucket's one large matrix (DDP's usual bucket) to one
         rank and make the others pad their parts to its size."""
         out = []
-        for j, (s, o) in enumerate(zip(shapes, offsets)):
+        for j, (s, o) in enumerate(zip(shapes, offsets, strict=True)):
             n = math.prod(s)
             lo, hi = max(a, o), min(b, o + n)
             if hi <= lo:
@@ -349,7 +351,7 @@ class Reducer:
         device = per[0][0].flat.device
         widths = [max(nb for nb, _ in p.plan) for p, _ in per]  # type: ignore[union-attr]
         mine: list[torch.Tensor] = []
-        for (p, forms), width in zip(per, widths):
+        for (_, forms), width in zip(per, widths, strict=True):
             got = [_as_bytes(t.to(device)) for form in forms for t in form]
             pad = width - sum(t.numel() for t in got)
             mine.extend(got)
@@ -363,7 +365,7 @@ class Reducer:
         dev = torch.device("cpu") if self.exchange.host_decode else device
         rows = rows.view(k, total)
         base = 0
-        for (p, _), width in zip(per, widths):
+        for (p, _), width in zip(per, widths, strict=True):
             for j, (_, items) in enumerate(p.plan):  # type: ignore[union-attr]
                 if j == self.local:
                     continue
@@ -473,8 +475,8 @@ class Reducer:
                     all_gather_single(rows, p.part, group=self.island_group)
                     for i in range(k):
                         p.flat[p.cuts[i]:p.cuts[i + 1]] = rows[i * p.width:i * p.width + p.cuts[i + 1] - p.cuts[i]]
-        sums = [(key, view) for p in pending for key, view in zip(p.keys, p.views)]  # this rank's share
-        dropped = [key for (key, _), ok in zip(sums, _finite_each([v for _, v in sums])) if not ok]
+        sums = [(key, view) for p in pending for key, view in zip(p.keys, p.views, strict=True)]  # this rank's share
+        dropped = [key for (key, _), ok in zip(sums, _finite_each([v for _, v in sums]), strict=True) if not ok]
         if dropped:
             self._restart(dropped)
 

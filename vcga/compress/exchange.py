@@ -32,7 +32,8 @@ def mix_seed(*parts: int | str) -> int:
     """A 63-bit seed from integers and strings (splitmix64 over a stable hash): the same on every rank."""
     h = 0x9E3779B97F4A7C15
     for p in parts:
-        v = p if isinstance(p, int) else int.from_bytes(str(p).encode()[:32].ljust(8, b"\0")[:8], "little") ^ len(str(p))
+        v = (p if isinstance(p, int)
+             else int.from_bytes(str(p).encode()[:32].ljust(8, b"\0")[:8], "little") ^ len(str(p)))
         h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
@@ -202,7 +203,7 @@ class Exchange:
         if self.peers <= 1 or self.group is None:
             return None
         xs = []
-        for t, k in zip(tensors, keys):
+        for t, k in zip(tensors, keys, strict=True):
             slot = self.slot(k)
             xs.append(slot.ef.input(t) if slot.ef is not None else t)
         got: list[list[torch.Tensor]] | None = [] if forms and self.c.combine is Combine.SUM else None
@@ -212,7 +213,7 @@ class Exchange:
             outs = self._run_two_phase(xs, keys, step)
         else:
             outs = self._run_gather(xs, keys, step)
-        for t, o in zip(tensors, outs):
+        for t, o in zip(tensors, outs, strict=True):
             t.copy_(o.reshape(t.shape))
         return got
 
@@ -249,7 +250,8 @@ class Exchange:
             raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "
                             f"its {c.rounds} round(s)")
         if forms is not None:  # before the next call of any kind can touch the state
-            forms.extend(c.decoded_form(o, self.slot(k).state) for o, k in zip(out, keys))  # type: ignore[arg-type]
+            forms.extend(c.decoded_form(o, self.slot(k).state)  # type: ignore[arg-type]
+                         for o, k in zip(out, keys, strict=True))
         if not ef_done:  # every tensor decoded before the last round (PowerSGD: all of them 1-D)
             self._update_ef(xs, keys, step, last_payload)
         return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
@@ -328,7 +330,7 @@ class Exchange:
 
     def _run_gather(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int) -> list[torch.Tensor]:
         c = self.c
-        payloads = [c.compress(x, self.slot(k).state, self.ctx(k, step)) for x, k in zip(xs, keys)]
+        payloads = [c.compress(x, self.slot(k).state, self.ctx(k, step)) for x, k in zip(xs, keys, strict=True)]
         packed = [self._pack(pl) for pl in payloads]
         sizes = [p.numel() for p in packed]
         mine = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8)
@@ -337,7 +339,7 @@ class Exchange:
         rows = self._decode_device(rows).view(self.peers, -1)
         outs = []
         off = 0
-        for i, (x, k) in enumerate(zip(xs, keys)):
+        for i, (x, k) in enumerate(zip(xs, keys, strict=True)):
             slot = self.slot(k)
             like = [self._decode_device(t) for t in payloads[i]]
             total = None
@@ -362,28 +364,28 @@ class Exchange:
         """1-bit Adam's compressed allreduce, for any element-wise GATHER compressor: worker payloads
         of chunk j go to peer j (all_to_all); peer j decodes and adds them in peer order, compresses
         the sum again with its server-side error feedback; the server payloads are all-gathered."""
-        c, P, me = self.c, self.peers, self.peer
+        c, peers, me = self.c, self.peers, self.peer
         flat = [x.reshape(-1) for x in xs]
         bounds = [self._chunks(f.numel()) for f in flat]
         # phase 1: worker payloads, chunk j of every tensor to peer j
         work: list[list[list[torch.Tensor]]] = []  # [tensor][chunk] -> payload
-        for f, k, bs in zip(flat, keys, bounds):
+        for f, k, bs in zip(flat, keys, bounds, strict=True):
             slot = self.slot(k)
             work.append([c.compress(f[a:b], slot.chunks.setdefault(j, {}), self.ctx((k, j), step))
                          if b > a else [] for j, (a, b) in enumerate(bs)])
         send_parts, in_splits = [], []
-        for j in range(P):
+        for j in range(peers):
             part = [self._pack(work[i][j]) for i in range(len(flat))]
             send_parts.extend(part)
             in_splits.append(sum(p.numel() for p in part))
         mine_sizes = [self._pack(work[i][me]).numel() for i in range(len(flat))]
         dev = flat[0].device if flat else torch.device("cpu")
         send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=dev)
-        recv = torch.empty(P * sum(mine_sizes), dtype=torch.uint8, device=send.device)
-        self._all_to_all(recv, send, [sum(mine_sizes)] * P, in_splits)
-        recv = self._decode_device(recv).view(P, -1) if recv.numel() else recv.view(P, 0)
+        recv = torch.empty(peers * sum(mine_sizes), dtype=torch.uint8, device=send.device)
+        self._all_to_all(recv, send, [sum(mine_sizes)] * peers, in_splits)
+        recv = self._decode_device(recv).view(peers, -1) if recv.numel() else recv.view(peers, 0)
         # worker error feedback: what this rank sent is its own payloads, decoded
-        for i, (x, k) in enumerate(zip(xs, keys)):
+        for i, (x, k) in enumerate(zip(xs, keys, strict=True)):
             slot = self.slot(k)
             if slot.ef is not None:
                 sent = torch.zeros_like(flat[i])
@@ -405,7 +407,7 @@ class Exchange:
             like = [self._decode_device(t) for t in work[i][me]]
             total = None
             wst = slot.chunks[me]  # chunk me's worker state: the peers' payloads have its shape
-            for p in range(P):
+            for p in range(peers):
                 pl = self._unpack(recv[p, off:off + mine_sizes[i]], like)
                 total = (c.decompress(pl, wst, self.ctx((k, me), step)).reshape(-1) if total is None
                          else c.decompress_add(pl, total, wst, self.ctx((k, me), step)))
@@ -418,13 +420,13 @@ class Exchange:
                 ef.update(ys, c.decompress([self._decode_device(t) for t in pl], st, ctx).reshape(-1).to(ys.device))
             server_payloads.append(pl)
         # phase 2: all-gather the server payloads (padded to the largest chunk's)
-        width = [[self._pack(work[i][j]).numel() for j in range(P)] for i in range(len(flat))]
-        row = max((sum(w[j] for w in width) for j in range(P)), default=0)
+        width = [[self._pack(work[i][j]).numel() for j in range(peers)] for i in range(len(flat))]
+        row = max((sum(w[j] for w in width) for j in range(peers)), default=0)
         mine = torch.cat([self._pack(pl) for pl in server_payloads] +
                          [torch.zeros(row - sum(w[me] for w in width), dtype=torch.uint8, device=dev)])
-        rows = torch.empty(P * row, dtype=torch.uint8, device=mine.device)
+        rows = torch.empty(peers * row, dtype=torch.uint8, device=mine.device)
         self._all_gather(rows, mine)
-        rows = self._decode_device(rows).view(P, -1) if rows.numel() else rows.view(P, 0)
+        rows = self._decode_device(rows).view(peers, -1) if rows.numel() else rows.view(peers, 0)
         outs = []
         for i, k in enumerate(keys):
             out = torch.zeros_like(self._decode_device(flat[i]))

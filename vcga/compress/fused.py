@@ -46,7 +46,7 @@ T = TypeVar("T")
 def _compile() -> Any:
     import numba
 
-    opts = dict(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
+    opts = {"cache": True, "nogil": True, "boundscheck": False, "fastmath": False, "error_model": "numpy"}
 
     @numba.njit(**opts)
     def ef_input(g: Any, hi: Any, lo: Any, x: Any) -> None:  # pragma: no cover - compiled

@@ -194,7 +194,7 @@ class CompressionState:
                     # DDP rebuilt its buckets (after the first iteration): residuals and warm starts of
                     # the old layout belong to no bucket any more
                     keep = set(self._keys)
-                    r.exchange.forget(lambda k: k[0] in keep)
+                    r.exchange.forget(lambda k, keep=keep: k[0] in keep)
                 self._last_keys, self._keys = self._keys, set()
                 self.step += 1
 
@@ -228,7 +228,8 @@ class CompressionState:
                 if not fut.done():
                     fut.set_exception(self._error)
 
-    def submit(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int, last: bool) -> torch.futures.Future:
+    def submit(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int,
+               last: bool) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
         if not self.overlap:
             try:
@@ -276,7 +277,8 @@ class CompressionState:
                    "decisions": dict(self._decisions),
                    "link": [self.link.name, self.link.alpha_s, self.link.beta_Bps, self.link.source]
                    if self.link is not None else None,
-                   "cost": [self.cost.fixed_s, self.cost.per_byte_s, self.cost.source] if self.cost is not None else None,
+                   "cost": [self.cost.fixed_s, self.cost.per_byte_s, self.cost.source]
+                   if self.cost is not None else None,
                    "slots": r.exchange.saved() if r is not None else {}}
         buf = io.BytesIO()
         torch.save(payload, buf)
@@ -394,12 +396,14 @@ def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Fut
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
-_hook.__annotations__ = {"state": CompressionState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+_hook.__annotations__ = {"state": CompressionState, "bucket": dist.GradBucket,
+                         "return": torch.futures.Future[torch.Tensor]}
 
 
 def ddp_hook(spec: str | CompressionSpec | None = None, process_group: Any = None, *,
              meter: WireMeter | None = None, overlap: bool = True, record: bool = False,
-             data_parallel_groups: Sequence[Sequence[int]] | None = None) -> tuple[CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future]]:
+             data_parallel_groups: Sequence[Sequence[int]] | None = None,
+             ) -> tuple[CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future]]:
     """A DDP communication hook that averages gradients, compressed as ``spec`` says.
 
     :param spec: ``name[:key=value,...]`` (see :mod:`vcga.compress.spec`), a parsed spec, or None for

@@ -89,7 +89,8 @@ def describe(spec: CompressionSpec, facts: Sequence[Sequence[str]], *, links: Se
             for nbytes in SIZES:
                 sh = _shape_for(comp, nbytes)
                 c_sent = declared_sent(comp, [sh], "float32", peers, native_sum=True)
-                if should_compress(nbytes, sent_bytes("all_reduce", nbytes, peers), c_sent, _collectives(comp), link, cost):
+                if should_compress(nbytes, sent_bytes("all_reduce", nbytes, peers), c_sent, _collectives(comp), link,
+                                   cost):
                     first = nbytes
                     break
             rows.append({**link.to_json(), "crossover_part_bytes": first,
@@ -103,10 +104,12 @@ def render(data: dict[str, Any]) -> list[str]:
     lines = ["", f"compression: {data['spec']}"]
     lay = data["layout"]
     isl = "  ".join(f"[{','.join(map(str, i['ranks']))}] {i['backend']}@{i['node']}" for i in lay["islands"])
-    lines.append(f"  scope {data['scope']}{' (default for this layout)' if data['scope_default'] else ''}: {data['applies']}")
+    default = " (default for this layout)" if data["scope_default"] else ""
+    lines.append(f"  scope {data['scope']}{default}: {data['applies']}")
     lines.append(f"  islands (one backend on one node): {isl}")
     if data["scope"] == "bridge" and lay["peer_sets"]:
-        lines.append("  compressed exchange among: " + "  ".join(f"[{','.join(map(str, p))}]" for p in lay["peer_sets"]))
+        lines.append("  compressed exchange among: "
+                     + "  ".join(f"[{','.join(map(str, p))}]" for p in lay["peer_sets"]))
     c = data["compressor"]
     d = data["declared"]
     lines.append(f"  compressor: {c['combine']}, {c['rounds']} round(s)"
@@ -120,11 +123,12 @@ def render(data: dict[str, Any]) -> list[str]:
         cc = data["compress_cost"]
         lines.append(f"  when={data['when']}: " + ("every bucket compressed" if data["when"] == "always" else
                      "a bucket is compressed when its part is at least the crossover below"))
-        lines.append(f"  crossover per link class (compress {cc['fixed_s'] * 1e6:.0f} us + {cc['per_byte_s'] * 1e9:.2f} ns/B "
-                     "measured here; links nominal):")
+        lines.append(f"  crossover per link class (compress {cc['fixed_s'] * 1e6:.0f} us"
+                     f" + {cc['per_byte_s'] * 1e9:.2f} ns/B measured here; links nominal):")
         w = max(len(r["name"]) for r in data["crossover"])
         for r in data["crossover"]:
             where = ("never (up to 1 GiB)" if r["crossover_part_bytes"] is None else
                      f"part >= {_size(r['crossover_part_bytes'])} (bucket >= {_size(r['crossover_bucket_bytes'])})")
-            lines.append(f"    {r['name']:<{w}}  a {r['alpha_s'] * 1e6:.0f} us  b {r['beta_Bps'] / 1e9:.3g} GB/s  {where}")
+            lines.append(f"    {r['name']:<{w}}  a {r['alpha_s'] * 1e6:.0f} us  b {r['beta_Bps'] / 1e9:.3g} GB/s"
+                         f"  {where}")
     return lines

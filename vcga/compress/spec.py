@@ -164,4 +164,5 @@ def parse_spec(text: str | CompressionSpec | None, registry: Mapping[str, Compre
             target[key] = parse(value)
         except (ValueError, TypeError) as e:
             raise VcgaConfigError("compression", text, f"{name} {key}: {e or what}", source) from None
-    return CompressionSpec(name, options, driver["scope"], driver["when"], driver["start"], driver["seed"], text.strip())
+    return CompressionSpec(name, options, driver["scope"], driver["when"], driver["start"], driver["seed"],
+                           text.strip())

@@ -65,7 +65,7 @@ def _by_extension(path: Path, specs: Sequence[FormatSpec]) -> FormatSpec | None:
 def _safe_sniff(spec: FormatSpec, path: Path) -> bool:
     try:
         return bool(spec.sniff(path))
-    except Exception as e:  # the contract says sniff never raises; a plugin that does is not the user's problem
+    except Exception as e:  # noqa: BLE001 - sniff must not raise; a plugin that does is not the user's problem
         log.warning("format %s: sniff(%s) raised %r; treated as no match", spec.name, path, e)
         return False
 

@@ -101,7 +101,8 @@ def parse_casts(specs: Iterable[str]) -> dict[str, str]:
             raise VcgaConversionError(f"invalid cast {spec!r}; write FROM=TO, e.g. bfloat16=float32")
         for n in (src, dst):
             if n not in dtypes.DTYPES:
-                raise VcgaConversionError(f"invalid cast {spec!r}: unknown dtype {n!r}; known: {', '.join(dtypes.EVERY)}")
+                raise VcgaConversionError(f"invalid cast {spec!r}: unknown dtype {n!r}; "
+                                          f"known: {', '.join(dtypes.EVERY)}")
         if src == "float4_e2m1fn_x2" or dst in dtypes.NUMPY_OPAQUE:
             raise VcgaConversionError(f"refusing cast {src} -> {dst}: VCGA casts through numpy, which has no "
                                       f"{src if src == 'float4_e2m1fn_x2' else dst}; casts from complex32 work")
@@ -330,7 +331,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_for
                 index = list(reader.index())
                 _check_unique(index, src_path)
                 targets = check_dtypes(index, dst_spec, cast_map)
-                plan = [replace(e, dtype=t, data=None, checksum=None) for e, t in zip(index, targets)]
+                plan = [replace(e, dtype=t, data=None, checksum=None) for e, t in zip(index, targets, strict=True)]
                 total = sum(e.nbytes for e in index)
                 needed = sum(e.nbytes for e in plan)
                 staged = staging / dst_path.name

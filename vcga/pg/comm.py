@@ -166,12 +166,14 @@ class Communicator:
         return self._dist.get_world_size(self.group)
 
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={self.device})"
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device})")
 
     def _op(self, op: Any) -> Any:
         if isinstance(op, str):
             if op.lower() not in _OPS:
-                raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)} or a torch.distributed.ReduceOp")
+                raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)} "
+                                 "or a torch.distributed.ReduceOp")
             return getattr(self._dist.ReduceOp, op.upper())
         return op
 
@@ -196,7 +198,8 @@ class Communicator:
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Any:
         return all_gather_single(output, tensor, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False) -> Any:
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, op: Any = "sum",
+                       async_op: bool = False) -> Any:
         """Reduce ``tensor`` (world_size chunks along dim 0) and keep this rank's chunk in ``output``."""
         return reduce_scatter_single(output, tensor, op=self._op(op), group=self.group, async_op=async_op)
 

@@ -88,7 +88,7 @@ class Layout:
         """Every rank's facts in the form :func:`vcga.bridge.make_plan` takes; ``node`` is the node's
         index (its name is read only when asked, :meth:`node_names`)."""
         out = []
-        for r, (b, n) in enumerate(zip(self.rank_backend, self.rank_node)):
+        for r, (b, n) in enumerate(zip(self.rank_backend, self.rank_node, strict=True)):
             f = self.backends[b]
             out.append({"backend": f.name, "vendor": f.vendor, "device_type": f.device_type, "node": n,
                         "global_rank": global_ranks[r]})

@@ -397,7 +397,7 @@ class Dispatcher:
         if self.is_native(Collective.ALL_GATHER, inp.dtype):
             bufs = [_dense(o) for o in outs]
             steps.works.append(self.group.allgather([bufs], [_dense(inp)], options("allgather", like=like)))
-            for o, b in zip(outs, bufs):
+            for o, b in zip(outs, bufs, strict=True):
                 _copy_back(steps, o, b)
             return
         via, target = self._moving_recipe(Collective.ALL_GATHER, inp.dtype, depth)
@@ -410,7 +410,7 @@ class Dispatcher:
         else:
             wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
             self.all_gather(wide, inp.to(target), like, steps, depth + 1)
-            for o, w in zip(outs, wide):
+            for o, w in zip(outs, wide, strict=True):
                 steps.finish.append(partial(o.copy_, w))
 
     def gather(self, outs: list[torch.Tensor], inp: torch.Tensor, root: int, like: Any, steps: Steps,
@@ -422,7 +422,7 @@ class Dispatcher:
             bufs = [_dense(o) for o in outs]
             steps.works.append(self.group.gather([[_flat1d(b) for b in bufs]] if self.rank == root else [],
                                                  [_flat1d(_dense(inp))], options("gather", like=like, root=root)))
-            for o, b in zip(outs, bufs):
+            for o, b in zip(outs, bufs, strict=True):
                 _copy_back(steps, o, b)
             return
         via, target = self._moving_recipe(Collective.GATHER, inp.dtype, depth)
@@ -435,7 +435,7 @@ class Dispatcher:
         else:
             wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
             self.gather(wide, inp.to(target), root, like, steps, depth + 1)
-            for o, w in zip(outs, wide):
+            for o, w in zip(outs, wide, strict=True):
                 steps.finish.append(partial(o.copy_, w))
 
     def scatter(self, out: torch.Tensor, ins: list[torch.Tensor], root: int, like: Any, steps: Steps,
@@ -500,7 +500,7 @@ class Dispatcher:
         src = _dense(inp).reshape(-1).view(torch.uint8)
         send = torch.zeros(sum(pad), dtype=torch.uint8, device=inp.device)
         at = off = 0
-        for n, p in zip(send_bytes, pad):
+        for n, p in zip(send_bytes, pad, strict=True):
             send[at:at + n].copy_(src[off:off + n])
             at, off = at + p, off + n
         recv = torch.empty(sum(rpad), dtype=torch.uint8, device=out.device)
@@ -511,7 +511,7 @@ class Dispatcher:
 
         def cut_back() -> None:
             at = off = 0
-            for n, p in zip(recv_bytes, rpad):
+            for n, p in zip(recv_bytes, rpad, strict=True):
                 dst[off:off + n].copy_(recv[at:at + n])
                 at, off = at + p, off + n
             if b is not out:

@@ -298,7 +298,8 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
     for key, value in gloo_env(config).items():
         os.environ.setdefault(key, value)  # never override what the user set
 
-    return create_bridge_transport(store, rank, size, backend, layout.peers(global_ranks), timeout, config.bridge_algorithm,
+    return create_bridge_transport(store, rank, size, backend, layout.peers(global_ranks), timeout,
+                                   config.bridge_algorithm,
                                    apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm,
                                    async_ops=config.bridge_async, clock=clock, layout=layout,
                                    calibration=config.bridge_calibration, figures_cache=config.bridge_figures_cache,

@@ -111,7 +111,7 @@ class BackendRecord:
                 if not isinstance(result, ProbeResult):
                     raise TypeError(f"probe() returned {type(result).__name__}, not ProbeResult")
                 self._probe = result
-            except Exception as e:  # isolation: a broken probe must not break other backends
+            except Exception as e:  # noqa: BLE001 - isolation: a broken probe must not break other backends
                 self.probe_traceback = traceback.format_exc()
                 self._probe = ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
                 log.warning("backend %s (plugin %s): probe raised %r", self.name, self.plugin, e)
@@ -183,7 +183,8 @@ class VcgaPluginManager:
         except ValueError:
             value = -1.0
         if not value > 0 or value == float("inf"):
-            raise VcgaConfigError("plugin vetting timeout", raw, "a number of seconds > 0", "env VCGA_PLUGIN_VET_TIMEOUT")
+            raise VcgaConfigError("plugin vetting timeout", raw, "a number of seconds > 0",
+                                  "env VCGA_PLUGIN_VET_TIMEOUT")
         return value
 
     def _vet(self, third: list[tuple[str, str, str, Callable[[], Any], Any]], blocked: set[str],
@@ -209,7 +210,7 @@ class VcgaPluginManager:
         if not cands:
             return {}
         recheck = self._env.get("VCGA_PLUGIN_RECHECK", "").strip().lower() in _TRUE
-        return dict(zip(names, vetting.vet(cands, timeout_s=timeout_s, recheck=recheck, env=self._env)))
+        return dict(zip(names, vetting.vet(cands, timeout_s=timeout_s, recheck=recheck, env=self._env), strict=True))
 
     def _refuse(self, name: str, module: str, source: str, verdict: Any) -> None:
         """Record a plugin kept out because its import ends or stalls the process."""
@@ -226,7 +227,7 @@ class VcgaPluginManager:
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         try:
             eps = importlib.metadata.entry_points(group=contract.PROJECT)
-        except Exception as e:  # a broken distribution's metadata must not stop vcga
+        except Exception as e:  # noqa: BLE001 - a broken distribution's metadata must not stop vcga
             log.warning("cannot read entry points: %r", e)
             return []
         seen: set[str] = set()
@@ -249,7 +250,7 @@ class VcgaPluginManager:
             plugin = loader()
             self.pm.register(plugin, name=name)
             rec.status = "loaded"
-        except (Exception, SystemExit) as e:  # ImportError, SyntaxError, pluggy validation, anything the
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, SyntaxError, pluggy validation, anything the
             # plugin raises; and sys.exit() at import, never a request to end the caller's program
             rec.status = "failed"
             rec.error = _err_line(e)
@@ -288,7 +289,7 @@ class VcgaPluginManager:
                 items = impl.function()
                 for item in items or ():
                     out.append((pname, item))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - isolation: recorded against the plugin
                 rec = self._records.get(pname)
                 if rec is not None:
                     rec.hook_errors[hook_name] = _err_line(e)
@@ -305,7 +306,7 @@ class VcgaPluginManager:
                 res = impl.function(*[kwargs[a] for a in impl.argnames])
             except VcgaError:
                 raise  # a deliberate, typed error (bad config) is the answer, not a plugin failure
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - isolation: recorded against the plugin, the next one answers
                 rec = self._records.get(pname)
                 if rec is not None:
                     rec.hook_errors[hook_name] = _err_line(e)
@@ -387,14 +388,14 @@ class VcgaPluginManager:
 
     def formats(self) -> list[FormatSpec]:
         out: dict[str, FormatSpec] = {}
-        for pname, spec in self._collect("vcga_formats"):
+        for _, spec in self._collect("vcga_formats"):
             if isinstance(spec, FormatSpec) and spec.name not in out:
                 out[spec.name] = spec
         return list(out.values())
 
     def conformance_checks(self) -> list[ConformanceCheck]:
         out: dict[str, ConformanceCheck] = {}
-        for pname, chk in self._collect("vcga_conformance_checks"):
+        for _, chk in self._collect("vcga_conformance_checks"):
             name = getattr(chk, "name", None)
             if isinstance(name, str) and name not in out:
                 out[name] = chk

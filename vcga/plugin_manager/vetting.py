@@ -171,7 +171,7 @@ def _locate(module: str) -> str | None:
                 continue
             try:
                 spec = find(name, path)
-            except Exception:  # a third-party finder that fails must not stop vetting
+            except Exception:  # noqa: BLE001 - a third-party finder that fails must not stop vetting
                 spec = None
             if spec is not None:
                 break
@@ -209,7 +209,7 @@ def vet(candidates: Sequence[Candidate], *, timeout_s: float = DEFAULT_TIMEOUT_S
         else:
             todo.append(i)
     if todo:
-        for i, v in zip(todo, _run_children([candidates[i] for i in todo], timeout_s)):
+        for i, v in zip(todo, _run_children([candidates[i] for i in todo], timeout_s), strict=True):
             out[i] = v
             key = candidates[i].key
             if key is not None and v.outcome != "error":
