@@ -110,7 +110,7 @@ def remove_stale(directory: str | os.PathLike[str]) -> list[str]:
     """Remove the temporaries and staging folders VCGA writers that are now dead left in ``directory``;
     returns their names. Never raises (a folder that cannot be listed is simply skipped)."""
     where, boot = _identity()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

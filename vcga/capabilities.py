@@ -435,8 +435,9 @@ class LazyCapabilityTable(CapabilityTable):
             return self._default
         return self._cell((coll, dtype, rop)) or self._default
 
-    @property  # type: ignore[override]
-    def _cells(self) -> dict[CellKey, Cell]:  # what the whole-table methods of CapabilityTable read
+    # what the whole-table methods of CapabilityTable read; computed, so read-only here
+    @property
+    def _cells(self) -> dict[CellKey, Cell]:  # type: ignore[override]
         if self._full is None:
             full = {}
             for key in _all_keys():
@@ -454,7 +455,7 @@ class _StatedCells(Mapping[CellKey, Cell]):
         self._fn = stated
         self._memo: dict[CellKey, Cell | None] = {}
 
-    def get(self, key: CellKey, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: CellKey, default: Any = None) -> Any:
         if key in self._memo:
             cell = self._memo[key]
         else:

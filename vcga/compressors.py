@@ -153,7 +153,10 @@ class Compressor(abc.ABC):
         tensor of its own (not a view of the payload or of ``state``), since ``total`` may be one.
         Adding only where the payload has values leaves a ``-0.0`` in ``total`` as it is where the
         dense sum would make it ``+0.0``: the same number, and the same bits on every rank."""
-        return total + self.decompress(payload, state, ctx).reshape(-1)
+        decoded = self.decompress(payload, state, ctx)
+        if decoded is None:
+            raise TypeError(f"{type(self).__name__} combines by GATHER but its decompress returned None")
+        return total + decoded.reshape(-1)
 
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:

@@ -63,6 +63,7 @@ from vcga.compressors import Combine, CompressContext, Compressor, CompressorOpt
 
 if TYPE_CHECKING:
     from datetime import timedelta
+    from types import TracebackType
 
     import torch
     import torch.distributed as dist
@@ -374,8 +375,11 @@ class TensorEntry:
 class FormatReader(Protocol):
     """Streams the tensors of one checkpoint (all its shards). Use as a context manager."""
 
-    #: File-level metadata (string to string).
-    metadata: Mapping[str, str]
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """File-level metadata (string to string). Read-only here, so an implementation may hold
+        any mapping (a dict it fills while opening)."""
+        ...
 
     def index(self) -> Sequence[TensorEntry]:
         """Every entry's name, dtype, shape and metadata, without reading tensor data.
@@ -391,7 +395,8 @@ class FormatReader(Protocol):
 
     def __enter__(self) -> FormatReader: ...
 
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
 
 
 @runtime_checkable
@@ -441,7 +446,8 @@ class FormatWriter(Protocol):
 
     def __enter__(self) -> FormatWriter: ...
 
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -538,10 +544,13 @@ class ConformanceCheck(Protocol):
 
 
 class HookSpecs:
-    """The hooks a plugin may implement. Every hook is optional."""
+    """The hooks a plugin may implement. Every hook is optional.
+
+    pluggy never calls a specification's body, so the ones that return a sequence have none
+    (``type: ignore[empty-body]``)."""
 
     @hookspec
-    def vcga_backends(self) -> Sequence[Backend]:
+    def vcga_backends(self) -> Sequence[Backend]:  # type: ignore[empty-body]
         """Return the backends this plugin contributes.
 
         Called once when the plugin manager loads plugins. Return cheap objects: probing happens
@@ -567,13 +576,13 @@ class HookSpecs:
         """
 
     @hookspec
-    def vcga_formats(self) -> Sequence[FormatSpec]:
+    def vcga_formats(self) -> Sequence[FormatSpec]:  # type: ignore[empty-body]
         """Return the checkpoint formats this plugin contributes."""
 
     @hookspec
-    def vcga_conformance_checks(self) -> Sequence[ConformanceCheck]:
+    def vcga_conformance_checks(self) -> Sequence[ConformanceCheck]:  # type: ignore[empty-body]
         """Return extra conformance checks for ``vcga verify`` (a vendor's own, for example)."""
 
     @hookspec
-    def vcga_compressors(self) -> Sequence[CompressorSpec]:
+    def vcga_compressors(self) -> Sequence[CompressorSpec]:  # type: ignore[empty-body]
         """Return the gradient compressors this plugin contributes (see :class:`Compressor`)."""

@@ -21,6 +21,7 @@ It imports numpy lazily and never imports torch.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -108,11 +109,11 @@ def unpack_tensor_metadata(metadata: Mapping[str, str], *,
     return out, per
 
 
-def file_size(f: BinaryIO) -> int:
+def file_size(f: BinaryIO | io.IOBase) -> int:
     return os.fstat(f.fileno()).st_size
 
 
-def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> memoryview:
+def read_exact(f: io.BufferedIOBase, offset: int, size: int, *, path: Any, what: str) -> memoryview:
     """Read ``size`` bytes at ``offset`` into a fresh, writable buffer (one allocation, left
     uninitialised until the read fills it, no intermediate copy).
 
@@ -124,7 +125,7 @@ def read_exact(f: BinaryIO, offset: int, size: int, *, path: Any, what: str) -> 
     if offset < 0 or size < 0 or offset + size > total:
         raise VcgaFormatError(path, f"{what}: {size} bytes at this offset run past the end of the file ({total} bytes)",
                               offset=offset)
-    view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    view = np.empty(size, dtype=np.uint8).data.cast("B")
     buf = view
     f.seek(offset)
     got = 0

@@ -94,7 +94,7 @@ def options(kind: str, *, like: Any = None, op: ReduceOp | None = None, factor: 
     :param op: the reduce op to set (with ``factor`` for PREMUL_SUM).
     :param root: the root rank to set (broadcast, reduce, gather, scatter).
     """
-    o = _OPTIONS[kind]()
+    o: Any = _OPTIONS[kind]()  # one of c10d's option structs, each with its own fields
     if like is not None:
         o.timeout = like.timeout
         o.asyncOp = like.asyncOp
@@ -187,11 +187,12 @@ class PyWork(dist._Work):
             watched = self._watchers  # set once, under the lock, by _watched()
             try:
                 for j, w in enumerate(self._works):
-                    if watched is not None and watched[j] is not None:
+                    by_watcher = watched[j] if watched is not None else None
+                    if by_watcher is not None:
                         # A watcher thread already waits on this work; waiting on it again would
                         # repeat its completion (gloo's reduce_scatter work copies its chunk into
                         # the output on every wait). The watcher's future carries its outcome.
-                        watched[j].wait()
+                        by_watcher.wait()
                     elif limit is None:
                         w.wait()
                     else:
@@ -215,7 +216,7 @@ class PyWork(dist._Work):
             return True
         return False
 
-    def _watched(self) -> list[torch.futures.Future | None]:
+    def _watched(self) -> list[torch.futures.Future]:
         """Per native work: its future, or for a work without one a future a watcher completes.
 
         Some native works can only be waited on: gloo's reduce_scatter work (torch 2.13) never
@@ -431,7 +432,7 @@ class _NativeDone:
     def __del__(self) -> None:
         # The work (and its native works) goes first, while still counted (see above): the slot
         # would otherwise be cleared only after __del__ returns, past the drain.
-        self._work = None
+        del self._work
         _release()
 
 

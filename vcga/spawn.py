@@ -83,7 +83,7 @@ class _Stdio:
         from multiprocessing import reduction
 
         # Pickled inside Popen._launch, which sends every DupFd's descriptor to the child.
-        fds = []
+        fds: list[Any] = []  # a DupFd (one of multiprocessing's private classes) or None per stream
         for fd in (1, 2):
             try:
                 os.fstat(fd)
@@ -140,7 +140,7 @@ def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
             os.close(alive)
         except OSError:
             pass
-        forkserver._forkserver._forkserver_alive_fd = None
+        forkserver._forkserver._forkserver_alive_fd = None  # type: ignore[attr-defined]  # CPython private
     from vcga import _autoload
 
     # What the server's `import torch` left out: the torch.backends entry points (device extensions
@@ -153,13 +153,13 @@ def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
 
 
 class _ForkServerContext(mp_context.ForkServerContext):
-    Process = _Process  # type: ignore[assignment]
+    Process = _Process
 
 
 _FORKSERVER = _ForkServerContext()
 
 
-def get_context(preload: Sequence[str] = ()) -> mp_context.BaseContext:
+def get_context(preload: Sequence[str] = ()) -> mp_context.ForkServerContext | mp_context.SpawnContext:
     """The multiprocessing context for rank processes: a forkserver with torch imported where the
     platform has one (see the module's docstring), else ``spawn``.
 
@@ -183,13 +183,13 @@ def get_context(preload: Sequence[str] = ()) -> mp_context.BaseContext:
     with _lock:
         ours = _server.get("pid") == os.getpid()  # a forked child has no server of its own yet
         modules = (_server["preload"] if ours else set()) | set(preload)
-        running = ours and forkserver._forkserver._forkserver_pid is not None
+        running = ours and forkserver._forkserver._forkserver_pid is not None  # type: ignore[attr-defined]
         if running and (_server["env"] != env or modules != _server["preload"]):
             if _ranks_alive():
                 if _server["env"] != env:
                     return mp.get_context("spawn")
                 return _FORKSERVER  # the ranks import what the server lacks
-            forkserver._forkserver._stop()  # the one way to end multiprocessing's server
+            forkserver._forkserver._stop()  # type: ignore[attr-defined]  # the one way to end the server
             running = False
         if not running:
             forkserver.set_forkserver_preload([_PRELOAD, *sorted(modules)])

@@ -161,7 +161,7 @@ def from_numpy(name: str, array: np.ndarray, metadata: Mapping[str, str] | None 
         array = array.astype(array.dtype.newbyteorder("<"))  # big-endian source (HDF5 can hold one)
     if not array.flags.c_contiguous:
         array = array.copy(order="C")
-    data = memoryview(array.reshape(-1).view(np.uint8))
+    data = array.reshape(-1).view(np.uint8).data
     return TensorEntry(name=name, dtype=dtype, shape=tuple(int(d) for d in array.shape), data=data,
                        metadata=_check_metadata(name, metadata),
                        checksum=checksum(data) if with_checksum else None)

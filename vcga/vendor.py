@@ -174,6 +174,7 @@ def import_vendor_module(name: str, install_hint: str) -> tuple[Any | None, str]
         missing or why its import failed (the exception's type and first line: a missing
         ``libhccl.so``, torch_npu refusing a second accelerator, ...).
     """
+    err: ImportError | ValueError | None
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError) as e:  # ValueError: a sys.modules entry without __spec__

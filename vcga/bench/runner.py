@@ -394,16 +394,16 @@ def _measure(spec: BenchSpec, op: str, dt: str, redop: str, units: list[Unit], m
             try:
                 s = max(all_sizes[0], 1)
                 while s <= all_sizes[-1]:
-                    c = _Collective(op, tdtype, redop, geometry(op, s, elt, n_me), grp, mine.ranks, root, dev)
+                    warm = _Collective(op, tdtype, redop, geometry(op, s, elt, n_me), grp, mine.ranks, root, dev)
                     for _ in range(max(spec.warmup_iters, 1)):
-                        c.call(False)
+                        warm.call(False)
                     _sync(dev)
                     s *= 2
             except (VcgaError, RuntimeError, ValueError, TypeError) as e:
                 err = f"{op} {dt} {redop} on {kind}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         problem[kind] = agree(err)
     if problem["vcga"]:
-        return problem["vcga"]  # type: ignore[return-value]
+        return problem["vcga"]
     if problem["gloo"] is not None:
         kinds = [("vcga", False)]
         note(f"no gloo comparison for {op} {dt} {redop}: {problem['gloo']}")
@@ -416,7 +416,7 @@ def _measure(spec: BenchSpec, op: str, dt: str, redop: str, units: list[Unit], m
                 if in_place and op == "send_recv":
                     continue
                 secs, wrong = 0.0, 0
-                c = None
+                c: _Collective | None = None
                 if mine is not None:
                     grp = mine.group if kind == "vcga" else mine.gloo
                     dev = device if kind == "vcga" else torch.device("cpu")

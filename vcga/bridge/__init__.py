@@ -41,7 +41,7 @@ Importing this package imports only the plan; the torch-bound names load on firs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vcga.bridge.plan import (
     ALGORITHMS,
@@ -63,6 +63,11 @@ from vcga.bridge.plan import (
     table_to_wire,
 )
 
+if TYPE_CHECKING:  # the names loaded on first access (_LAZY), for the type checker
+    from vcga.bridge.create import BridgeTransport, create_bridge_transport
+    from vcga.bridge.group import BridgeGroup
+    from vcga.bridge.host import combine_rows
+
 __all__ = [
     "ALGORITHMS",
     "AUTO_LARGE",
@@ -72,6 +77,7 @@ __all__ = [
     "PIPELINED_MIN_BYTES",
     "Plan",
     "VendorGroup",
+    "combine_rows",
     "combined_table",
     "create_bridge_transport",
     "group_route",

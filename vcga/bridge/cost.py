@@ -209,7 +209,7 @@ def choices(fig: LinkFigures, sizes: Sequence[int], label: Any = str,
     """:func:`choose` at each of ``sizes``: ``{label(size): {"algorithm", "predicted_s", "segments"}}``
     (segments: the bandwidth algorithm's pipeline depth, where it is a choice; what
     ``describe()["calibration"]["choice"]`` and ``vcga info --plan --figures`` show)."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for n in sizes:
         alg, predicted = choose(fig, n, stream)
         out[label(n)] = {"algorithm": alg, "predicted_s": predicted}

@@ -275,7 +275,7 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
         device = None
     # The measurement is collective: run it only if every rank can (else ranks that can would
     # wait in it for ranks that skipped it, until the timeout). auto then keeps the plan's rule.
-    if every_rank(group.world, device is not None):
+    if every_rank(group.world, device is not None) and device is not None:  # every rank calls every_rank
         fig = group.reducer.measure_links(device)
         assert group.reducer.calibration is not None
         group.reducer.calibration["source"] = "measured"

@@ -160,7 +160,7 @@ def _calibrate_rank(rank: int, world: int, port: int, env: Mapping[str, str], ba
 
     dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        transport = dist.group.WORLD.transport  # type: ignore[attr-defined]
+        transport = dist.group.WORLD.transport  # type: ignore[union-attr]  # the vcga group's own attribute
         if rank == 0:
             group = getattr(transport, "group", None)
             cal = getattr(group, "calibration", None)

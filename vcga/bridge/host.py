@@ -103,7 +103,7 @@ def every_rank(pg: Any, mine: bool) -> bool:
     """True on every rank when ``mine`` is true on every rank of the gloo group ``pg`` (collective)."""
     flag = torch.tensor([1 if mine else 0], dtype=torch.int64)
     o = dist.AllreduceOptions()
-    o.reduceOp = dist.ReduceOp.MIN
+    o.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
     pg.allreduce([flag], o).wait()
     return bool(flag.item())
 

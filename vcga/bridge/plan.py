@@ -305,10 +305,10 @@ def make_plan(peers: Sequence[dict[str, Any]], algorithm: str = "auto") -> Plan:
         groups.append((name, tuple(ordered)))
     groups.sort(key=lambda item: (node_order[peers[item[1][0]].get("node", "")], min(item[1])))
     out = []
-    for i, (name, ranks) in enumerate(groups):
-        p = peers[ranks[0]]
-        nodes = tuple(dict.fromkeys(peers[r].get("node", "") for r in ranks))
-        out.append(VendorGroup(i, name, p["vendor"], p["device_type"], ranks, nodes))
+    for i, (name, members) in enumerate(groups):
+        p = peers[members[0]]
+        nodes = tuple(dict.fromkeys(peers[r].get("node", "") for r in members))
+        out.append(VendorGroup(i, name, p["vendor"], p["device_type"], members, nodes))
     global_ranks = tuple(int(p.get("global_rank", r)) for r, p in enumerate(peers))
     return Plan(len(peers), tuple(out), algorithm, global_ranks)
 

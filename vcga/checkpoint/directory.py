@@ -34,7 +34,7 @@ import struct
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from vcga import dtypes
 from vcga.contract import FormatSpec, TensorEntry
@@ -78,7 +78,7 @@ def is_dcp_directory(path: Any) -> bool:
         return False
 
 
-def _plain_name(name: Any) -> bool:
+def _plain_name(name: object) -> TypeGuard[str]:
     return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
             and "\\" not in name and "\0" not in name and Path(name).name == name)
 
@@ -376,13 +376,15 @@ class DcpDirectoryReader(ReaderContext):
     # -- planning ----------------------------------------------------------------------------------
 
     def _check_location(self, loc: Any, fqn: str, where: Path) -> str:
+        name: str | None
         if isinstance(loc, VbinItem):
             name = loc.relative_path
         elif isinstance(loc, StorageInfo):
             name = getattr(loc, "relative_path", None)
-            if getattr(loc, "transform_descriptors", None):
+            transforms = getattr(loc, "transform_descriptors", None)
+            if transforms:
                 raise VcgaFormatError(where, f"{fqn!r} was written through stream transforms "
-                                      f"{loc.transform_descriptors}; VCGA reads untransformed DCP files only")
+                                      f"{transforms}; VCGA reads untransformed DCP files only")
             off, length = getattr(loc, "offset", None), getattr(loc, "length", None)
             if type(off) is not int or type(length) is not int or off < 0 or length < 0:
                 raise VcgaFormatError(where, f"{fqn!r}: bad storage offset/length")
@@ -491,7 +493,7 @@ class DcpDirectoryReader(ReaderContext):
                                           f"{list(size)}")
             out[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))] = arr
             del arr
-        return memoryview(out.reshape(-1))
+        return out.reshape(-1).data
 
     def _vbin_chunk(self, loc: VbinItem, t: _Tensor, size: tuple[int, ...], itemsize: int, where: str) -> Any:
         import numpy as np

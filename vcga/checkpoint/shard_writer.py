@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from vcga.errors import VcgaCheckpointError, VcgaError
+from vcga.errors import VcgaCheckpointError, VcgaError, VcgaFormatError
 
 __all__ = ["ShardWriterProcess", "write_shard"]
 
@@ -60,8 +60,13 @@ def write_shard(path: Path, metadata: dict[str, str], entries: list[Any]) -> dic
     with spec.open_writer(path, metadata=metadata) as writer:
         for entry in entries:
             writer.write(entry)
+    out: dict[str, tuple[str, int]] = {}
     with spec.open_reader(path, verify=False) as reader:
-        return {e.name: (e.checksum, e.nbytes) for e in reader.index()}
+        for e in reader.index():
+            if e.checksum is None:  # vendor-bin stores one per tensor: the file just written is damaged
+                raise VcgaFormatError(path, f"the index holds no checksum for {e.name!r}")
+            out[e.name] = (e.checksum, e.nbytes)
+    return out
 
 
 class ShardWriterProcess:
@@ -172,7 +177,8 @@ def _serve(fd: int) -> None:
         elif msg[0] == "write":
             _, path, metadata, items = msg
             try:
-                entries, data = [], None
+                entries: list[TensorEntry] = []
+                data = None
                 for name, dtype, shape, attrs, source in items:
                     if source[0] == "arena":
                         _, arena_id, offset, nbytes = source
@@ -181,7 +187,7 @@ def _serve(fd: int) -> None:
                         data = source[1]
                     entries.append(TensorEntry(name, dtype, tuple(shape), data, attrs))
                 stored = write_shard(Path(path), metadata, entries)
-                entries = data = None  # release the views into the arena (a later "drop" closes it)
+                del entries, data  # release the views into the arena (a later "drop" closes it)
                 reply: tuple[str, Any] = ("ok", stored)
             except BaseException as e:  # noqa: BLE001 - it belongs to the training process
                 reply = ("error", _portable(e if isinstance(e, Exception) else VcgaError(repr(e))))

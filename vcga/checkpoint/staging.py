@@ -141,7 +141,7 @@ def _rehome(cache: dict[str, Any], sources: list[torch.Tensor]) -> _Arena:
     arena = _Arena(size)
     storage = arena.base_tensor.untyped_storage()
     for t, off in zip(bufs, offsets, strict=True):
-        t.set_(storage, off // t.element_size(), t.shape)  # contiguous, as torch.empty made it
+        t.set_(storage, off // t.element_size(), t.shape, t.stride())  # contiguous, as torch.empty made it
     return arena
 
 
@@ -166,7 +166,7 @@ def _layout(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return (type(obj).__name__, tuple(_layout(v) for v in obj))
     if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "to_local"):  # DTensor
+        if hasattr(obj, "to_local") and hasattr(obj, "placements"):  # DTensor
             local = obj.to_local()
             return ("dtensor", obj.dtype, tuple(obj.shape), str(obj.placements), tuple(local.shape), local.device.type)
         if hasattr(obj, "local_shards"):  # ShardedTensor

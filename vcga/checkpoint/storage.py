@@ -35,7 +35,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -178,13 +178,13 @@ class VcgaStorageWriter(StorageWriter):
             for item in plan.items:
                 name = _item_name(item.index)
                 data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = data.getbuffer()
+                if item.type == WriteItemType.BYTE_IO:  # DCP's contract: a BYTE_IO item resolves to BytesIO
+                    buf = cast(io.BytesIO, data).getbuffer()
                     entries.append(TensorEntry(name, "uint8", (buf.nbytes,), buf, {"dcp.type": "bytes"}))
                 else:
                     # A device tensor comes to the host through its vendor plugin; a
                     # non-contiguous one is packed once. Contiguous host memory is not copied.
-                    entries.append(tensors.from_torch(name, data.detach()))
+                    entries.append(tensors.from_torch(name, cast(torch.Tensor, data).detach()))
                 names.append((item, name))
             metadata = {"vcga.checkpoint.step": str(self.step), "vcga.checkpoint.rank": str(self.rank)}
             # The file is fsynced and in place. Its index holds each tensor's checksum, read back

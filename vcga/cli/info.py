@@ -200,8 +200,9 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
         source = f"--backends {backends}"
     else:
         if vendors is not None:
-            config = replace(config, sim_vendors=vendors.replace(" ", ""), backend="auto")
-            parse_sim_vendors(config.sim_vendors, "--vendors")
+            sim = vendors.replace(" ", "")
+            config = replace(config, sim_vendors=sim, backend="auto")
+            parse_sim_vendors(sim, "--vendors")
         if not config.sim_vendors:
             raise click.UsageError("no layout to plan: give --vendors nccl:2,hccl:2 (simulated vendors), "
                                    "--backends nccl:8,hccl:8 (registered backends), or set VCGA_SIM_VENDORS")

@@ -59,9 +59,8 @@ def inspect(file: str | None, src_format: str | None, verify: bool, as_json: boo
     else:
         table = Table(title=f"{report.path} ({report.format}, {len(report.tensors)} tensors, "
                             f"{human_bytes(report.total_bytes)})", title_justify="left")
-        for col, kw in (("name", {}), ("dtype", {}), ("shape", {}), ("bytes", {"justify": "right"}),
-                        ("checksum", {})):
-            table.add_column(col, **kw)
+        for col in ("name", "dtype", "shape", "bytes", "checksum"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
         for row in report.tensors:
             status = _STATUS_STYLE.get(row["status"], row["status"])
             shown = f"{status} {row['checksum']}" if row["checksum"] else status

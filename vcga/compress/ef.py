@@ -152,7 +152,7 @@ class ErrorFeedback:
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual between steps, exactly: ``(hi, lo)`` (None before the first step)."""
-        return None if self.hi is None else (self.hi, self.lo)  # type: ignore[return-value]
+        return None if self.hi is None or self.lo is None else (self.hi, self.lo)
 
     def restore(self, saved: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Carry on from a residual :meth:`saved` gave (a resumed job): the next :meth:`input` adds it."""
@@ -170,4 +170,4 @@ class ErrorFeedback:
 
     def residual(self) -> torch.Tensor | None:
         """The residual rounded to one tensor (for inspection)."""
-        return None if self.hi is None else self.hi + self.lo
+        return None if self.hi is None or self.lo is None else self.hi + self.lo

@@ -127,7 +127,9 @@ class Reducer:
     def __init__(self, spec: CompressionSpec, group: Any = None, *, meter: WireMeter | None = None,
                  record: bool = False, topology: Topology | None = None) -> None:
         self.spec = spec
-        self.group = group if group is not None else dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
+        self.group = group
         self.size, self.rank = self.group.size(), dist.get_rank(self.group)
         self.compressor = create_compressor(spec)
         self.topology = topo = topology if topology is not None else Topology.build(self.group)
@@ -288,13 +290,14 @@ class Reducer:
         return got
 
     def _views(self, buf: torch.Tensor, start: int, shapes: Sequence[tuple[int, ...]] | None,
-               offsets: Sequence[int] | None, a: int, b: int) -> tuple[list[int], list[torch.Tensor]]:
+               offsets: Sequence[int] | None, a: int, b: int) -> tuple[list[tuple[int, ...]], list[torch.Tensor]]:
         """The tensors the compressor sees for elements [a, b) of the bucket, living in ``buf`` at
         ``start``, with their keys' tails: one flat range ``(0,)``, or the parameters (pieces,
         :meth:`pieces`) in their shapes, ``(parameter index, start in the bucket)``."""
         if shapes is None or offsets is None:
             return ([(0,)], [buf[start:start + (b - a)]]) if b > a else ([], [])
-        idx, out = [], []
+        idx: list[tuple[int, ...]] = []
+        out: list[torch.Tensor] = []
         for j, o, s in self.pieces(shapes, offsets, a, b):
             n = math.prod(s)
             if n:
@@ -329,9 +332,9 @@ class Reducer:
                     if lay is None:
                         plan = None
                         break
-                    lay = [(tuple(ts), _dtypes.to_torch(td)) for ts, td in lay]
-                    nbytes += sum(math.prod(ts) * td.itemsize for ts, td in lay)
-                    items.append((o, tuple(s), lay))
+                    form = [(tuple(ts), _dtypes.to_torch(td)) for ts, td in lay]
+                    nbytes += sum(math.prod(ts) * td.itemsize for ts, td in form)
+                    items.append((o, tuple(s), form))
                 if plan is None:
                     break
                 plan.append((nbytes, items))
@@ -349,7 +352,7 @@ class Reducer:
         from vcga.compress.exchange import _as_bytes, _from_bytes
 
         device = per[0][0].flat.device
-        widths = [max(nb for nb, _ in p.plan) for p, _ in per]  # type: ignore[union-attr]
+        widths = [max(nb for nb, _ in p.plan) for p, _ in per]
         mine: list[torch.Tensor] = []
         for (_, forms), width in zip(per, widths, strict=True):
             got = [_as_bytes(t.to(device)) for form in forms for t in form]
@@ -366,7 +369,7 @@ class Reducer:
         rows = rows.view(k, total)
         base = 0
         for (p, _), width in zip(per, widths, strict=True):
-            for j, (_, items) in enumerate(p.plan):  # type: ignore[union-attr]
+            for j, (_, items) in enumerate(p.plan):
                 if j == self.local:
                     continue
                 off = base
@@ -467,6 +470,7 @@ class Reducer:
             if p.after is CopyBack.BROADCAST:
                 dist.broadcast(p.flat, src=self.topology.ranks[self.island[0]], group=self.island_group)
             elif p.after is CopyBack.GATHER:
+                assert p.part is not None  # a GATHER copy-back always has its part
                 k = len(self.island)
                 if p.direct:
                     all_gather_single(p.flat, p.part, group=self.island_group)

@@ -346,16 +346,24 @@ class Exchange:
             for p in range(self.peers):  # decode each peer's payload, add in peer order
                 pl = self._unpack(rows[p, off:off + sizes[i]], like)
                 if p == self.peer and slot.ef is not None:  # the residual needs this rank's own decoded
-                    dec = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
+                    dec = self._decoded(pl, slot.state, self.ctx(k, step))
                     slot.ef.update(x, dec.to(x.device).reshape(x.shape))
                     total = dec if total is None else c.decompress_add(pl, total, slot.state, self.ctx(k, step))
                 elif total is None:
-                    total = c.decompress(pl, slot.state, self.ctx(k, step)).reshape(-1)
+                    total = self._decoded(pl, slot.state, self.ctx(k, step))
                 else:
                     total = c.decompress_add(pl, total, slot.state, self.ctx(k, step))
             off += sizes[i]
             outs.append(total.to(x.device))  # type: ignore[union-attr]
         return outs
+
+    def _decoded(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext) -> torch.Tensor:
+        """A GATHER compressor's decoded ``payload``, flat."""
+        out = self.c.decompress(payload, state, ctx)
+        if out is None:
+            raise VcgaError(f"compressor {type(self.c).__name__} combines by GATHER but its decompress returned None "
+                            "(only a SUM compressor's rounds before the last may)")
+        return out.reshape(-1)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return chunks(n, self.peers)
@@ -392,10 +400,11 @@ class Exchange:
                 for j, (a, b) in enumerate(bounds[i]):
                     if b > a:
                         st = slot.chunks[j]
-                        sent[a:b] = c.decompress(work[i][j], st, self.ctx((k, j), step)).reshape(-1).to(sent.device)
+                        sent[a:b] = self._decoded(work[i][j], st, self.ctx((k, j), step)).to(sent.device)
                 slot.ef.update(x, sent.reshape(x.shape))
         # the server: decode and add chunk `me` of every peer, compress the sum again
-        server_payloads, off = [], 0
+        server_payloads: list[list[torch.Tensor]] = []
+        off = 0
         for i, k in enumerate(keys):
             a, b = bounds[i][me]
             if b <= a:
@@ -409,7 +418,7 @@ class Exchange:
             wst = slot.chunks[me]  # chunk me's worker state: the peers' payloads have its shape
             for p in range(peers):
                 pl = self._unpack(recv[p, off:off + mine_sizes[i]], like)
-                total = (c.decompress(pl, wst, self.ctx((k, me), step)).reshape(-1) if total is None
+                total = (self._decoded(pl, wst, self.ctx((k, me), step)) if total is None
                          else c.decompress_add(pl, total, wst, self.ctx((k, me), step)))
             off += mine_sizes[i]
             y = total.to(flat[i].device)  # type: ignore[union-attr]
@@ -417,7 +426,7 @@ class Exchange:
             ctx = self.ctx((k, me), step, "server")
             pl = c.compress(ys, st, ctx)
             if ef is not None:
-                ef.update(ys, c.decompress([self._decode_device(t) for t in pl], st, ctx).reshape(-1).to(ys.device))
+                ef.update(ys, self._decoded([self._decode_device(t) for t in pl], st, ctx).to(ys.device))
             server_payloads.append(pl)
         # phase 2: all-gather the server payloads (padded to the largest chunk's)
         width = [[self._pack(work[i][j]).numel() for j in range(peers)] for i in range(len(flat))]
@@ -437,7 +446,7 @@ class Exchange:
                 like = [self._decode_device(t) for t in work[i][j]]
                 pl = self._unpack(rows[j, start:start + width[i][j]], like)
                 st = self.slot(k).chunks[j]  # chunk j's worker state: same chunk, same shape
-                out[a:b] = c.decompress(pl, st, self.ctx((k, j), step, "server")).reshape(-1)
+                out[a:b] = self._decoded(pl, st, self.ctx((k, j), step, "server"))
             outs.append(out.to(flat[i].device))
         return outs
 

@@ -46,9 +46,9 @@ T = TypeVar("T")
 def _compile() -> Any:
     import numba
 
-    opts = {"cache": True, "nogil": True, "boundscheck": False, "fastmath": False, "error_model": "numpy"}
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
 
-    @numba.njit(**opts)
+    @jit
     def ef_input(g: Any, hi: Any, lo: Any, x: Any) -> None:  # pragma: no cover - compiled
         # x = fl(g + hi) and g + hi == x + e exactly (TwoSum); lo += e (the pending low part)
         for i in range(g.shape[0]):
@@ -60,7 +60,7 @@ def _compile() -> Any:
             x[i] = s
             lo[i] = lo[i] + e
 
-    @numba.njit(**opts)
+    @jit
     def ef_update(x: Any, sent: Any, hi: Any, lo: Any, fresh: bool) -> None:  # pragma: no cover
         # x - sent == h + l exactly (TwoDiff); hi = h, lo = l (+ the pending low part)
         for i in range(x.shape[0]):
@@ -72,7 +72,7 @@ def _compile() -> Any:
             hi[i] = s
             lo[i] = e if fresh else e + lo[i]
 
-    @numba.njit(**opts)
+    @jit
     def outer_sum(pt: Any, qt: Any, out: Any) -> None:  # pragma: no cover - compiled
         # out[i, j] = ((pt[0,i] qt[0,j] + pt[1,i] qt[1,j]) + ...) in order k = 0, 1, ...
         r, n = pt.shape
@@ -157,10 +157,10 @@ def checked(name: str, build: Callable[[], T], check: Callable[[T], str | None])
     ship a loop that does them in one pass, with the torch chain as the reference (as QSGD does)."""
     got = _state.get(name, ...)
     if got is not ...:
-        return got  # type: ignore[no-any-return]
+        return got
     with _lock:
         if name in _state:
-            return _state[name]  # type: ignore[no-any-return]
+            return _state[name]
         k: T | None = None
         if enabled():
             try:

@@ -67,7 +67,9 @@ class CompressionState:
                  overlap: bool = True, record: bool = False,
                  data_parallel_groups: Sequence[Sequence[int]] | None = None) -> None:
         self.spec = spec
-        self.group = group if group is not None else dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
+        self.group = group
         self.world = self.group.size()
         self.meter = meter
         self.overlap = overlap
@@ -194,7 +196,7 @@ class CompressionState:
                     # DDP rebuilt its buckets (after the first iteration): residuals and warm starts of
                     # the old layout belong to no bucket any more
                     keep = set(self._keys)
-                    r.exchange.forget(lambda k, keep=keep: k[0] in keep)
+                    r.exchange.forget(lambda k: k[0] in keep)  # noqa: B023 - called before the loop moves on
                 self._last_keys, self._keys = self._keys, set()
                 self.step += 1
 

@@ -228,7 +228,7 @@ def _cast(entry: TensorEntry, dst: str) -> TensorEntry:
                 f"tensor {entry.name!r}: element {i} ({src.reshape(-1)[i]!r}) overflows {dst}; cast refused",
                 tensor=entry.name, dtype=entry.dtype)
     out = np.ascontiguousarray(out)
-    data = memoryview(out.reshape(-1).view(np.uint8)) if out.size else b""
+    data = out.reshape(-1).view(np.uint8).data if out.size else b""
     return TensorEntry(entry.name, dst, entry.shape, data, entry.metadata)
 
 

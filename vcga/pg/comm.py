@@ -152,7 +152,8 @@ class Communicator:
         import torch.distributed as dist
 
         self._dist = dist
-        self.group = group if group is not None else dist.group.WORLD
+        # duck-typed: a vcga group (VcgaProcessGroup, or a plugin's stand-in) with its own methods
+        self.group: Any = group if group is not None else dist.group.WORLD
         self.device = device if device is not None else torch.device("cpu")
         transport = getattr(self.group, "transport", None)
         self.backend = backend or (transport.backend_name if transport is not None else dist.get_backend(self.group))

@@ -243,8 +243,8 @@ def discover(store: Any, rank: int, size: int, backend: Backend, timeout: timede
                                    detail="ranks never published their backend")
         records = [json.loads(v) for v in disc.multi_get([f"r/{r}" for r in range(size)])]
         text, nodes = _layout(records, global_ranks)
-        disc.set("nodes", nodes)
-        disc.set("layout", text)
+        disc.set("nodes", nodes)  # type: ignore[arg-type]  # c10d stores take bytes; torch's stub says str
+        disc.set("layout", text)  # type: ignore[arg-type]
     elif not _wait(disc, ["layout"], timeout):
         missing = _missing(disc, size) or [0]
         raise VcgaTimeoutError("process group creation", timeout.total_seconds(), rank=global_ranks[rank],
@@ -259,7 +259,7 @@ def discover(store: Any, rank: int, size: int, backend: Backend, timeout: timede
 def _layout(records: list[dict[str, Any]], global_ranks: Sequence[int]) -> tuple[bytes, bytes]:
     """Rank 0: the layout record (JSON) and the node names (compressed JSON)."""
     backends: dict[str, int] = {}
-    facts: list[list[str]] = []
+    facts: list[tuple[str, str, str, str, str, int]] = []  # name, vendor, device type, table, stack, first rank
     nodes: dict[str, int] = {}
     rank_backend, rank_node = [], []
     error = None
@@ -267,7 +267,7 @@ def _layout(records: list[dict[str, Any]], global_ranks: Sequence[int]) -> tuple
         b = backends.get(rec["b"])
         if b is None:
             b = backends[rec["b"]] = len(facts)
-            facts.append([rec["b"], rec["v"], rec["d"], rec["t"], rec.get("s", ""), r])
+            facts.append((rec["b"], rec["v"], rec["d"], rec["t"], rec.get("s", ""), r))
         f = facts[b]
         if error is None and (rec["v"], rec["d"]) != (f[1], f[2]):
             error = ["backend", rec["b"], f"one vendor and device type per backend name; rank {global_ranks[f[5]]} "

@@ -123,7 +123,8 @@ class Transport(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Facts for logs and ``vcga info``."""
-        d = {"transport": type(self).__name__, "backend": self.backend_name, "device_type": self.device_type}
+        d: dict[str, Any] = {"transport": type(self).__name__, "backend": self.backend_name,
+                             "device_type": self.device_type}
         if self.startup is not None:
             d["startup"] = self.startup.to_json()
         return d

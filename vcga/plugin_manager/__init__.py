@@ -21,6 +21,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -154,11 +155,11 @@ class VcgaPluginManager:
             self._loaded = True
             blocked = self._blocked()
             for mod in self._builtins:  # ours: imported directly, never vetted
-                self._load_one(mod, mod, "builtin", lambda m=mod: importlib.import_module(m), blocked)
+                self._load_one(mod, mod, "builtin", functools.partial(importlib.import_module, mod), blocked)
             third: list[tuple[str, str, str, Callable[[], Any], Any]] = []
             extra = [s.strip() for s in self._env.get("VCGA_PLUGINS", "").split(",") if s.strip()]
             for mod in extra:
-                third.append((mod, mod, "VCGA_PLUGINS", lambda m=mod: importlib.import_module(m), None))
+                third.append((mod, mod, "VCGA_PLUGINS", functools.partial(importlib.import_module, mod), None))
             if not self.autoload_disabled:
                 for ep in self._entry_points():
                     dist = getattr(ep, "dist", None)
@@ -201,6 +202,7 @@ class VcgaPluginManager:
             if modname in sys.modules:  # already imported in this process: nothing left to guard
                 continue
             dist = getattr(ep, "dist", None) if ep is not None else None
+            key: dict[str, Any] | None
             if dist is not None:
                 key = vetting.entry_point_key(ep.name, ep.value, dist.name, dist.version)
             else:

@@ -146,9 +146,11 @@ class _Holder:
                                      stderr=subprocess.PIPE)
         self.pid = 0
         line = b""
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        out = self.proc.stdout
+        assert out is not None  # stdout=PIPE
+        ready, _, _ = select.select([out], [], [], timeout)
         if ready:
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            line = out.readline()
         if line.strip() != b"ready":
             self.proc.kill()
             _, err = self.proc.communicate(timeout=10)
@@ -156,7 +158,7 @@ class _Holder:
             raise NodesUnavailable(f"making a node's namespaces failed: {msg} "
                                    f"(`unshare --net --uts --mount --pid` and mounts need root, CAP_SYS_ADMIN)")
         self.pid = _only_child(self.proc.pid)
-        self.proc.stdout.close()  # type: ignore[union-attr]
+        out.close()
         self.pid_ns = os.stat(f"/proc/{self.pid}/ns/pid").st_ino
         self.net_ns = os.stat(f"/proc/{self.pid}/ns/net").st_ino
 
@@ -363,7 +365,7 @@ class Cluster:
             raise ValueError(f"a cluster has 2..250 nodes, not {nodes}")
         if networks < 1 or networks > 200:
             raise ValueError(f"a cluster has 1..200 networks, not {networks}")
-        rates = list(rate) if isinstance(rate, (list, tuple)) else [rate] * networks
+        rates = [rate] * networks if rate is None or isinstance(rate, (str, int, float)) else list(rate)
         if len(rates) != networks:
             raise ValueError(f"{len(rates)} rates for {networks} networks")
         self.size, self.networks = nodes, networks

@@ -12,9 +12,12 @@ class per package: :mod:`vcga.integrations.lightning`, :mod:`vcga.integrations.l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vcga.errors import VcgaConfigError
+
+if TYPE_CHECKING:
+    from vcga.compress import CompressionSpec
 
 __all__ = ["CompressionMixin"]
 
@@ -35,7 +38,7 @@ class CompressionMixin:
     model: Any
 
     def __init__(self, *args: Any, compression: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         if compression is not None and self._ddp_comm_hook is not None:
             raise VcgaConfigError("compression", compression, "no ddp_comm_hook beside it: DDP takes one "
                                   "communication hook; drop ddp_comm_hook, or compression to use yours")
@@ -43,7 +46,7 @@ class CompressionMixin:
         self.compression_state: Any = None
 
     def _register_ddp_hooks(self) -> None:
-        spec = self._compression
+        spec: str | CompressionSpec | None = self._compression
         if spec is None and self._ddp_comm_hook is None:
             from vcga.compress import configured_spec
 
