@@ -32,6 +32,7 @@ from vcga.cpu import CpuAccelerator, host_to_host
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend as C10dBackend
 
 TABLE_FILE = Path(__file__).with_name("gloo_capabilities.json")
 #: Ranks the measurement spawns (see :func:`write_table` for why three).
@@ -70,7 +71,7 @@ class GlooBackend(Backend):
         return self._table
 
     def create_process_group(self, store: dist.Store, rank: int, world_size: int,
-                             timeout: timedelta) -> dist.ProcessGroup:
+                             timeout: timedelta) -> C10dBackend:
         import torch.distributed as dist
 
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -197,9 +198,10 @@ def _reduce_op(op: ReduceOp) -> Any:
     return getattr(dist.ReduceOp, op.value)
 
 
-def measure_cell(pg: dist.ProcessGroup, rank: int, world_size: int, coll: Collective, dt: str,
+def measure_cell(pg: Any, rank: int, world_size: int, coll: Collective, dt: str,
                  op: ReduceOp | None) -> tuple[bool, str]:
-    """Run one cell on ``pg`` (every rank must call with the same arguments).
+    """Run one cell on ``pg`` (every rank must call with the same arguments): a c10d ``Backend``
+    (``ProcessGroupGloo``), whose collectives torch's type stub does not declare.
 
     :returns: (ok, detail): ok when the call returned and the value is exactly right on this rank.
     """
@@ -217,29 +219,29 @@ def measure_cell(pg: dist.ProcessGroup, rank: int, world_size: int, coll: Collec
                 exp_value = 0  # the library should refuse; anything it returns is wrong
             want_full = _full(dt, n, exp_value)
             if coll is Collective.ALL_REDUCE:
-                opts = dist.AllreduceOptions()
-                opts.reduceOp = _reduce_op(op)
+                ar_opts = dist.AllreduceOptions()
+                ar_opts.reduceOp = _reduce_op(op)
                 t = mine.clone()
-                pg.allreduce([t], opts).wait()
+                pg.allreduce([t], ar_opts).wait()
                 got, want = t, want_full
             elif coll is Collective.REDUCE:
-                opts = dist.ReduceOptions()
-                opts.reduceOp = _reduce_op(op)
-                opts.rootRank = 0
+                red_opts = dist.ReduceOptions()
+                red_opts.reduceOp = _reduce_op(op)
+                red_opts.rootRank = 0
                 t = mine.clone()
-                pg.reduce([t], opts).wait()
+                pg.reduce([t], red_opts).wait()
                 got, want = (t, want_full) if rank == 0 else (t, t)
             else:  # REDUCE_SCATTER (list form, as torch.distributed.reduce_scatter)
-                opts = dist.ReduceScatterOptions()
-                opts.reduceOp = _reduce_op(op)
+                rs_opts = dist.ReduceScatterOptions()
+                rs_opts.reduceOp = _reduce_op(op)
                 out = _full(dt, 2, 0)
-                pg.reduce_scatter([out], [[_full(dt, 2, inputs[rank]) for _ in range(world_size)]], opts).wait()
+                pg.reduce_scatter([out], [[_full(dt, 2, inputs[rank]) for _ in range(world_size)]], rs_opts).wait()
                 got, want = out, _full(dt, 2, exp_value)
         elif coll is Collective.BROADCAST:
             t = mine.clone()
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            pg.broadcast([t], opts).wait()
+            bc_opts = dist.BroadcastOptions()
+            bc_opts.rootRank = 0
+            pg.broadcast([t], bc_opts).wait()
             got, want = t, _full(dt, n, inputs[0])
         elif coll is Collective.ALL_GATHER:
             outs = [_full(dt, n, 0) for _ in range(world_size)]
@@ -248,16 +250,16 @@ def measure_cell(pg: dist.ProcessGroup, rank: int, world_size: int, coll: Collec
             want = _cat([_full(dt, n, v) for v in inputs])
         elif coll is Collective.GATHER:
             outs = [_full(dt, n, 0) for _ in range(world_size)] if rank == 0 else []
-            opts = dist.GatherOptions()
-            opts.rootRank = 0
-            pg.gather([outs] if rank == 0 else [], [mine.clone()], opts).wait()
+            ga_opts = dist.GatherOptions()
+            ga_opts.rootRank = 0
+            pg.gather([outs] if rank == 0 else [], [mine.clone()], ga_opts).wait()
             got, want = (_cat(outs), _cat([_full(dt, n, v) for v in inputs])) if rank == 0 else (mine, mine)
         elif coll is Collective.SCATTER:
             ins = [_full(dt, n, inputs[r]) for r in range(world_size)] if rank == 0 else []
             out = _full(dt, n, 0)
-            opts = dist.ScatterOptions()
-            opts.rootRank = 0
-            pg.scatter([out], [ins] if rank == 0 else [], opts).wait()
+            sc_opts = dist.ScatterOptions()
+            sc_opts.rootRank = 0
+            pg.scatter([out], [ins] if rank == 0 else [], sc_opts).wait()
             got, want = out, _full(dt, n, inputs[rank])
         elif coll is Collective.ALL_TO_ALL:
             out = _full(dt, n, 0)
@@ -278,7 +280,7 @@ def measure_cell(pg: dist.ProcessGroup, rank: int, world_size: int, coll: Collec
                 got = want = mine
         else:  # pragma: no cover
             raise AssertionError(coll)
-    except Exception as e:  # the library refused
+    except Exception as e:  # noqa: BLE001 - whatever the library raises is its refusal, recorded in the table
         line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         # torch prints some reduce ops as raw control bytes; keep the detail printable
         return False, "".join(ch if ch.isprintable() else "?" for ch in line)[:160]
@@ -305,14 +307,15 @@ def measure_capabilities(store: dist.Store, rank: int, world_size: int,
     import torch
     import torch.distributed as dist
 
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, timedelta(seconds=120))
+    # c10d Backends, whose collectives torch's type stub does not declare
+    control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, timedelta(seconds=120))
     out = {}
     for i, cell in enumerate(all_cells()):
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"cell{i}", store), rank, world_size, cell_timeout)
         ok, detail = measure_cell(pg, rank, world_size, *cell)
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
         control.allreduce([flag], opts).wait()
         agreed = bool(flag.item())
         out[cell] = (agreed, "ok" if agreed else (detail if not ok else "failed on another rank"))

@@ -95,7 +95,8 @@ def cncl_capabilities(name: str = "mlu") -> CapabilityTable:
         # getCnclDataType: int16, uint16/32/64, fp8, complex are "Unsupported data type for CNCL
         # process group"; VCGA widens or bit-casts them onto the native dtypes.
         .refuse(MOVING + REDUCING, ("int16", "uint16", "uint32", "uint64") + dtypes.FP8 + dtypes.COMPLEX, None,
-                final=False, note="process_group_cncl.cpp getCnclDataType: 'Unsupported data type for CNCL process group'")
+                final=False,
+                note="process_group_cncl.cpp getCnclDataType: 'Unsupported data type for CNCL process group'")
         # cncl_data_type {at::kDouble, cnclFloat}: CNCL would move and reduce fp64 as fp32 without a
         # word. VCGA never hands fp64 to CNCL: it moves the bytes as int64 and reduces fp64 itself.
         # On a real MLU the values are already fp32-rounded on upload (types.cpp), and any fp64

@@ -45,6 +45,7 @@ from vcga.vendor import (
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend as C10dBackend
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def nccl_capabilities(name: str = "nccl") -> CapabilityTable:
         # NCCLUtils.hpp ncclDataType: every collective moves these dtypes natively.
         .native(MOVING, NCCL_MOVED, note=_SRC_DTYPES)
         # ProcessGroupNCCL.cpp ncclOp: MIN/MAX/SUM/PRODUCT -> ncclMin/ncclMax/ncclSum/ncclProd.
-        .native(REDUCING, NCCL_REDUCED, _ARITH_OPS, note="ProcessGroupNCCL.cpp ncclOp: ncclSum/ncclProd/ncclMin/ncclMax")
+        .native(REDUCING, NCCL_REDUCED, _ARITH_OPS,
+                note="ProcessGroupNCCL.cpp ncclOp: ncclSum/ncclProd/ncclMin/ncclMax")
         # ProcessGroupNCCL.cpp ncclOp {AVG, ncclAvg} (NCCL_HAS_AVG, NCCL >= 2.10); getNcclReduceOp
         # PREMUL_SUM -> ncclRedOpCreatePreMulSum for ncclHalf/ncclFloat/ncclBfloat16/ncclDouble.
         .native(REDUCING, FLOATS, [ReduceOp.AVG, ReduceOp.PREMUL_SUM],
@@ -93,14 +95,16 @@ def nccl_capabilities(name: str = "nccl") -> CapabilityTable:
         # derives the recipe; the library's reason stays in the cell's note):
         # getNcclDataType: "Input tensor data type is not supported for NCCL process group".
         .refuse(MOVING + REDUCING, ["int16", "uint16", "uint32", "uint64"], None, final=False,
-                note="ProcessGroupNCCL.cpp getNcclDataType: 'Input tensor data type is not supported for NCCL process group'")
+                note="ProcessGroupNCCL.cpp getNcclDataType: "
+                     "'Input tensor data type is not supported for NCCL process group'")
         # ProcessGroupNCCL::allreduce: fp8 reductions raise; VCGA reduces them in float32.
         .refuse(REDUCING, dtypes.FP8, None, final=False,
                 note="ProcessGroupNCCL.cpp allreduce: 'Float8 dtypes are not currenlty supported for NCCL reductions'")
         # getNcclReduceOp: PREMUL_SUM only for floating types; ncclAvg on integers truncates, and
         # VCGA keeps AVG to floating dtypes as torch.distributed's other backends do.
         .refuse(REDUCING, dtypes.INTEGER, [ReduceOp.AVG, ReduceOp.PREMUL_SUM], final=False,
-                note="ProcessGroupNCCL.cpp getNcclReduceOp: 'PreMulSum Data type must be half, float, bfloat16 or double'; "
+                note="ProcessGroupNCCL.cpp getNcclReduceOp: "
+                     "'PreMulSum Data type must be half, float, bfloat16 or double'; "
                      "integer AVG would truncate")
         # getNcclReduceOp: bool AVG is a TypeError; PREMUL_SUM needs a floating type.
         .refuse(REDUCING, ["bool"], [ReduceOp.AVG, ReduceOp.PREMUL_SUM], final=False,
@@ -166,7 +170,7 @@ class NcclBackend(Backend):
         return self._table
 
     def create_process_group(self, store: dist.Store, rank: int, world_size: int,
-                             timeout: timedelta) -> dist.ProcessGroup:
+                             timeout: timedelta) -> C10dBackend:
         """``ProcessGroupNCCL(store, rank, size, options)`` with the options torch's own
         ``_new_process_group_helper`` builds: a fresh ``ProcessGroupNCCL.Options()``,
         ``is_high_priority_stream = False``, ``_timeout = timeout``."""

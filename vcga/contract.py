@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo's and NCCL's base
 
     from vcga.config import Config
 
@@ -306,7 +307,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def create_process_group(self, store: dist.Store, rank: int, world_size: int,
-                             timeout: timedelta) -> dist.ProcessGroup:
+                             timeout: timedelta) -> dist.ProcessGroup | C10dBackend:
         """Create the vendor's native process group over ``store``.
 
         :param store: a store private to this group (callers prefix it).

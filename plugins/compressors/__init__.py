@@ -102,7 +102,8 @@ class Cast(Compressor):
     def payload_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
         return _numel(shape) * _itemsize(self.dtype)
 
-    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext,
+                 round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         # fp16 holds at most 65504: divide by the peers first so that their sum cannot overflow
         y = x / ctx.peers if self.prescale else x
         return [y.to(_dtypes.to_torch(self.dtype)).contiguous()]
@@ -189,7 +190,8 @@ class TopK(Compressor):
         n = _numel(shape)
         return self.k(n) * ((4 if n <= INT32_INDEXED else 8) + _itemsize(dtype))
 
-    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext,
+                 round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
 
         from vcga.compress import fused
@@ -275,12 +277,12 @@ def _build_select() -> Any:
     import numpy as np
 
     # numba's on-disk cache records the module's import name (see qsgd._qsgd_loops)
-    opts = dict(cache=__name__ == "vcga.plugins.compressors", nogil=True, boundscheck=False, error_model="numpy")
+    jit = numba.njit(cache=__name__ == "vcga.plugins.compressors", nogil=True, boundscheck=False, error_model="numpy")
 
     # One function, calling no other jitted one: numba's cache keys a closure by what it refers to,
     # and a call to another closure's dispatcher missed the cache in every new process (a 1.5 s
     # compile per rank).
-    @numba.njit(**opts)
+    @jit
     def select(bits: Any, k: int, idx: Any, val: Any, x: Any) -> int:  # pragma: no cover - compiled
         n = bits.shape[0]
         need = k
@@ -372,7 +374,8 @@ class Sign(Compressor):
         n = _numel(shape)
         return -(-n // 8) + 4
 
-    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext,
+                 round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
 
         flat = x.reshape(-1)

@@ -67,7 +67,8 @@ class PowerSGD(Compressor):
         n, m, r = p
         return (n + m) * r * self.iters * _itemsize(dtype)
 
-    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext,
+                 round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
 
         from vcga.compress.exact import orthonormalize

@@ -42,7 +42,8 @@ class QSGD(Compressor):
 
         n = flat.numel()
         nb = self._buckets(n)
-        v = torch.cat([flat, flat.new_zeros(nb * self.bucket - n)]).view(nb, self.bucket) if n else flat.view(0, self.bucket)
+        v = (torch.cat([flat, flat.new_zeros(nb * self.bucket - n)]).view(nb, self.bucket) if n
+             else flat.view(0, self.bucket))
         if self.norm == "max":
             return v, v.abs().amax(1)
         return v, v.to(torch.float64).pow(2).sum(1).sqrt().to(torch.float32)
@@ -60,10 +61,12 @@ class QSGD(Compressor):
         import torch
 
         g = torch.Generator(device="cpu")
-        g.manual_seed(ctx.seed ^ (ctx.step * 0x9E3779B1 + ctx.peer * 0x85EBCA77 + (ctx.role == "server")) & 0x7FFFFFFFFFFFFFFF)
+        g.manual_seed(ctx.seed ^ (ctx.step * 0x9E3779B1 + ctx.peer * 0x85EBCA77 + (ctx.role == "server"))
+                      & 0x7FFFFFFFFFFFFFFF)
         return torch.rand(count, generator=g, dtype=torch.float32)
 
-    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext, round: int = 0) -> list[torch.Tensor]:  # noqa: A002
+    def compress(self, x: torch.Tensor, state: dict[str, Any], ctx: CompressContext,
+                 round: int = 0) -> list[torch.Tensor]:  # noqa: A002
         import torch
 
         from vcga.compress import fused
@@ -168,9 +171,9 @@ def _qsgd_loops() -> tuple[Any, Any, Any]:
     # that name fails to load in a process that has only ``vcga.plugins``. Cache under the
     # installed name only; under any other, compile (about 2 s) without caching.
     cache = __name__ == "vcga.plugins.compressors.qsgd"
-    opts = dict(cache=cache, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
+    jit = numba.njit(cache=cache, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
 
-    @numba.njit(**opts)
+    @jit
     def absmax(x: Any, bucket: int, scale: Any) -> bool:  # pragma: no cover - compiled
         # each bucket's largest magnitude; False if an element is NaN or infinite
         n = x.shape[0]
@@ -187,7 +190,7 @@ def _qsgd_loops() -> tuple[Any, Any, Any]:
             scale[b] = m
         return finite
 
-    @numba.njit(**opts)
+    @jit
     def quantize(x: Any, scale: Any, u: Any, s: int, bucket: int, bits: int, out: Any) -> None:  # pragma: no cover
         n = x.shape[0]
         sf = np.float32(s)
@@ -213,8 +216,9 @@ def _qsgd_loops() -> tuple[Any, Any, Any]:
                 else:
                     out[i] = level
 
-    @numba.njit(**opts)
-    def dequantize(packed: Any, scale: Any, s: int, bucket: int, n: int, bits: int, out: Any) -> None:  # pragma: no cover
+    @jit
+    def dequantize(packed: Any, scale: Any, s: int, bucket: int, n: int, bits: int,
+                   out: Any) -> None:  # pragma: no cover - compiled
         sf = np.float32(s)
         for b in range(scale.shape[0]):
             sc = scale[b]
@@ -247,7 +251,8 @@ def _qsgd_self_check(loops: Any) -> str | None:
         x[: n // 4] *= 1e-30  # buckets whose largest magnitude is tiny
         want = q._compress_ops(x, ctx)
         got = q._compress_loops(loops, x, ctx)
-        if got is None or any(a.dtype != b.dtype or not torch.equal(a, b) for a, b in zip(got, want)):
+        if (got is None or len(got) != len(want)
+                or any(a.dtype != b.dtype or not torch.equal(a, b) for a, b in zip(got, want, strict=True))):
             return f"qsgd payload (levels {levels}, bucket {bucket}, norm {norm})"
         dec_want = q._decompress_ops(want[0], want[1], n)
         dec = torch.empty(n, dtype=torch.float32)
