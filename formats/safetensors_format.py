@@ -115,7 +115,7 @@ class SafetensorsReader(ReaderContext):
             raise VcgaFormatError(self.path, "no such file") from None
         except IsADirectoryError:
             raise VcgaFormatError(self.path, "is a directory, not a safetensors file") from None
-        except Exception as e:  # SafetensorError, or anything the binding raises on hostile input
+        except Exception as e:  # noqa: BLE001 - SafetensorError, or anything the binding raises on hostile input
             raise VcgaFormatError(self.path, f"not a valid safetensors file: {e}") from None
 
     def _parse_header(self) -> None:
@@ -325,7 +325,8 @@ class SafetensorsWriter(WriterContext):
             _pwrite_all(self._file.file.fileno(), data, self._base + start)
         else:
             if self._spool is None:
-                self._spool = tempfile.TemporaryFile(dir=self.path.parent, prefix=f".{self.path.name}.spool-")
+                self._spool = tempfile.TemporaryFile(  # noqa: SIM115 - kept across writes; _close_spool closes it
+                    dir=self.path.parent, prefix=f".{self.path.name}.spool-")
             _pwrite_all(self._spool.fileno(), data, self._spool_end)
             self._spooled.append((TensorEntry(entry.name, entry.dtype, tuple(entry.shape), None,
                                               dict(entry.metadata)), self._spool_end))

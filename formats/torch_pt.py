@@ -42,7 +42,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 from vcga import dtypes
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
@@ -123,11 +123,12 @@ class TorchReader(ReaderContext):
         except pickle.UnpicklingError as e:
             # torch's text is a paragraph; keep the line that names what the pickle asked for.
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = next((ln for ln in lines if "GLOBAL" in ln or "unsupported" in ln.lower()), lines[-1] if lines else "")
+            why = next((ln for ln in lines if "GLOBAL" in ln or "unsupported" in ln.lower()),
+                       lines[-1] if lines else "")
             raise VcgaFormatError(self.path, f"refused: the pickle needs code outside torch's weights-only allow-list "
                                   f"({why[:200]}). VCGA never runs code from a checkpoint; re-save it from trusted "
                                   "code as a plain state dict") from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever torch.load raises on a bad file: one typed error
             raise VcgaFormatError(self.path, f"not a loadable torch checkpoint: {type(e).__name__}: "
                                   f"{' '.join(str(e).split())[:300]}") from None
         self.metadata: dict[str, str] = {}
@@ -200,7 +201,8 @@ class TorchReader(ReaderContext):
     def entries(self) -> Iterator[TensorEntry]:
         import torch
 
-        for (_, t), e in zip(self._tensors, self._index):
+        # strict=False: after close() the tensors are released and nothing is yielded
+        for (_, t), e in zip(self._tensors, self._index, strict=False):
             src = t.detach()
             if t.is_conj():
                 src = src.resolve_conj()
@@ -247,7 +249,7 @@ class _TensorStub:
     def __init__(self, storage: _StorageStub, shape: tuple[int, ...], dtype: str) -> None:
         self.storage, self.shape, self.dtype = storage, shape, dtype
 
-    def __reduce_ex__(self, proto: int) -> Any:
+    def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         import torch
 
         stride = []
@@ -355,10 +357,10 @@ class TorchWriter(WriterContext):
             obj._metadata = OrderedDict((k, v) for k, v in sd_meta.items())  # type: ignore[attr-defined,union-attr]
         data = _pickle_state_dict(obj)
         self._zip.write_record("data.pkl", data, len(data))
-        self._zip.write_record(".format_version", "1", 1)
-        align = str(self._align)
+        self._zip.write_record(".format_version", b"1", 1)
+        align = str(self._align).encode()
         self._zip.write_record(".storage_alignment", align, len(align))
-        self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self._zip.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
         self._pickle_written = True
 
     def _start_planned(self) -> None:
@@ -412,7 +414,8 @@ class TorchWriter(WriterContext):
                 with warnings.catch_warnings():  # a read-only source buffer: torch warns, we never write to it
                     warnings.simplefilter("ignore", UserWarning)
                     storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()  # no copy
-                self._zip.write_record(f"data/{key}", storage, buf.nbytes)
+                # an UntypedStorage, which write_record takes; torch's type stub omits that overload
+                self._zip.write_record(f"data/{key}", storage, buf.nbytes)  # type: ignore[arg-type]
             else:
                 self._zip.write_record(f"data/{key}", b"", 0)
             self._key_state[key] = digest
@@ -431,7 +434,7 @@ class TorchWriter(WriterContext):
             layout = [(n, *self._names[n]) for n in self._order]
             self._write_pickle(layout)
         self._zip.write_end_of_file()
-        self._zip = None
+        del self._zip
         dropped = [k for k in self._metadata if k != STATE_DICT_METADATA_KEY]
         if dropped:
             self.notes.append(f"torch .pt has no place for file metadata; dropped keys: {', '.join(dropped)}")
@@ -446,10 +449,9 @@ class TorchWriter(WriterContext):
         if zip_writer is not None:
             try:
                 zip_writer.write_end_of_file()
-            except Exception:
+            except Exception:  # noqa: BLE001 - discarding: the output is dropped whatever the writer says
                 pass
-            self._zip = None
-            del zip_writer
+            del self._zip, zip_writer
 
 
 def _legacy_dtypes() -> frozenset[str]:

@@ -34,7 +34,7 @@ def _h5py() -> Any:
 
     try:  # registers extra compression filters (blosc, zstd, bitshuffle, ...) when installed
         import hdf5plugin  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - optional: a broken install must not stop files that need no filter
         pass
     return h5py
 
@@ -75,7 +75,7 @@ def encode_attr(value: Any, dtype: Any, shape: tuple[int, ...] | None) -> str | 
             return v.decode("latin-1") if isinstance(v, bytes) else str(v)
 
         arr = np.asarray(value, dtype=object)
-        val = text(arr.item()) if arr.ndim == 0 else [text(v) for v in arr.reshape(-1)]
+        val: Any = text(arr.item()) if arr.ndim == 0 else [text(v) for v in arr.reshape(-1)]
         return ATTR_PREFIX + json.dumps({"dtype": kind, "shape": list(arr.shape), "value": val}, ensure_ascii=False,
                                          separators=(",", ":"))
     dt = np.dtype(dtype)
@@ -84,7 +84,7 @@ def encode_attr(value: Any, dtype: Any, shape: tuple[int, ...] | None) -> str | 
     arr = np.asarray(value, dtype=dt)
     flat = arr.reshape(-1)
     if dt.kind == "c":
-        val: Any = [[float(v.real), float(v.imag)] for v in flat]
+        val = [[float(v.real), float(v.imag)] for v in flat]
     elif dt.kind == "f":
         val = [float(v) for v in flat]
     elif dt.kind == "b":
@@ -134,7 +134,7 @@ def _encode_attrs(obj: Any, path: str, skip: str | None = None, notes: list[str]
         aid = obj.attrs.get_id(name)
         try:
             value = obj.attrs[name]
-        except Exception as e:  # an attribute h5py cannot read (unknown type, damaged heap)
+        except Exception as e:  # noqa: BLE001 - an attribute h5py cannot read (unknown type, damaged heap): a note
             notes.append(f"attribute {name!r} of {path!r} is not readable ({_one_line(e)}); not kept")
             continue
         enc = encode_attr(value, aid.dtype, aid.shape)

@@ -149,7 +149,7 @@ class Hdf5Reader(ReaderContext):
             log.warning("%s: %s: %s", NAME, self.path, note)
         try:
             self._file = h5py.File(self.path, "r", locking=False)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - h5py's errors for a bad file are many: one typed error
             raise VcgaFormatError(self.path, f"not a readable HDF5 file: {_one_line(e)}") from None
 
     def _scan(self) -> None:
@@ -157,7 +157,7 @@ class Hdf5Reader(ReaderContext):
         h5py = _h5py()
         try:
             f = h5py.File(self.path, "r", locking=False)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - h5py's errors for a bad file are many: one typed error
             raise VcgaFormatError(self.path, f"not a readable HDF5 file: {_one_line(e)}") from None
         try:
             groups: dict[str, dict[str, str]] = {}
@@ -167,7 +167,7 @@ class Hdf5Reader(ReaderContext):
                 self.metadata[GROUPS_KEY] = json.dumps(groups, ensure_ascii=False, separators=(",", ":"))
         except VcgaFormatError:
             raise
-        except Exception as e:  # h5py raises OSError/KeyError/RuntimeError on a damaged tree
+        except Exception as e:  # noqa: BLE001 - h5py raises OSError/KeyError/RuntimeError on a damaged tree
             raise VcgaFormatError(self.path, f"damaged HDF5 structure: {_one_line(e)}") from None
         finally:
             f.close()
@@ -229,9 +229,10 @@ class Hdf5Reader(ReaderContext):
         elif cls in (h5py.h5t.COMPOUND, getattr(h5py.h5t, "COMPLEX", -1)):
             if ds.dtype.kind != "c":
                 raise self._unsupported(path, f"a compound type {ds.dtype}")
-            dt, mode = {8: "complex64", 16: "complex128"}.get(ds.dtype.itemsize), "numpy"
-            if dt is None:
+            complex_dt = {8: "complex64", 16: "complex128"}.get(ds.dtype.itemsize)
+            if complex_dt is None:
                 raise self._unsupported(path, f"complex numbers of {ds.dtype.itemsize} bytes")
+            dt, mode = complex_dt, "numpy"
         elif cls == h5py.h5t.OPAQUE:
             tag = tid.get_tag().decode("utf-8", "replace") if tid.get_tag() else ""
             names = [n for n in (tag, label) if n in OPAQUE_DTYPES]
@@ -280,16 +281,17 @@ class Hdf5Reader(ReaderContext):
         for item in self._items:
             try:
                 arr = self._read(item)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a damaged dataset or missing filter: one typed error
                 msg = _one_line(e)
                 hint = " (install hdf5plugin for this compression filter)" if "filter" in msg.lower() else ""
                 raise VcgaFormatError(self.path, f"cannot read dataset {item.path!r}: {msg}{hint}") from None
-            e = item.entry
-            yield TensorEntry(e.name, e.dtype, e.shape, memoryview(arr).cast("B") if arr.size else b"", e.metadata)
+            entry = item.entry
+            yield TensorEntry(entry.name, entry.dtype, entry.shape, memoryview(arr).cast("B") if arr.size else b"",
+                              entry.metadata)
             del arr  # let it go before the next read: one tensor in memory, not two
 
     def close(self) -> None:
         try:
             self._file.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - closing a damaged file must not mask the error that ended the read
             pass

@@ -142,7 +142,7 @@ class Hdf5Writer(WriterContext):
         if h5 is not None:
             try:
                 h5.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - discarding: the output is dropped whatever h5py says
                 pass
 
 

@@ -459,7 +459,7 @@ def unpack_raw_row(buf: bytes, path: Any, what: str, max_fields: int = 64) -> di
     len(buf); the map and array limits keep a crafted row from becoming millions of Python objects."""
     try:
         row = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_map_len=max_fields, max_array_len=0)
-    except Exception as e:  # msgpack reports malformed input with several exception types
+    except Exception as e:  # noqa: BLE001 - msgpack reports malformed input with several exception types
         raise VcgaFormatError(path, f"{what}: raw row is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(row, dict):
         raise VcgaFormatError(path, f"{what}: raw row is a {type(row).__name__}, not a map")

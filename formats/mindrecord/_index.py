@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ def index_bytes(shard_name: str, index_fields: Sequence[tuple[str, str]], rows: 
     con = sqlite3.connect(":memory:", isolation_level=None)
     try:
         _fill(con, shard_name, index_fields, rows)
+        if sys.version_info < (3, 11):
+            raise RuntimeError("sqlite3 serialize needs Python 3.11 (see CAN_SERIALIZE); use write_index")
         return bytes(con.serialize())
     finally:
         con.close()

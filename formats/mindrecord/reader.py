@@ -32,7 +32,7 @@ from vcga.contract import TensorEntry
 from vcga.errors import VcgaFormatError
 from vcga.formatkit import ReaderContext, pread_exact
 
-from . import _format as F
+from . import _format as F  # noqa: N812 - the format's names read as F.NAME throughout
 from ._index import RowLocation, read_index
 
 __all__ = ["MindRecordDataset", "MindRecordReader", "Record", "resolve_dataset_path", "TENSOR_FIELDS"]

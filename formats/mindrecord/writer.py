@@ -37,7 +37,7 @@ from vcga.contract import TensorEntry
 from vcga.errors import VcgaConfigError, VcgaConversionError
 from vcga.formatkit import WriterContext, is_unicode
 
-from . import _format as F
+from . import _format as F  # noqa: N812 - the format's names read as F.NAME throughout
 from ._index import CAN_SERIALIZE, index_bytes, write_index
 from .reader import DESC_MARKER
 
@@ -140,7 +140,8 @@ class MindRecordWriter(WriterContext):
 
     def set_metadata(self, metadata: Mapping[str, str]) -> None:
         self._check_open()
-        if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
+        if not all(isinstance(k, str) and isinstance(v, str) and is_unicode(k) and is_unicode(v)
+                   for k, v in metadata.items()):
             raise VcgaConversionError("mindrecord metadata must map strings to strings (valid Unicode)")
         self.metadata = dict(metadata)
 
@@ -193,7 +194,7 @@ class MindRecordWriter(WriterContext):
         desc = json.dumps({DESC_MARKER: 1, "metadata": self.metadata}, ensure_ascii=False,
                           separators=(",", ":"), sort_keys=True)
         schema = F.Schema(self.schema.fields, self.schema.blob_fields, desc)
-        for i, (shard, name) in enumerate(zip(self.shards, names)):
+        for i, (shard, name) in enumerate(zip(self.shards, names, strict=True)):
             header = F.serialize_header(
                 header_size=self.header_size, page_size=self.page_size,
                 compression_size=max(self.compression_size, 0), index_fields=[n for n, _ in _INDEX_FIELDS],
@@ -217,7 +218,7 @@ class MindRecordWriter(WriterContext):
     def __del__(self) -> None:
         try:
             self.abort()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer cannot report; at interpreter exit any name may be gone
             pass
 
     # -- shards and pages --------------------------------------------------------------------------

@@ -24,7 +24,8 @@ message_type {
     name: "Value"
     field { name: "tag" number: 1 label: LABEL_REQUIRED type: TYPE_STRING }
     field { name: "tensor" number: 2 label: LABEL_OPTIONAL type: TYPE_MESSAGE type_name: ".TensorProto" oneof_index: 0 }
-    field { name: "maptensor" number: 3 label: LABEL_OPTIONAL type: TYPE_MESSAGE type_name: ".MapTensorProto" oneof_index: 0 }
+    field { name: "maptensor" number: 3 label: LABEL_OPTIONAL type: TYPE_MESSAGE type_name: ".MapTensorProto"
+            oneof_index: 0 }
     oneof_decl { name: "value" }
   }
 }

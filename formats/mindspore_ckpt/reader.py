@@ -174,7 +174,7 @@ class MindSporeCkptReader(ReaderContext):
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer cannot report; at interpreter exit any name may be gone
             pass
 
     # -- reading helpers ---------------------------------------------------------------------------

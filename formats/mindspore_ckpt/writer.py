@@ -110,6 +110,7 @@ class MindSporeCkptWriter(WriterContext):
         if entry.metadata:
             self.tensor_metadata[name] = dict(entry.metadata)
         tensor_type = _dtypes.get(dtype).mindspore
+        assert tensor_type is not None  # every dtype in CKPT_DTYPES has a MindSpore name
         itemsize = _dtypes.get(dtype).itemsize
         step = max(self.slice_size - self.slice_size % itemsize, itemsize)
         # shape (0,) goes to field 1001: MindSpore would read dims [0] as a 0-d scalar.

@@ -8,7 +8,7 @@ import mmap
 import os
 import reprlib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 
@@ -63,7 +63,7 @@ def _short(value: Any) -> str:
     return _REPR.repr(value)
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return type(x) is int
 
 
