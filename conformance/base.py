@@ -126,13 +126,12 @@ def _mismatch_detail(got: torch.Tensor, want: torch.Tensor) -> tuple[float, str]
     else:
         diff = (gd - wd).abs()
         gv, wv = gd[i].item(), wd[i].item()
+    shown_g, shown_w = f"{gv}", f"{wv}"
     if gv == wv or (gv != gv and wv != wv):  # equal values, different bytes: show the bytes
-        gv = bytes(gb[i].tolist()).hex()
-        wv = bytes(wb[i].tolist()).hex()
-        gv, wv = f"bytes {gv}", f"bytes {wv}"
+        shown_g, shown_w = f"bytes {bytes(gb[i].tolist()).hex()}", f"bytes {bytes(wb[i].tolist()).hex()}"
     finite = diff[torch.isfinite(diff)]
     worst = float(finite.max()) if finite.numel() and len(finite) == len(diff) else float("inf")
-    return worst, f"{len(bad)} of {g.numel()} elements differ; first at [{i}]: got {gv}, expected {wv}"
+    return worst, f"{len(bad)} of {g.numel()} elements differ; first at [{i}]: got {shown_g}, expected {shown_w}"
 
 
 def compare_exact(got: torch.Tensor, want: torch.Tensor, what: str = "") -> Verdict:

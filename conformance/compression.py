@@ -164,8 +164,8 @@ class Compression(Check):
         yield ctx.run_case(f"{label}: bytes on the wire <= declared",
                            lambda: self._wire(ctx, spec, topology(), shapes, total))
         yield ctx.run_case(f"{label}: ranks identical, bfloat16 gradients", identical_bf16)
-        yield ctx.run_case(f"{label}: an overflow is seen, then forgotten", lambda: self._overflow(ctx, spec, topology(),
-                                                                                                   shapes, total, label))
+        yield ctx.run_case(f"{label}: an overflow is seen, then forgotten",
+                           lambda: self._overflow(ctx, spec, topology(), shapes, total, label))
 
     # -- the cases -----------------------------------------------------------------------------------
 
@@ -319,7 +319,8 @@ class Compression(Check):
         return Verdict.ok(0.0, 0.0, detail=f"{checked} elements")
 
     @staticmethod
-    def _place(red: Any, key: str, values: list[float], shapes: list[tuple[int, ...]], total: int) -> tuple[int, list[float]] | None:
+    def _place(red: Any, key: str, values: list[float], shapes: list[tuple[int, ...]],
+               total: int) -> tuple[int, list[float]] | None:
         """Where a record's values sit in the flat buffer: keys are repr((bucket key, part, 0)) for
         an element-wise compressor (part p starts at the p-th cut), repr((bucket key, part,
         parameter index, start in the buffer)) for one that needs shapes."""

@@ -258,7 +258,7 @@ class Context:
                                     "d": verdict.detail, "s": verdict.skipped, "r": verdict.reset}
         except CaseAborted:
             mine = {"a": True}  # another rank's failure is the story; do not report this as one
-        except Exception as e:  # the case failed on this rank; the others must learn it
+        except Exception as e:  # noqa: BLE001 - the case failed on this rank; the others must learn it
             self._store.set(f"c{self._case}/abort", b"1")
             mine = {"x": first_line(e)}
         finally:
@@ -284,9 +284,9 @@ class Context:
             e, b = v.get("e"), v.get("b")
             if e is None:
                 continue
-            r = (0.0 if e == 0 else math.inf) if not b else e / b
-            if r > ratio:
-                worst, bound, ratio = e, b, r
+            share = (0.0 if e == 0 else math.inf) if not b else e / b
+            if share > ratio:
+                worst, bound, ratio = e, b, share
         if failures:
             detail = "; ".join(
                 f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))}: {text}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vcga.contract import CheckResult, Collective, ReduceOp
@@ -67,7 +68,7 @@ class Collectives(Check):
                     case = f"{form}{' SUM' if op else ''} {dt}{f' root={root}' if root is not None else ''} " \
                            f"n={sizes_label(sizes)}"
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
-                                         lambda f=form, d=dt, rt=root: self._one(ctx, f, d, rt or 0, sizes), dtype=dt,
+                                         partial(self._one, ctx, form, dt, root or 0, sizes), dtype=dt,
                                          cell=(coll, dt, op))
         if self.opt(ctx, "extras"):
             yield from self._extras(ctx, table)
@@ -235,17 +236,17 @@ class Layouts(Check):
                     op = ReduceOp.SUM if form in REDUCING_FORMS else None
                     case = f"{form} {dt} {layout} {target}"
                     yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
-                                         lambda f=form, d=dt, lay=layout, tg=target: self._one(ctx, f, d, lay, tg, n),
+                                         partial(self._one, ctx, form, dt, layout, target, n),
                                          dtype=dt, cell=(COLLECTIVE_OF[form], dt, op))
             for form in ("all_gather_single", "reduce_scatter_single"):
                 case = f"{form} {dt} in place (aliased input and output)"
                 op = ReduceOp.SUM if form in REDUCING_FORMS else None
                 yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
-                                     lambda f=form, d=dt: self._aliased(ctx, f, d, n), dtype=dt,
+                                     partial(self._aliased, ctx, form, dt, n), dtype=dt,
                                      cell=(COLLECTIVE_OF[form], dt, op))
             case = f"all_gather {dt} outputs are views of one buffer"
             yield ctx.run_unless(case, runnable(ctx, table, Collective.ALL_GATHER, dt, None),
-                                 lambda d=dt: self._gather_views(ctx, d, n), dtype=dt,
+                                 partial(self._gather_views, ctx, dt, n), dtype=dt,
                                  cell=(Collective.ALL_GATHER, dt, None))
 
     def _one(self, ctx: Context, form: str, dt: str, layout: str, target: str, n: int) -> Verdict:
@@ -288,7 +289,7 @@ class Layouts(Check):
             else:
                 dist.all_to_all_single(out, x)
                 got = out
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a refusal is judged by _refusal, whatever its type
             return self._refusal(ctx, e, time.monotonic() - start, [(x, x_before), (out, out_before)], base_before,
                                  [x_base, out_base])
         if form == "all_reduce":
@@ -304,8 +305,8 @@ class Layouts(Check):
         v = compare_exact(_logical(got), want, "result")
         if not v.passed:
             return v
-        for base, before in zip((x_base, out_base), base_before):
-            if base is None:
+        for base, before in zip((x_base, out_base), base_before, strict=True):
+            if base is None or before is None:  # not in a layout with a base: before is None too
                 continue
             outside = torch.ones(base.numel(), dtype=torch.bool)
             view = x if base is x_base else out
@@ -328,7 +329,7 @@ class Layouts(Check):
         for t, before in tensors:
             if not data.same_bits(_logical(t), _logical(before)):
                 return Verdict(False, detail=f"raised {first_line(e)} after writing into the tensors", reset=True)
-        for base, before in zip(bases, bases_before):
+        for base, before in zip(bases, bases_before, strict=True):
             if base is not None and not data.same_bits(base, before):
                 return Verdict(False, detail=f"raised {first_line(e)} after writing into the storage", reset=True)
         return judge_refusal(ctx, e, elapsed)
@@ -395,7 +396,7 @@ class Sizes(Check):
                     sizes[f"large ({large} per rank)"] = large
                 for label, n in sizes.items():
                     case = f"{form} {dt} n={n} ({label})" if not label.startswith("large") else f"{form} {dt} {label}"
-                    yield ctx.run_unless(case, why, lambda f=form, d=dt, k=n: self._one(ctx, f, d, k), dtype=dt,
+                    yield ctx.run_unless(case, why, partial(self._one, ctx, form, dt, n), dtype=dt,
                                          cell=(COLLECTIVE_OF[form], dt, op))
 
     @staticmethod
@@ -445,7 +446,7 @@ class Uneven(Check):
                     op = ReduceOp.SUM if form in REDUCING_FORMS else None
                     case = f"{form} uneven {dt} splits#{seed}"
                     yield ctx.run_unless(case, runnable(ctx, table, COLLECTIVE_OF[form], dt, op),
-                                         lambda f=form, d=dt, s=seed, m=must: self._one(ctx, f, d, s, m), dtype=dt,
+                                         partial(self._one, ctx, form, dt, seed, must), dtype=dt,
                                          cell=(COLLECTIVE_OF[form], dt, op))
 
     def _one(self, ctx: Context, form: str, dt: str, seed: int, must: bool) -> Verdict:
@@ -481,9 +482,9 @@ class Uneven(Check):
                 return compare_exact(torch.cat(outs), torch.cat(all_vals))
             if form == "gather":
                 dst = ws - 1
-                outs = [torch.zeros(sizes[r], dtype=mine.dtype) for r in range(ws)] if rank == dst else None
-                dist.gather(mine.clone(), outs, dst=dst)
-                return compare_exact(torch.cat(outs), torch.cat(all_vals)) if rank == dst else Verdict.ok()
+                gathered = [torch.zeros(sizes[r], dtype=mine.dtype) for r in range(ws)] if rank == dst else None
+                dist.gather(mine.clone(), gathered, dst=dst)
+                return compare_exact(torch.cat(gathered), torch.cat(all_vals)) if gathered is not None else Verdict.ok()
             if form == "scatter":
                 src = 0
                 out = torch.zeros(sizes[rank], dtype=mine.dtype)

@@ -10,6 +10,7 @@ same bits.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from vcga.config import parse_sim_vendors
@@ -38,10 +39,10 @@ class MixedVendors(Check):
         n = int(self.opt(ctx, "n"))
         for dt in self.dtypes(ctx):
             yield ctx.run_case(f"all_reduce SUM {dt} across vendors: Higham bound and identical bits",
-                               lambda d=dt: self._sum(ctx, d, n), dtype=dt)
+                               partial(self._sum, ctx, dt, n), dtype=dt)
         for form in FORMS:
             yield ctx.run_case(f"{form} float32 across vendors: exact and identical bits",
-                               lambda f=form: self._form(ctx, f), dtype="float32")
+                               partial(self._form, ctx, form), dtype="float32")
 
     @staticmethod
     def _layout(ctx: Context) -> Verdict:
@@ -72,7 +73,7 @@ class MixedVendors(Check):
 
         rec = run_form("all_reduce", inputs, ctx.rank, ws, n, op=ReduceOp.SUM)
         ref = data.random_reference(ReduceOp.SUM, [inputs(r) for r in range(ws)], dt)
-        v = compare_reference(rec.got, ref.value, ref.bound)
+        v = compare_reference(rec.result(), ref.value, ref.bound)
         differ = self._identical(ctx, f"mixed-sum:{dt}", rec.got)
         if differ:
             return Verdict.fail(differ, v.worst_error, v.bound)
@@ -93,7 +94,7 @@ class MixedVendors(Check):
         if rec.got is None:  # a non-root rank of reduce/gather: nothing received, nothing to swap
             return Verdict.ok()
         want = (data.exact_reduce(ReduceOp.SUM, [inputs(r) for r in range(ws)], "float32")[rec.reduce_slice]
-                if form in REDUCING_FORMS else rec.want)
+                if form in REDUCING_FORMS else rec.expected())
         v = compare_exact(rec.got, want)
         if form in ("all_reduce", "all_gather_single", "all_gather", "broadcast"):
             differ = self._identical(ctx, f"mixed-form:{form}", rec.got)  # every rank exchanges, always

@@ -4,6 +4,7 @@ bitwise identity, and the capability table cell by cell."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from vcga.contract import CheckResult, Collective, ReduceOp, Support
@@ -19,7 +20,7 @@ from .base import (
     sizes_label,
 )
 from .context import Context, Verdict, first_line
-from .ops import COLLECTIVE_OF, FORM_OF, REDUCING_FORMS, input_numel, run_form
+from .ops import COLLECTIVE_OF, FORM_OF, REDUCING_FORMS, input_numel, p2p, run_form
 
 __all__ = ["ExactReduce", "RandomReduce", "CrossRankIdentity", "DtypeMatrix"]
 
@@ -50,6 +51,10 @@ def _exact_case(ctx: Context, form: str, op: ReduceOp, dt: str, n: int, root: in
         return compare_ulps(rec.got, exact, dt, 2.0)
     want = data.exact_reduce(op, xs, dt, data.PREMUL_FACTOR_EXACT)[rec.reduce_slice]
     return compare_exact(rec.got, want, f"n={n}")
+
+
+def _exact_sizes(ctx: Context, form: str, op: ReduceOp, dt: str, sizes: list[int], root: int) -> Verdict:
+    return _merge_verdicts([_exact_case(ctx, form, op, dt, n, root) for n in sizes])
 
 
 def _merge_verdicts(verdicts: list[Verdict]) -> Verdict:
@@ -89,8 +94,8 @@ class ExactReduce(Check):
                     unit = " (ulp)" if op is ReduceOp.AVG and data._kind(dt) in "fc" else ""
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}{unit}"
                     root = ctx.world_size - 1  # a non-zero root where there is one
-                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt, rt=root:
-                                         _merge_verdicts([_exact_case(ctx, f, o, d, n, rt) for n in sizes]), dtype=dt,
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
+                                         partial(_exact_sizes, ctx, form, op, dt, sizes, root), dtype=dt,
                                          cell=(coll, dt, op))
 
 
@@ -118,9 +123,13 @@ class RandomReduce(Check):
                             or op not in data.ops_for(dt):
                         continue
                     case = f"{form} {op} {dt} n={sizes_label(sizes)}"
-                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op), lambda f=form, o=op, d=dt: _merge_verdicts(
-                        [self._one(ctx, f, o, d, n, s) for n in sizes for s in range(seeds)]), dtype=dt,
-                        cell=(coll, dt, op))
+                    yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
+                                         partial(self._every, ctx, form, op, dt, sizes, seeds), dtype=dt,
+                                         cell=(coll, dt, op))
+
+    @classmethod
+    def _every(cls, ctx: Context, form: str, op: ReduceOp, dt: str, sizes: list[int], seeds: int) -> Verdict:
+        return _merge_verdicts([cls._one(ctx, form, op, dt, n, s) for n in sizes for s in range(seeds)])
 
     @staticmethod
     def _one(ctx: Context, form: str, op: ReduceOp, dt: str, n: int, seed: int) -> Verdict:
@@ -167,7 +176,7 @@ class CrossRankIdentity(Check):
                 for op in ops:
                     case = f"{form}{' ' + str(op) if op else ''} {dt} n={sizes_label(sizes)}"
                     yield ctx.run_unless(case, runnable(ctx, table, coll, dt, op),
-                                         lambda f=form, o=op, d=dt: self._one(ctx, f, o, d, sizes), dtype=dt,
+                                         partial(self._one, ctx, form, op, dt, sizes), dtype=dt,
                                          cell=(coll, dt, op))
 
     def _one(self, ctx: Context, form: str, op: ReduceOp | None, dt: str, sizes: list[int]) -> Verdict:
@@ -183,7 +192,7 @@ class CrossRankIdentity(Check):
 
             rec = run_form(form, inputs, ctx.rank, ws, n, op=op, root=ws - 1,
                            premul_factor=data.PREMUL_FACTOR_RANDOM)
-            digests.append(data.digest(rec.got))
+            digests.append(data.digest(rec.result()))
         everyone = ctx.exchange_json(f"digest:{form}:{op}:{dt}", digests)
         groups: dict[str, list[int]] = {}
         for r, d in enumerate(everyone):
@@ -228,19 +237,16 @@ class DtypeMatrix(Check):
                                              detail="refusals are raised by the vcga group's dispatch; "
                                                     "a native group is not asked", cell=ref)
                             continue
-                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._refused(ctx, c, d, o, n), dtype=dt,
-                                           cell=ref)
+                        yield ctx.run_case(case, partial(self._refused, ctx, coll, dt, op, n), dtype=dt, cell=ref)
                         continue
                     if cell.support is Support.EMULATED and not ctx.through_vcga:
-                        yield ctx.result(case, True, dtype=dt, skipped=True,
-                                         detail=f"emulated by VCGA ({cell.via}); a native group cannot run it", cell=ref)
+                        yield ctx.result(case, True, dtype=dt, skipped=True, cell=ref,
+                                         detail=f"emulated by VCGA ({cell.via}); a native group cannot run it")
                         continue
                     if op is not None and op not in data.ops_for(dt):
-                        yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._runs(ctx, c, d, o, n), dtype=dt,
-                                           cell=ref)
+                        yield ctx.run_case(case, partial(self._runs, ctx, coll, dt, op, n), dtype=dt, cell=ref)
                         continue
-                    yield ctx.run_case(case, lambda c=coll, d=dt, o=op: self._claimed(ctx, c, d, o, n), dtype=dt,
-                                       cell=ref)
+                    yield ctx.run_case(case, partial(self._claimed, ctx, coll, dt, op, n), dtype=dt, cell=ref)
 
     @staticmethod
     def _call(ctx: Context, coll: Collective, dt: str, op: ReduceOp | None, n: int) -> Verdict:
@@ -258,12 +264,12 @@ class DtypeMatrix(Check):
         rec = run_form(form, inputs, ctx.rank, ws, n, root=ws - 1)
         if rec.got is None:
             return Verdict.ok(0.0, 0.0)
-        return compare_exact(rec.got, rec.want)
+        return compare_exact(rec.got, rec.expected())
 
     def _claimed(self, ctx: Context, coll: Collective, dt: str, op: ReduceOp | None, n: int) -> Verdict:
         try:
             v = self._call(ctx, coll, dt, op, n)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error on a claimed cell is the verdict
             return Verdict(False, detail=f"the table claims this cell but the call raised {first_line(e)}", reset=True)
         if not v.passed:
             return Verdict.fail(f"the table claims this cell but the result is wrong: {v.detail}",
@@ -271,7 +277,7 @@ class DtypeMatrix(Check):
         return v
 
     @staticmethod
-    def _runs(ctx: Context, coll: Collective, dt: str, op: ReduceOp | None, n: int) -> Verdict:
+    def _runs(ctx: Context, coll: Collective, dt: str, op: ReduceOp, n: int) -> Verdict:
         """A claimed cell whose op has no defined value on the dtype (BAND on floats ...): it must run."""
         import torch.distributed as dist
 
@@ -284,7 +290,7 @@ class DtypeMatrix(Check):
                 dist.all_reduce(x, op=torch_op(op, 0.5))
             else:
                 run_form(form, lambda r: x, ctx.rank, ctx.world_size, n, op=op, root=ctx.world_size - 1)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error on a claimed cell is the verdict
             return Verdict(False, detail=f"the table claims this cell but the call raised {first_line(e)}", reset=True)
         return Verdict.ok(detail=f"{op} has no defined value on {dt}: checked that it runs")
 
@@ -303,7 +309,7 @@ class DtypeMatrix(Check):
             if _refused_by_torch(e):
                 return Verdict.ok(detail=f"refused by torch.distributed itself, before any backend: {first_line(e)}")
             return Verdict.fail(f"the table refuses this cell; expected VcgaUnsupportedError, got {first_line(e)}")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any other error is the verdict
             return Verdict.fail(f"the table refuses this cell; expected VcgaUnsupportedError, got {first_line(e)}")
         return Verdict.fail("the table refuses this cell but the call ran: the table or the dispatch lies")
 
@@ -331,8 +337,8 @@ def _send_recv_cell(ctx: Context, dt: str, n: int) -> Verdict:
     rank, ws = ctx.rank, ctx.world_size
     right, left = (rank + 1) % ws, (rank - 1) % ws
     got = torch.empty(n, dtype=data.movement_input(dt, 0, 0).dtype)
-    works = [dist.isend(data.movement_input(dt, n, rank, "matrix-p2p"), dst=right),
-             dist.irecv(got, src=left)]
+    works = [p2p(dist.isend(data.movement_input(dt, n, rank, "matrix-p2p"), dst=right)),
+             p2p(dist.irecv(got, src=left))]
     for w in works:
         w.wait()
     return compare_exact(got, data.movement_input(dt, n, left, "matrix-p2p"))
@@ -366,7 +372,7 @@ def _send_recv_refused(ctx: Context, dt: str, n: int) -> Verdict:
             if wrong:
                 return Verdict.fail(f"{name}: VcgaUnsupportedError names the wrong cell: {wrong}")
             continue
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any other error is the verdict
             return Verdict(False, detail=f"{name}: the table refuses this cell; expected VcgaUnsupportedError, "
                                          f"got {first_line(e)}", reset=True)
         return Verdict(False, detail=f"the table refuses this cell but {name} ran: the table or the dispatch lies",

@@ -16,6 +16,7 @@ from vcga.contract import Collective, ReduceOp
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed as dist
 
 __all__ = [
     "FORMS",
@@ -27,6 +28,7 @@ __all__ = [
     "torch_op",
     "input_numel",
     "run_form",
+    "p2p",
 ]
 
 #: Every form, in the order the checks run them.
@@ -88,6 +90,13 @@ def torch_op(op: ReduceOp | str, premul_factor: float) -> Any:
     return getattr(dist.ReduceOp, op.value)
 
 
+def p2p(work: dist.Work | None) -> dist.Work:
+    """The work of an ``isend``/``irecv``: torch returns None only to a rank outside the group."""
+    if work is None:
+        raise ValueError("this rank is not in the group of the point-to-point call")
+    return work
+
+
 def input_numel(form: str, n: int, world_size: int) -> int:
     """Elements in one rank's input when each rank contributes or receives blocks of ``n``."""
     return n * world_size if form in SPLIT_INPUT_FORMS else n
@@ -107,6 +116,18 @@ class Received:
     got: torch.Tensor | None
     reduce_slice: slice | None = None
     want: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        """``got``, of a form that gives this rank a result."""
+        if self.got is None:
+            raise ValueError("this rank received nothing (a non-root rank of a rooted form)")
+        return self.got
+
+    def expected(self) -> torch.Tensor:
+        """``want``, of a moving form (a reducing form's expectation is the reduction's ``reduce_slice``)."""
+        if self.want is None:
+            raise ValueError("a reducing form: its expectation is the reduction over reduce_slice")
+        return self.want
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -161,11 +182,11 @@ def run_form(form: str, inputs: Callable[[int], torch.Tensor], rank: int, world_
         wait(dist.all_gather(outs, x, group=group, async_op=async_op))
         return Received(_flat(outs), want=_flat([inputs(r) for r in range(world_size)]))
     if form == "gather":
-        outs = [torch.empty(n, dtype=dt) for _ in range(world_size)] if rank == root else None
-        wait(dist.gather(x, outs, dst=root, group=group, async_op=async_op))
-        if rank != root:
+        gathered = [torch.empty(n, dtype=dt) for _ in range(world_size)] if rank == root else None
+        wait(dist.gather(x, gathered, dst=root, group=group, async_op=async_op))
+        if gathered is None:  # not the root
             return Received(None)
-        return Received(_flat(outs), want=_flat([inputs(r) for r in range(world_size)]))
+        return Received(_flat(gathered), want=_flat([inputs(r) for r in range(world_size)]))
     if form == "scatter":
         out = torch.empty(n, dtype=dt)
         parts = (list(x.split(n)) if n else [x[:0]] * world_size) if rank == root else None

@@ -186,9 +186,9 @@ def plan_checks(profile: Profile, registered: Mapping[str, Any], only: list[str]
     if profile.other_checks:
         names += [n for n in registered if n not in profile.checks]
     if only:
-        unknown = [n for n in only if n not in registered]
-        if unknown:
-            raise VcgaConfigError("check", unknown[0], "a registered check: " + ", ".join(registered), "--check")
+        unregistered = [n for n in only if n not in registered]
+        if unregistered:
+            raise VcgaConfigError("check", unregistered[0], "a registered check: " + ", ".join(registered), "--check")
         names = [n for n in names if n in only] + [n for n in only if n not in names]
     out = []
     for name in names:

@@ -85,7 +85,7 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
                       reinit=reinit)
         checks = {c.name: c for c in pm.conformance_checks()}
         emit("ready", {"backend": backend.name, "vendor": backend.vendor})
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - reported to the runner (KeyboardInterrupt included), then the rank ends
         if spec.sim_vendors and _group_cannot_mix(e):
             emit("setup-unsupported", str(_group_cannot_mix(e)))
         else:
@@ -102,7 +102,7 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
                 emit("result", res)
             ctx.waiting(f"end of {planned.name}")
             ctx.exchange(f"end:{planned.name}", b"")
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - reported to the runner, which restarts the rest in a fresh world
             # A check that raises past its cases leaves the ranks out of step: report and stop this
             # world; the runner restarts the checks that remain in a fresh one.
             emit("fatal", (planned.name, f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -111,7 +111,7 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
     emit("done", {"group_resets": ctx.group_resets})
     try:
         dist.destroy_process_group()
-    except Exception:  # the results are in; a failing teardown must not turn them into an error
+    except Exception:  # noqa: BLE001 - the results are in; a failing teardown must not turn them into an error
         pass
     _leave(store, rank, spec.world_size, store_timeout_s)
 

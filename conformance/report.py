@@ -135,7 +135,8 @@ def write_junit(path: str | os.PathLike[str], outcome: SuiteOutcome) -> None:
                 failure = ET.SubElement(case, "failure", message=(r.detail or "failed")[:500], type=r.check)
                 failure.text = f"{r.detail}{numbers}\nbackend: {r.backend}\ndtype: {r.dtype}"
                 if r.cell:
-                    failure.text += f"\ncell: {r.cell}" + (f"\nderived from: {r.derived_from}" if r.derived_from else "")
+                    failure.text += (f"\ncell: {r.cell}"
+                                     + (f"\nderived from: {r.derived_from}" if r.derived_from else ""))
             elif r.detail or numbers:
                 ET.SubElement(case, "system-out").text = f"{r.detail}{numbers}".strip()
         totals["tests"] += len(results)

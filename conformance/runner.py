@@ -20,7 +20,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, cast
 
 from vcga import spawn
 from vcga.contract import CheckResult
@@ -127,8 +128,10 @@ class _Attempt:
         from multiprocessing.connection import wait
 
         live = [c for r, c in enumerate(readers) if r not in closed]
-        out = []
-        for conn in wait(live, timeout=timeout) if live else []:
+        out: list[tuple[str, int, Any]] = []
+        # wait returns the objects it was given: the pipes' Connections
+        ready = cast("list[Connection]", wait(live, timeout=timeout)) if live else []
+        for conn in ready:
             r = readers.index(conn)
             try:
                 while conn.poll():

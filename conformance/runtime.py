@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vcga.contract import CheckResult, Collective, ReduceOp
@@ -14,7 +15,7 @@ from vcga.errors import VcgaMismatchError, VcgaTimeoutError
 from . import data
 from .base import Check, compare_exact, needs, runnable
 from .context import Context, Verdict, first_line
-from .ops import COLLECTIVE_OF, REDUCING_FORMS, input_numel
+from .ops import COLLECTIVE_OF, REDUCING_FORMS, input_numel, p2p
 
 if TYPE_CHECKING:
     import torch
@@ -117,11 +118,11 @@ class AsyncOps(Check):
         futs = []
         for i, t in enumerate(tensors):
             fut = dist.all_reduce(t, async_op=True).get_future()
-            futs.append(fut.then(lambda f, i=i: (seen.append(i), f.value())[1]))
+            futs.append(fut.then(partial(_noted, seen, i)))
         torch.futures.collect_all(futs).wait()
         if sorted(seen) != list(range(k)):
             return Verdict.fail(f"then() callbacks ran for {sorted(seen)}, expected all of 0..{k - 1}")
-        for i, (t, fut) in enumerate(zip(tensors, futs)):
+        for i, (t, fut) in enumerate(zip(tensors, futs, strict=True)):
             want = data.exact_reduce(ReduceOp.SUM, xs[i], dt)
             v = compare_exact(t, want, f"all_reduce #{i}")
             if not v.passed:
@@ -139,9 +140,9 @@ class AsyncOps(Check):
 
         ws, rank = ctx.world_size, ctx.rank
         right, left = (rank + 1) % ws, (rank - 1) % ws
-        sends = [dist.isend(data.movement_input(dt, n, rank, ("ring", i)), dst=right, tag=i) for i in range(k)]
+        sends = [p2p(dist.isend(data.movement_input(dt, n, rank, ("ring", i)), dst=right, tag=i)) for i in range(k)]
         outs = [torch.empty(n, dtype=data.movement_input(dt, 0, 0).dtype) for _ in range(k)]
-        recvs = [dist.irecv(outs[i], src=left, tag=i) for i in range(k)]
+        recvs = [p2p(dist.irecv(outs[i], src=left, tag=i)) for i in range(k)]
         for w in reversed(recvs + sends):
             if w.wait(timeout=ctx.timeout) is False:
                 return Verdict.fail(f"a point-to-point operation did not complete within {ctx.timeout_s:g} s")
@@ -210,7 +211,7 @@ class Faults(Check):
         if g is not None:
             try:
                 dist.destroy_process_group(g)
-            except Exception:  # a group left broken by the fault is expected to complain on teardown
+            except Exception:  # noqa: BLE001 - a group left broken by the fault is expected to complain on teardown
                 pass
 
     def _missing_rank(self, ctx: Context, t: float, grace: float, holder: dict[str, Any]) -> Verdict:
@@ -226,7 +227,7 @@ class Faults(Check):
         start = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4), group=g)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error is judged below, by its type
             elapsed = time.monotonic() - start
             if ctx.through_vcga and not isinstance(e, VcgaTimeoutError):
                 return Verdict.fail(f"raised {first_line(e)} after {elapsed:.1f} s; expected VcgaTimeoutError",
@@ -253,7 +254,7 @@ class Faults(Check):
             if "shape" not in e.differences:
                 return Verdict.fail(f"VcgaMismatchError does not name the shape: {e}")
             return Verdict.ok(elapsed, t + grace, detail=f"VcgaMismatchError after {elapsed:.1f} s")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any other error is the verdict
             return Verdict.fail(f"raised {first_line(e)}; expected VcgaMismatchError")
         return Verdict.fail("all_reduce with different shapes on different ranks completed without an error")
 
@@ -277,8 +278,14 @@ class SendRecv(Check):
                 why = why or "needs two ranks"
             for name, fn in patterns.items():
                 case = f"{name} {dt} n={','.join(map(str, self.opt(ctx, 'sizes')))}"
-                yield ctx.run_unless(case, why, lambda f=fn, d=dt: _all_sizes(ctx, f, d, list(self.opt(ctx, "sizes"))),
+                yield ctx.run_unless(case, why, partial(_all_sizes, ctx, fn, dt, list(self.opt(ctx, "sizes"))),
                                      dtype=dt, cell=(Collective.SEND_RECV, dt, None))
+
+
+def _noted(seen: list[int], i: int, fut: torch.futures.Future) -> Any:
+    """A ``then()`` callback: note that callback ``i`` ran, pass the value on."""
+    seen.append(i)
+    return fut.value()
 
 
 def _all_sizes(ctx: Context, fn: Callable[[Context, str, int], Verdict], dt: str, sizes: list[int]) -> Verdict:
@@ -324,8 +331,8 @@ def _ring(ctx: Context, dt: str, n: int) -> Verdict:
     rank, ws = ctx.rank, ctx.world_size
     right, left = (rank + 1) % ws, (rank - 1) % ws
     got = _empty(dt, n)
-    s = dist.isend(_msg(dt, n, rank, right), dst=right)
-    r = dist.irecv(got, src=left)
+    s = p2p(dist.isend(_msg(dt, n, rank, right), dst=right))
+    r = p2p(dist.irecv(got, src=left))
     s.wait()
     r.wait()
     return compare_exact(got, _msg(dt, n, left, rank))
@@ -336,7 +343,7 @@ def _tags(ctx: Context, dt: str, n: int) -> Verdict:
     import torch.distributed as dist
 
     if ctx.rank == 0:
-        works = [dist.isend(_msg(dt, n, 0, 1, tag), dst=1, tag=tag) for tag in (1, 2, 3)]
+        works = [p2p(dist.isend(_msg(dt, n, 0, 1, tag), dst=1, tag=tag)) for tag in (1, 2, 3)]
         for w in works:
             w.wait()
         return Verdict.ok()

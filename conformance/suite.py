@@ -90,7 +90,7 @@ def run_suite(profile: Profile, worlds: Sequence[WorldSpec], *, checks: list[str
             continue
         try:
             outcome.cross.extend(compare(exports))
-        except Exception as e:  # a broken comparison is a failed result, not a crashed command
+        except Exception as e:  # noqa: BLE001 - a broken comparison is a failed result, not a crashed command
             outcome.cross.append(CheckResult(planned.name, CROSS_WORLD, "compare worlds", False,
                                              detail=f"{type(e).__name__}: {e}"))
     outcome.elapsed_s = time.monotonic() - start

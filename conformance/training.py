@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vcga.contract import CheckResult, Collective, ReduceOp
@@ -80,7 +81,12 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Ten
 def _grads(model: torch.nn.Module) -> torch.Tensor:
     import torch
 
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            raise ValueError("a parameter has no gradient after the backward pass")
+        grads.append(p.grad.reshape(-1))
+    return torch.cat(grads)
 
 
 class Gradients(Check):
@@ -99,13 +105,13 @@ class Gradients(Check):
         state: dict[str, Any] = {}
         for step in range(1, steps + 1):
             case = f"DDP step {step}: gradient vs float64 reference" + (" (single process)" if step == 1 else "")
-            yield ctx.run_unless(case, why, lambda s=step: self._step(ctx, s, state), dtype="float32")
+            yield ctx.run_unless(case, why, partial(self._step, ctx, step, state), dtype="float32")
             if state.get("broken"):
                 break
 
     def _setup(self, ctx: Context, state: dict[str, Any]) -> None:
         import torch
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.nn.parallel import DistributedDataParallel
 
         acc = ctx.backend.accelerator()
         device = acc.device(ctx.rank % max(acc.device_count(), 1)) if acc.device_type != "cpu" else torch.device("cpu")
@@ -114,7 +120,7 @@ class Gradients(Check):
         kwargs: dict[str, Any] = {"bucket_cap_mb": float(self.opt(ctx, "bucket_cap_mb"))}
         if device.type != "cpu":
             kwargs["device_ids"] = [device]
-        state["ddp"] = DDP(model, **kwargs)
+        state["ddp"] = DistributedDataParallel(model, **kwargs)
         state["replica"] = _model(torch.float32).to(device)
         state["opt"] = torch.optim.SGD(state["ddp"].parameters(), lr=LR)
         x, t = _batch()
@@ -133,7 +139,7 @@ class Gradients(Check):
         n = ctx.world_size
         # the rank's own float32 gradient, from a plain replica holding the same parameters
         with torch.no_grad():
-            for p, q in zip(replica.parameters(), ddp.module.parameters()):
+            for p, q in zip(replica.parameters(), ddp.module.parameters(), strict=True):
                 p.copy_(q)
         replica.zero_grad(set_to_none=True)
         _loss(replica, x, t).backward()
