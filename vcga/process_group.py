@@ -249,7 +249,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, *, transport: Transport, config: Config,
                  timeout: timedelta, group_name: str = "", global_ranks: Sequence[int] = ()) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub omits the (rank, size) form
         self._rank, self._size = rank, size
         self._group_name, self._group_desc = group_name, "undefined"
         self.transport = transport
@@ -330,35 +330,37 @@ class VcgaProcessGroup(dist.ProcessGroup):
     # ===========================================================================================
     # Collectives (torch's c10d signatures; vcga.pg.collectives implements them)
     # ===========================================================================================
+    # c10d calls them as (tensors, opts); torch's type stub also declares the other forms of its
+    # Python helpers as overloads, so these overrides name [override] (the aliases [assignment]).
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         return self._collectives.allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._collectives.allreduce_coalesced(tensors, opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         return self._collectives.reduce(tensors, opts)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> Any:
         return self._collectives.reduce_scatter(output_tensors, input_tensors, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         return self._collectives.reduce_scatter_tensor(output, input, opts)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         return self._collectives.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         return self._collectives.broadcast(tensors, opts)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
         return self._collectives.allgather(output_tensors, input_tensors, opts)
 
@@ -375,13 +377,13 @@ class VcgaProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> Any:
         return self._collectives.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> Any:
         return self._collectives.gather(output_tensors, input_tensors, opts)
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> Any:
         return self._collectives.scatter(output_tensors, input_tensors, opts)
 
@@ -389,7 +391,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
                       input_split_sizes: list[int], opts: Any = None) -> Any:
         return self._collectives.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
-    all_to_all_single = alltoall_base
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._collectives.alltoall(output_tensors, input_tensors, opts)
@@ -415,7 +417,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
             if self._calls.debug is not None:
                 self._p2p_fingerprint_send(t, dstRank, tag)
             return self._calls.native_call("send", None, self._calls.native.send, tensors, dstRank, tag, async_op=True,
-                                     result=tensors)
+                                           result=tensors)
         steps = Steps()
         try:
             # A refused dtype raises here, before anything is posted or counted; the receiver's
@@ -483,7 +485,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else options("barrier")
         seq = self._calls.next("barrier")
-        return self._calls.native_call("barrier", seq, self._calls.native.barrier, opts, async_op=opts.asyncOp, result=[])
+        return self._calls.native_call("barrier", seq, self._calls.native.barrier, opts, async_op=opts.asyncOp,
+                                       result=[])
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.

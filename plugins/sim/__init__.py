@@ -160,8 +160,8 @@ def rank_layout(spec: str, world_size: int) -> list[str]:
     parts = parse_sim_vendors(spec)
     layout = [VENDORS[v][0] for v, n in parts for _ in range(n)]
     if len(layout) != world_size:
-        raise VcgaConfigError("sim_vendors", spec,
-                              f"vendor counts that add up to the world size ({world_size}); they add up to {len(layout)}")
+        raise VcgaConfigError("sim_vendors", spec, f"vendor counts that add up to the world size ({world_size}); "
+                                                   f"they add up to {len(layout)}")
     return layout
 
 

@@ -1,7 +1,8 @@
 """The simulated vendor's native process group: a vendor library's rules on top of gloo.
 
-:class:`SimVendorGroup` is what :meth:`SimBackend.create_process_group <vcga.plugins.sim.SimBackend.create_process_group>`
-returns. It imports torch, so the plugin loads it only when a group is made.
+:class:`SimVendorGroup` is what :meth:`SimBackend.create_process_group
+<vcga.plugins.sim.SimBackend.create_process_group>` returns. It imports torch, so the plugin loads it
+only when a group is made.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class SimVendorGroup(dist.ProcessGroup):
     """
 
     def __init__(self, lib: VendorLibrary, gloo: Any, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub omits the (rank, size) form
         self.lib, self.gloo, self._rank, self._size = lib, gloo, rank, size
 
     def getBackendName(self) -> str:  # noqa: N802
@@ -126,7 +127,9 @@ class SimVendorGroup(dist.ProcessGroup):
 
     # -- reductions ------------------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[Any], opts: Any = None) -> Any:
+    # c10d calls the collectives as (tensors, opts); torch's type stub also declares the other forms
+    # of its Python helpers as overloads, so these overrides name [override].
+    def allreduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("allreduce")
         (t,) = tensors
         self._check([t], reducing=True)
@@ -148,7 +151,7 @@ class SimVendorGroup(dist.ProcessGroup):
             works.append(self.allreduce([t], o))
         return PyWork(works, (), tensors)
 
-    def reduce(self, tensors: list[Any], opts: Any = None) -> Any:
+    def reduce(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("reduce")
         (t,) = tensors
         self._check([t], reducing=True)
@@ -165,7 +168,7 @@ class SimVendorGroup(dist.ProcessGroup):
         work = self.gloo.reduce([buf], options("reduce", like=opts, op=op, root=opts.rootRank))
         return self._done(work, after, tensors)
 
-    def reduce_scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:
+    def reduce_scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("reduce_scatter")
         (out,), (ins,) = outputs, inputs
         self._check([out, *ins], reducing=True)
@@ -186,7 +189,7 @@ class SimVendorGroup(dist.ProcessGroup):
 
     # -- data movement ---------------------------------------------------------------------------
 
-    def broadcast(self, tensors: list[Any], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("broadcast")
         (t,) = tensors
         self._check([t], reducing=False)
@@ -194,7 +197,7 @@ class SimVendorGroup(dist.ProcessGroup):
         work = self.gloo.broadcast([self._out(t, after)], options("broadcast", like=opts, root=opts.rootRank))
         return self._done(work, after, tensors)
 
-    def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:
+    def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("allgather")
         (outs,), (inp,) = outputs, inputs
         self._check([inp, *outs], reducing=False)
@@ -213,7 +216,7 @@ class SimVendorGroup(dist.ProcessGroup):
         works = [self.allgather([[outs[i] for outs in output_lists]], [inp], opts) for i, inp in enumerate(inputs)]
         return PyWork(works, (), [t for outs in output_lists for t in outs])
 
-    def gather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:
+    def gather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("gather")
         (inp,) = inputs
         outs = outputs[0] if outputs else []
@@ -224,7 +227,7 @@ class SimVendorGroup(dist.ProcessGroup):
                                 options("gather", like=opts, root=opts.rootRank))
         return self._done(work, after, outs)
 
-    def scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:
+    def scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any = None) -> Any:  # type: ignore[override]
         opts = opts if opts is not None else options("scatter")
         (out,) = outputs
         ins = inputs[0] if inputs else []

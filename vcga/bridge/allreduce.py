@@ -341,17 +341,25 @@ class AllReducer:
           and replicated algorithms do).
 
         The slowest rank of each vendor group in each repetition counts, the best repetition of that
-        (a MAX all-reduce of one table over the whole group), so the fits and every choice made from them agree on every rank. Needs equal vendor
-        groups of size >= 2 (the only shape on which there is a choice).
+        (a MAX all-reduce of one table over the whole group), so the fits and every choice made from
+        them agree on every rank. Needs equal vendor groups of size >= 2 (the only shape on which
+        there is a choice).
         """
         inner = self.comms.inner
         assert inner is not None and self.plan.equal_groups
         groups = self.plan.groups
         kinds = GROUP_KINDS + BRIDGE_KINDS
         xs = {n: torch.ones(max(n // 4, 1), dtype=torch.float32, device=device) for n in SIZES}
+
+        def reduce_bcast(x: torch.Tensor) -> None:
+            def build(s: Steps) -> None:
+                inner.reduce(x, 0, ReduceOp.SUM, None, None, s)
+                inner.broadcast(x, 0, None, s)
+
+            self.in_group(build)
+
         steps: dict[str, Callable[[torch.Tensor], None]] = {
-            "reduce_bcast": lambda x: self.in_group(lambda s: (inner.reduce(x, 0, ReduceOp.SUM, None, None, s),
-                                                                 inner.broadcast(x, 0, None, s))),
+            "reduce_bcast": reduce_bcast,
             "all_reduce": lambda x: self.in_group(lambda s: inner.all_reduce(x, ReduceOp.SUM, None, None, s)),
             "rsag_collective": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "collective", bridge=False),
             "rsag_p2p": lambda x: self._all_reduce_bandwidth(x, ReduceOp.SUM, "p2p", bridge=False),
@@ -395,7 +403,7 @@ class AllReducer:
         table[:, g_n, k_n:len(kinds)] = took[:, k_n:]
         table[:, g_n, len(kinds)] = 0.0 if self.comms.shm is not None else 1.0
         o = dist.AllreduceOptions()
-        o.reduceOp = dist.ReduceOp.MAX
+        o.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.comms.world.allreduce([table], o).wait()
         table = table.amin(dim=0)
         t = table.tolist()

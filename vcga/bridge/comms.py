@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Communicators"]
 
+#: A lane's vendor-group dispatcher, shard peers' gloo group and shared segment.
+_Lane = tuple["Dispatcher | None", Any, "SharedMemoryBridge | None"]
+
 
 class Communicators:
     """The whole-group gloo group (:attr:`world`) and, per lane, ``(inner, shard, shm)``.
@@ -34,10 +37,10 @@ class Communicators:
 
     def __init__(self, inner: Dispatcher | None, shard: Any, world: Any, shm: SharedMemoryBridge | None) -> None:
         self.world = world
-        self._lanes: list[tuple[Any, Any, Any] | None] = [(inner, shard, shm), None]
+        self._lanes: list[_Lane | None] = [(inner, shard, shm), None]
         self._tl = threading.local()  # .lane: the lane this thread uses now (0 when unset)
 
-    def _lane(self) -> tuple[Any, Any, Any]:
+    def _lane(self) -> _Lane:
         lane = self._lanes[getattr(self._tl, "lane", 0)]
         if lane is None:
             raise RuntimeError("this bridge group has no second lane")  # a thread entered lane 1 without one
@@ -46,7 +49,7 @@ class Communicators:
     @property
     def inner(self) -> Dispatcher | None:
         """The vendor group's dispatcher of the lane this thread uses."""
-        return self._lane()[0]  # type: ignore[no-any-return]
+        return self._lane()[0]
 
     @property
     def shard(self) -> Any:
@@ -56,7 +59,7 @@ class Communicators:
     @property
     def shm(self) -> SharedMemoryBridge | None:
         """The shard peers' shared segment of the lane this thread uses (lane 1 has none)."""
-        return self._lane()[2]  # type: ignore[no-any-return]
+        return self._lane()[2]
 
     @property
     def two_lanes(self) -> bool:

@@ -256,9 +256,9 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
     Rank 0 decided (:func:`_publish_figures`) and every rank does what it decided (``decided``:
     what rank 0 published). Figures found: every rank applies rank 0's (its own cache is never
     read, so ranks with other caches still agree). Otherwise the group measures
-    (:meth:`~vcga.bridge.allreduce.AllReducer.measure_links`, over the whole group) and rank 0 stores the result. Without
-    a cache hit, a rank that cannot name its device makes every rank skip the measurement: "auto"
-    then keeps the plan's rule."""
+    (:meth:`~vcga.bridge.allreduce.AllReducer.measure_links`, over the whole group) and rank 0 stores
+    the result. Without a cache hit, a rank that cannot name its device makes every rank skip the
+    measurement: "auto" then keeps the plan's rule."""
     from vcga.bridge import figcache
 
     rank = group.rank

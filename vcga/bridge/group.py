@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -52,10 +53,10 @@ def pipelined_allgather(pg: Any, rows: torch.Tensor, src: torch.Tensor) -> None:
         return
     size = rows.numel() // n
     edges = [n * i // pieces for i in range(pieces + 1)]
-    outs = [torch.empty(size * (b - a), dtype=torch.uint8) for a, b in zip(edges, edges[1:])]
-    works = [pg._allgather_base(o, src[a:b]) for o, a, b in zip(outs, edges, edges[1:])]
+    outs = [torch.empty(size * (b - a), dtype=torch.uint8) for a, b in pairwise(edges)]
+    works = [pg._allgather_base(o, src[a:b]) for o, (a, b) in zip(outs, pairwise(edges), strict=True)]
     table = rows.view(size, n)
-    for w, o, a, b in zip(works, outs, edges, edges[1:]):
+    for w, o, (a, b) in zip(works, outs, pairwise(edges), strict=True):
         w.wait()  # in order: later pieces travel while this one is copied into place
         table[:, a:b].copy_(o.view(size, b - a))
 

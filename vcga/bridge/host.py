@@ -45,7 +45,8 @@ import torch.distributed as dist
 from vcga.contract import ReduceOp
 from vcga.errors import VcgaCollectiveError
 
-__all__ = ["as_bytes", "on_host", "put_back", "combine_rows", "combiner", "every_rank", "SharedMemoryBridge", "SHM_DIR", "SLOT_BYTES"]
+__all__ = ["as_bytes", "on_host", "put_back", "combine_rows", "combiner", "every_rank", "SharedMemoryBridge",
+           "SHM_DIR", "SLOT_BYTES"]
 
 log = logging.getLogger("vcga.bridge")
 

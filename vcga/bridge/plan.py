@@ -37,7 +37,8 @@ __all__ = [
 #: The all_reduce algorithms across vendors (config ``bridge_algorithm``; "auto" chooses).
 ALGORITHMS = ("leader", "bandwidth", "replicated")
 #: "auto" on equal vendor groups chooses at each message size the algorithm the group's measured
-#: α–β figures predict fastest (:mod:`vcga.bridge.cost`, :meth:`AllReducer.measure_links <vcga.bridge.allreduce.AllReducer.measure_links>`). The
+#: α–β figures predict fastest (:mod:`vcga.bridge.cost`,
+#: :meth:`AllReducer.measure_links <vcga.bridge.allreduce.AllReducer.measure_links>`). The
 #: rule below is what it runs when the group has measured nothing (a rank that cannot name its
 #: device): leader below BANDWIDTH_MIN_BYTES, AUTO_LARGE up to PIPELINED_MIN_BYTES, bandwidth above
 #: (the crossovers of the one-node measurements: docs/benchmarks.md, "Mixed-vendor all_reduce on

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -62,14 +62,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
         return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
 
 
-def one_tensor(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+_T = TypeVar("_T")
+
+
+def one_tensor(tensors: Sequence[_T], what: str) -> _T:
+    """The one entry of a per-process list (a tensor, or a list of tensors)."""
     if len(tensors) != 1:
         raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
                          "(several tensors per process are deprecated in torch.distributed)")
@@ -96,25 +100,26 @@ class Collectives:
         if t.layout is not torch.strided:
             # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
             # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
-            return self.calls.native_call("all_reduce", self.calls.next("all_reduce"), self.calls.native.allreduce, tensors, opts,
-                                     async_op=opts.asyncOp, result=tensors)
+            return self.calls.native_call("all_reduce", self.calls.next("all_reduce"), self.calls.native.allreduce,
+                                          tensors, opts, async_op=opts.asyncOp, result=tensors)
         if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red.op):
-            return self.calls.native_call("all_reduce", next(self.calls.seqs), self.calls.native.allreduce, tensors, opts,
-                                     async_op=opts.asyncOp, result=tensors)
+            return self.calls.native_call("all_reduce", next(self.calls.seqs), self.calls.native.allreduce, tensors,
+                                          opts, async_op=opts.asyncOp, result=tensors)
         op, factor = reduce_op_of(red)
         seq = self.calls.next("all_reduce", t, op)
         c = _complex_again(t)
         return self.calls.issue("all_reduce", seq, lambda s: self.calls.d.all_reduce(c, op, factor, opts, s), tensors,
-                           opts.asyncOp)
+                                opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce_coalesced")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("all_reduce_coalesced", list(tensors), op)
         same = len({t.dtype for t in tensors}) == 1
-        if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op) for t in tensors):
-            return self.calls.native_call("all_reduce_coalesced", seq, self.calls.native.allreduce_coalesced, tensors, opts,
-                                     async_op=opts.asyncOp, result=tensors)
+        if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op)
+                                    for t in tensors):
+            return self.calls.native_call("all_reduce_coalesced", seq, self.calls.native.allreduce_coalesced, tensors,
+                                          opts, async_op=opts.asyncOp, result=tensors)
 
         def build(s: Steps) -> None:
             for t in tensors:
@@ -129,9 +134,9 @@ class Collectives:
         seq = self.calls.next("reduce", t, op, opts.rootRank)
         if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp.op):
             return self.calls.native_call("reduce", seq, self.calls.native.reduce, tensors, opts, async_op=opts.asyncOp,
-                                     result=tensors)
-        return self.calls.issue("reduce", seq, lambda s: self.calls.d.reduce(t, opts.rootRank, op, factor, opts, s), tensors,
-                           opts.asyncOp)
+                                          result=tensors)
+        return self.calls.issue("reduce", seq, lambda s: self.calls.d.reduce(t, opts.rootRank, op, factor, opts, s),
+                                tensors, opts.asyncOp)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
@@ -145,9 +150,10 @@ class Collectives:
                 and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
                 and all(x.is_contiguous() for x in ins)):
             return self.calls.native_call("reduce_scatter", seq, self.calls.native.reduce_scatter, output_tensors,
-                                     input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
-        return self.calls.issue("reduce_scatter", seq, lambda s: self.calls.d.reduce_scatter(out, list(ins), op, factor, opts, s),
-                           output_tensors, opts.asyncOp)
+                                          input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
+        return self.calls.issue("reduce_scatter", seq,
+                                lambda s: self.calls.d.reduce_scatter(out, list(ins), op, factor, opts, s),
+                                output_tensors, opts.asyncOp)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("reduce_scatter")
@@ -156,8 +162,9 @@ class Collectives:
                              f"{output.numel()} times the group size {self.calls.size}")
         if (self.calls.debug is None and input.dtype == output.dtype and input.is_contiguous()
                 and self.calls.fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
-            return self.calls.native_call("reduce_scatter_tensor", next(self.calls.seqs), self.calls.native._reduce_scatter_base,
-                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
+            return self.calls.native_call("reduce_scatter_tensor", next(self.calls.seqs),
+                                          self.calls.native._reduce_scatter_base, _flat(output), _flat(input), opts,
+                                          async_op=opts.asyncOp, result=[output])
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter_tensor", output, op)
 
@@ -178,7 +185,8 @@ class Collectives:
                 if inp.numel() != out.numel() * self.calls.size:
                     raise ValueError("reduce_scatter_tensor_coalesced: each input needs group size times its "
                                      "output's elements")
-                self.calls.d.reduce_scatter(out, list(inp.reshape(self.calls.size, *out.shape).unbind(0)), op, factor, opts, s)
+                chunks = list(inp.reshape(self.calls.size, *out.shape).unbind(0))
+                self.calls.d.reduce_scatter(out, chunks, op, factor, opts, s)
 
         return self.calls.issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp)
 
@@ -191,10 +199,11 @@ class Collectives:
         t = one_tensor(tensors, "broadcast")
         root = opts.rootRank
         if self.calls.debug is None and self.calls.fast_native(Collective.BROADCAST, t):
-            return self.calls.native_call("broadcast", next(self.calls.seqs), self.calls.native.broadcast, tensors, opts,
-                                     async_op=opts.asyncOp, result=tensors)
+            return self.calls.native_call("broadcast", next(self.calls.seqs), self.calls.native.broadcast, tensors,
+                                          opts, async_op=opts.asyncOp, result=tensors)
         seq = self.calls.next("broadcast", t, root=root)
-        return self.calls.issue("broadcast", seq, lambda s: self.calls.d.broadcast(t, root, opts, s), tensors, opts.asyncOp)
+        return self.calls.issue("broadcast", seq, lambda s: self.calls.d.broadcast(t, root, opts, s), tensors,
+                                opts.asyncOp)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
@@ -205,10 +214,10 @@ class Collectives:
         seq = self.calls.next("all_gather", inp)
         if (self.calls.fast_native(Collective.ALL_GATHER, inp)
                 and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
-            return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors, input_tensors, opts,
-                                     async_op=opts.asyncOp, result=outs)
+            return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors,
+                                          input_tensors, opts, async_op=opts.asyncOp, result=outs)
         return self.calls.issue("all_gather", seq, lambda s: self.calls.d.all_gather(list(outs), inp, opts, s), outs,
-                           opts.asyncOp)
+                                opts.asyncOp)
 
     def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("allgather")
@@ -217,8 +226,9 @@ class Collectives:
                              f"{input.numel()} times the group size {self.calls.size}")
         if (self.calls.debug is None and output.dtype == input.dtype and output.is_contiguous()
                 and self.calls.fast_native(Collective.ALL_GATHER, input)):
-            return self.calls.native_call("all_gather_into_tensor", next(self.calls.seqs), self.calls.native._allgather_base,
-                                     _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output])
+            return self.calls.native_call("all_gather_into_tensor", next(self.calls.seqs),
+                                          self.calls.native._allgather_base, _flat(output), _flat(input), opts,
+                                          async_op=opts.asyncOp, result=[output])
         seq = self.calls.next("all_gather_into_tensor", input)
 
         def build(s: Steps) -> None:
@@ -276,8 +286,8 @@ class Collectives:
             outs = []
         seq = self.calls.next("gather", inp, root=root)
         self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
-        return self.calls.issue("gather", seq, lambda s: self.calls.d.gather(list(outs), inp, root, opts, s), list(outs),
-                           opts.asyncOp)
+        return self.calls.issue("gather", seq, lambda s: self.calls.d.gather(list(outs), inp, root, opts, s),
+                                list(outs), opts.asyncOp)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:
@@ -294,7 +304,7 @@ class Collectives:
         seq = self.calls.next("scatter", out, root=root)
         self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
         return self.calls.issue("scatter", seq, lambda s: self.calls.d.scatter(out, list(ins), root, opts, s), [out],
-                           opts.asyncOp)
+                                opts.asyncOp)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -303,7 +313,8 @@ class Collectives:
         for splits, t, what in ((out_splits, output, "output"), (in_splits, input, "input")):
             if splits and (len(splits) != self.calls.size or sum(splits) != (t.shape[0] if t.dim() else 1)):
                 raise ValueError(f"all_to_all_single: {what}_split_sizes {splits} must have one entry per rank "
-                                 f"({self.calls.size}) adding up to the {what}'s dim 0 ({t.shape[0] if t.dim() else 1})")
+                                 f"({self.calls.size}) adding up to the {what}'s dim 0 "
+                                 f"({t.shape[0] if t.dim() else 1})")
         seq = self.calls.next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
@@ -312,8 +323,8 @@ class Collectives:
             # land in the output, so an aliased input would be overwritten before it is sent.
             input = input.clone()  # noqa: A001
         return self.calls.issue("all_to_all_single", seq,
-                           lambda s: self.calls.d.all_to_all(output, input, out_splits, in_splits, opts, s), [output],
-                           opts.asyncOp)
+                                lambda s: self.calls.d.all_to_all(output, input, out_splits, in_splits, opts, s),
+                                [output], opts.asyncOp)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("alltoall")
