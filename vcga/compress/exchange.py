@@ -249,12 +249,12 @@ class Exchange:
         if pending:
             raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "
                             f"its {c.rounds} round(s)")
+        decoded = [o for o in out if o is not None]  # all of them: nothing is pending
         if forms is not None:  # before the next call of any kind can touch the state
-            forms.extend(c.decoded_form(o, self.slot(k).state)  # type: ignore[arg-type]
-                         for o, k in zip(out, keys, strict=True))
+            forms.extend(c.decoded_form(o, self.slot(k).state) for o, k in zip(decoded, keys, strict=True))
         if not ef_done:  # every tensor decoded before the last round (PowerSGD: all of them 1-D)
             self._update_ef(xs, keys, step, last_payload)
-        return [o.to(xs[i].device) for i, o in enumerate(out)]  # type: ignore[union-attr]
+        return [o.to(xs[i].device) for i, o in enumerate(decoded)]
 
     def _update_ef(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
                    last_payload: list[list[torch.Tensor]]) -> None:
