@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vcga.contract import FormatSpec
 from vcga.errors import VcgaConversionError, VcgaFormatError
+from vcga.formatkit import check_regular_file
 
 __all__ = ["available_formats", "format_by_name", "detect_source", "detect_target"]
 
@@ -110,6 +111,7 @@ def detect_source(path: str | os.PathLike[str], name: str | None = None,
             return DCP_SPEC, p
         raise VcgaFormatError(p, "is a directory; give the checkpoint file (or its first shard), or a "
                               "torch.distributed.checkpoint directory (one holding .metadata)")
+    check_regular_file(p)  # before any sniff opens it: a FIFO would block it, a device never end
     if name is not None:
         return format_by_name(name, specs), p
     sniffed = [s for s in specs if _safe_sniff(s, p)]
