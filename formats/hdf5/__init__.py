@@ -10,7 +10,9 @@ attributes as metadata are specified in docs/convert.md ("HDF5 conventions").
 
 Refused, with a :class:`~vcga.errors.VcgaFormatError` naming the dataset: strings, references,
 variable-length, array and non-complex compound types, enums other than bool, null dataspaces,
-and external links (a converter must not wander into other files).
+and everything that would make HDF5 read another file (a converter must not wander into other
+files): external links (also when a soft link leads through one), external raw storage and
+virtual datasets -- each named with the file it points to, before any byte is read (docs/security.md).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vcga import dtypes
+from vcga import dtypes, formatkit
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaFormatError
-from vcga.formatkit import ReaderContext
+from vcga.formatkit import ReaderContext, check_regular_file, check_tensor_memory
 
 from ._format import (
     _CUSTOM_FLOATS,
@@ -38,6 +38,8 @@ log = logging.getLogger("vcga.formats.hdf5")  # the package's name, the one user
 #: How long the isolated structure scan may take before the file is declared unreadable
 #: (fuzzing found damaged files that send libhdf5 into an endless loop). Env VCGA_HDF5_SCAN_TIMEOUT_S.
 SCAN_TIMEOUT_S = 300.0
+#: How deep soft links may point through other soft links (HDF5's own default, H5L_NUM_LINKS).
+MAX_SOFT_LINK_DEPTH = 16
 
 
 def _scan_isolated(reader: Hdf5Reader) -> None:
@@ -139,8 +141,7 @@ class Hdf5Reader(ReaderContext):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         h5py = _h5py()
-        if not self.path.is_file():
-            raise VcgaFormatError(self.path, "no such file" if not self.path.exists() else "not a regular file")
+        check_regular_file(self.path)
         self.notes: list[str] = []
         self._items: list[_Item] = []
         self.metadata: dict[str, str] = {}
@@ -178,10 +179,15 @@ class Hdf5Reader(ReaderContext):
         for name in group:
             path = f"{prefix}{name}"
             link = group.get(name, getlink=True)
-            if isinstance(link, h5py.ExternalLink):
-                raise VcgaFormatError(self.path, f"{path!r} is an external link to {link.filename}:{link.path}; "
-                                      "VCGA does not follow links into other files (copy the data in first)")
-            obj = group.get(name)
+            if isinstance(link, h5py.HardLink):
+                obj, hard = group.get(name), path
+            elif isinstance(link, h5py.SoftLink):
+                hard_parts = self._follow(group.file, prefix.rstrip("/").split("/") if prefix else [], link.path,
+                                          path, 0)
+                hard = "/".join(hard_parts)
+                obj = group.file[f"/{hard}"] if hard_parts else group.file
+            else:
+                raise self._foreign_link(path, link)
             if obj is None:
                 raise VcgaFormatError(self.path, f"{path!r} is a dangling link")
             if isinstance(obj, h5py.Group):
@@ -192,11 +198,49 @@ class Hdf5Reader(ReaderContext):
                 groups[path] = _encode_attrs(obj, path, notes=self.notes)
                 self._walk(obj, path + "/", groups, seen)
             elif isinstance(obj, h5py.Dataset):
-                self._items.append(self._describe(obj, path))
+                if len(self._items) >= formatkit.MAX_TENSORS:
+                    raise VcgaFormatError(self.path, f"holds more than {formatkit.MAX_TENSORS} datasets, the most "
+                                          "VCGA reads from one checkpoint (vcga.formatkit.MAX_TENSORS)")
+                item = self._describe(obj, path)
+                item.path = hard
+                self._items.append(item)
             # named datatypes (h5py.Datatype) carry no tensor
+
+    def _foreign_link(self, path: str, link: Any) -> VcgaFormatError:
+        h5py = _h5py()
+        if isinstance(link, h5py.ExternalLink):
+            return VcgaFormatError(self.path, f"{path!r} is an external link to {link.filename}:{link.path}; "
+                                   "VCGA does not follow links into other files (copy the data in first)")
+        return VcgaFormatError(self.path, f"{path!r} is a user-defined link ({type(link).__name__}); VCGA follows "
+                               "hard and soft links only")
+
+    def _follow(self, f: Any, base: list[str], target: str, shown: str, depth: int) -> list[str]:
+        """The hard-link path (components from the root) a soft link's ``target`` leads to, from the
+        group at ``base``: followed one component at a time through hard and soft links only, so
+        that a soft link through an external link is refused before that other file is opened."""
+        if depth >= MAX_SOFT_LINK_DEPTH:
+            raise VcgaFormatError(self.path, f"soft link {shown!r} leads through more than {MAX_SOFT_LINK_DEPTH} "
+                                  "soft links")
+        h5py = _h5py()
+        parts = [] if target.startswith("/") else list(base)
+        for comp in target.split("/"):
+            if comp in ("", "."):
+                continue
+            here = f[f"/{'/'.join(parts)}"] if parts else f  # hard links only, checked on the way here
+            link = here.get(comp, getlink=True) if isinstance(here, h5py.Group) else None
+            if link is None:
+                raise VcgaFormatError(self.path, f"{shown!r} is a dangling link (to {target!r})")
+            if isinstance(link, h5py.HardLink):
+                parts.append(comp)
+            elif isinstance(link, h5py.SoftLink):
+                parts = self._follow(f, parts, link.path, shown, depth + 1)
+            else:
+                raise self._foreign_link(f"{shown} (through {'/'.join([*parts, comp])})", link)
+        return parts
 
     def _describe(self, ds: Any, path: str) -> _Item:
         h5py = _h5py()
+        self._check_in_file(ds, path)
         if ds.shape is None:
             raise VcgaFormatError(self.path, f"dataset {path!r} has a null dataspace (no shape); it holds no tensor")
         tid = ds.id.get_type()
@@ -251,6 +295,29 @@ class Hdf5Reader(ReaderContext):
         entry = TensorEntry(name=path, dtype=dt, shape=tuple(int(d) for d in ds.shape), data=None, metadata=meta)
         return _Item(entry, path, mode)
 
+    def _check_in_file(self, ds: Any, path: str) -> None:
+        """Refuse a dataset whose bytes HDF5 would read from another file: external raw storage
+        (``external=[(file, offset, size)]``) or a virtual dataset. Reads the dataset's creation
+        properties only: no byte of data, and no other file is opened."""
+        h5py = _h5py()
+        dcpl = ds.id.get_create_plist()
+        count = dcpl.get_external_count()
+        if count:
+            name = dcpl.get_external(0)[0].decode("utf-8", "replace")
+            more = f" and {count - 1} more" if count > 1 else ""
+            raise VcgaFormatError(self.path, f"dataset {path!r} keeps its bytes in another file, {name!r}{more} "
+                                  "(HDF5 external storage); VCGA reads only what is inside the file it is given "
+                                  "(copy the data into the file first)")
+        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+            n = dcpl.get_virtual_count()
+            sources = [(dcpl.get_virtual_filename(i), dcpl.get_virtual_dsetname(i)) for i in range(min(n, 1))]
+            where = (f"{sources[0][1]!r} in {'this same file' if sources[0][0] == '.' else repr(sources[0][0])}"
+                     if sources else "no source")
+            more = f" and {n - 1} more" if n > 1 else ""
+            raise VcgaFormatError(self.path, f"dataset {path!r} is a virtual dataset mapped onto {where}{more}; "
+                                  "VCGA reads only datasets stored in the file it is given (copy the data into "
+                                  "the file first)")
+
     def _unsupported(self, path: str, what: str) -> VcgaFormatError:
         return VcgaFormatError(self.path, f"dataset {path!r} holds {what}, which is not a tensor VCGA converts")
 
@@ -263,6 +330,9 @@ class Hdf5Reader(ReaderContext):
         h5py = _h5py()
         e = item.entry
         ds = self._file[item.path]
+        self._check_in_file(ds, e.name)  # as the scan found it; the file could have changed since
+        if e.nbytes:
+            check_tensor_memory(self.path, e.name, e.nbytes, stored=ds.id.get_storage_size())
         if item.mode == "numpy":
             arr = np.empty(e.shape, dtype=dtypes.to_numpy(e.dtype))
             if arr.size:
@@ -281,6 +351,8 @@ class Hdf5Reader(ReaderContext):
         for item in self._items:
             try:
                 arr = self._read(item)
+            except VcgaFormatError:
+                raise
             except Exception as e:  # noqa: BLE001 - a damaged dataset or missing filter: one typed error
                 msg = _one_line(e)
                 hint = " (install hdf5plugin for this compression filter)" if "filter" in msg.lower() else ""
