@@ -33,14 +33,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vcga import dtypes
+from vcga import dtypes, formatkit
 from vcga.atomic import AtomicFile
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
 from vcga.formatkit import (
     ReaderContext,
     WriterContext,
+    is_plain_name,
+    more_json_objects_than,
+    named_file,
+    open_regular,
     pack_tensor_metadata,
+    pread_exact,
     read_exact,
     unpack_tensor_metadata,
 )
@@ -97,13 +102,33 @@ class SafetensorsReader(ReaderContext):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._validate_with_library()
-        self._f = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        self._f = os.fdopen(open_regular(self.path), "rb")  # closed in close()
         try:
-            self._parse_header()
+            raw = self._bounded_header()
+            self._validate_with_library()
+            self._parse_header(raw)
         except BaseException:
             self._f.close()
             raise
+
+    def _bounded_header(self) -> bytes | None:
+        """The header's bytes, once they are known to declare at most :data:`~vcga.formatkit.MAX_TENSORS`
+        tensors: the library's validation builds objects for every entry of a header of up to
+        100 MB (about 1 GB of memory for a million entries), so they are counted first. None when
+        the length field is invalid: the library then says what is wrong."""
+        size = os.fstat(self._f.fileno()).st_size
+        if size < 8:
+            return None
+        fd = self._f.fileno()
+        (n,) = struct.unpack("<Q", pread_exact(fd, 8, 0, end=size, path=self.path))
+        if n > MAX_HEADER_SIZE or n + 8 > size:
+            return None
+        raw = pread_exact(fd, n, 8, end=size, path=self.path)
+        # One object per tensor, one for the header itself, one for __metadata__.
+        if more_json_objects_than(raw, formatkit.MAX_TENSORS + 2):
+            raise VcgaFormatError(self.path, f"header declares more than {formatkit.MAX_TENSORS} tensors, the most "
+                                  "VCGA reads from one file (vcga.formatkit.MAX_TENSORS)", offset=8)
+        return raw
 
     def _validate_with_library(self) -> None:
         try:
@@ -118,13 +143,14 @@ class SafetensorsReader(ReaderContext):
         except Exception as e:  # noqa: BLE001 - SafetensorError, or anything the binding raises on hostile input
             raise VcgaFormatError(self.path, f"not a valid safetensors file: {e}") from None
 
-    def _parse_header(self) -> None:
+    def _parse_header(self, raw: bytes | None) -> None:
         # The library has validated this header; parse it again here for the byte offsets it does
         # not expose, and keep the checks that protect our own reads.
-        (n,) = struct.unpack("<Q", read_exact(self._f, 0, 8, path=self.path, what="header length"))
-        raw = read_exact(self._f, 8, n, path=self.path, what="header")
+        if raw is None:
+            raise VcgaFormatError(self.path, "header length does not fit the file", offset=0)
+        n = len(raw)
         try:
-            header = json.loads(bytes(raw).decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise VcgaFormatError(self.path, f"header is not UTF-8 JSON: {e}", offset=8) from None
         if not isinstance(header, dict):
@@ -393,10 +419,6 @@ INDEX_SUFFIX = ".index.json"
 MAX_INDEX_BYTES = 100_000_000
 
 
-def _is_plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\x00" not in name
-
-
 class ShardedSafetensorsReader(ReaderContext):
     """Streams a sharded checkpoint through its ``*.safetensors.index.json``, shard after shard.
 
@@ -406,28 +428,31 @@ class ShardedSafetensorsReader(ReaderContext):
 
     def __init__(self, index_path: str | os.PathLike[str]) -> None:
         self.path = Path(index_path)
-        try:
-            size = self.path.stat().st_size
+        with os.fdopen(open_regular(self.path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if size > MAX_INDEX_BYTES:
                 raise VcgaFormatError(self.path, f"index of {size} bytes is larger than the {MAX_INDEX_BYTES} allowed")
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise VcgaFormatError(self.path, "no such file") from None
+            text = f.read(MAX_INDEX_BYTES + 1)
+        try:
+            doc = json.loads(text.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise VcgaFormatError(self.path, f"index is not UTF-8 JSON: {e}") from None
         wmap = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
             raise VcgaFormatError(self.path, "index has no weight_map of tensor name -> shard file name")
+        if len(wmap) > formatkit.MAX_TENSORS:
+            raise VcgaFormatError(self.path, f"weight_map lists {len(wmap)} tensors, more than the "
+                                  f"{formatkit.MAX_TENSORS} VCGA reads from one checkpoint (vcga.formatkit.MAX_TENSORS)")
         shards: dict[str, list[str]] = {}
         for name, shard in wmap.items():
-            if not _is_plain_name(shard):
+            if not is_plain_name(shard):
                 raise VcgaFormatError(self.path, f"weight_map sends {name!r} to {shard!r}, which is not a plain file "
                                       "name in the index's directory (path separators and '..' are refused)")
             shards.setdefault(shard, []).append(name)
         self._readers: list[SafetensorsReader] = []
         try:
             for shard in sorted(shards):
-                r = SafetensorsReader(self.path.parent / shard)
+                r = SafetensorsReader(named_file(self.path.parent, shard, source=self.path, what="shard"))
                 self._readers.append(r)
                 have = {e.name for e in r.index()}
                 want = set(shards[shard])

@@ -5,7 +5,13 @@ sniffing and ``vcga --help`` stay torch-free).
 
 Reading: ``torch.load(..., weights_only=True)`` and nothing else -- a pickle that names any code
 outside torch's weights-only allow-list (``os.system``, a custom class) is refused with
-:class:`~vcga.errors.VcgaFormatError` before anything of it runs. Zip-format files (every
+:class:`~vcga.errors.VcgaFormatError` before anything of it runs. That allow-list is the whole
+defence, and torch up to 2.5.1 could be made to run code through it (CVE-2025-32434), so on a
+torch older than 2.6 the reader refuses every file, asking for an upgrade. Before torch sees a
+zip-format file, its records are bounded (at most :data:`vcga.formatkit.MAX_TENSORS`, stored
+uncompressed as ``torch.save`` writes them, the pickle at most :data:`MAX_PICKLE` bytes making at
+most two tensor-building calls per allowed tensor): torch builds every object of the pickle before
+VCGA sees one. Zip-format files (every
 ``torch.save`` since 1.6) load with ``mmap=True``: no tensor byte is read until its entry is
 consumed, and after each entry the reader tells the kernel it no longer needs those pages
 (``madvise(MADV_DONTNEED)`` on the read-only private mapping), so the resident set stays near one
@@ -37,6 +43,9 @@ import logging
 import mmap
 import os
 import pickle
+import pickletools
+import re
+import struct
 import sys
 import zipfile
 from collections import OrderedDict
@@ -44,10 +53,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, SupportsIndex
 
-from vcga import dtypes
+from vcga import dtypes, formatkit
 from vcga.contract import FormatSpec, TensorEntry, hookimpl
 from vcga.errors import VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext, WriterContext
+from vcga.formatkit import ReaderContext, WriterContext, check_regular_file, open_regular
 from vcga.tensors import check_entry, checksum
 
 __all__ = ["TorchReader", "TorchWriter", "sniff", "SPEC", "TIED_TO", "SHARES_STORAGE_WITH"]
@@ -59,6 +68,12 @@ TIED_TO = "torch.tied_to"
 SHARES_STORAGE_WITH = "torch.shares_storage_with"
 EXTRA_KEY = "torch.extra"
 STATE_DICT_METADATA_KEY = "torch.state_dict_metadata"
+#: The oldest torch whose ``weights_only=True`` loader VCGA trusts: torch <= 2.5.1 could be made to
+#: run code through it (CVE-2025-32434, fixed in 2.6.0).
+SAFE_TORCH = (2, 6)
+#: The largest pickle (``data.pkl``) VCGA lets torch unpickle: about 256 bytes for each of
+#: :data:`vcga.formatkit.MAX_TENSORS` tensors (a name and a rebuild call take about 100).
+MAX_PICKLE = 64 << 20
 #: torch's legacy (pre-1.6) files start with the pickled magic number 0x1950a86a20f9469cfc6c.
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
@@ -111,11 +126,13 @@ class TorchReader(ReaderContext):
         import torch
 
         self.path = Path(path)
-        if not self.path.is_file():
-            raise VcgaFormatError(self.path, "no such file" if not self.path.exists() else "not a regular file")
+        check_safe_torch(torch.__version__)
+        check_regular_file(self.path)
         try:
             use_mmap = zipfile.is_zipfile(self.path)
-        except (OSError, zipfile.BadZipFile, ValueError) as e:  # a damaged end-of-central-directory record
+            if use_mmap:
+                self._check_archive()
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error) as e:  # a damaged archive
             raise VcgaFormatError(self.path, f"damaged zip archive: {e}") from None
         self._mapped = use_mmap
         try:
@@ -148,6 +165,35 @@ class TorchReader(ReaderContext):
         self._index = self._describe(torch)
         self._madvise = _madvise_dontneed() if use_mmap else None
 
+    def _check_archive(self) -> None:
+        """Bound what torch will build from this zip archive before it opens it (see the module docstring)."""
+        limit = formatkit.MAX_TENSORS
+        fd = open_regular(self.path)
+        with os.fdopen(fd, "rb") as f:
+            records = _zip_records(f)
+            if records > limit + 16:  # a storage per tensor, and a few records of torch's own
+                raise VcgaFormatError(self.path, f"holds {records} zip records, more than the {limit} tensors VCGA "
+                                      "reads from one file (vcga.formatkit.MAX_TENSORS)")
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+                packed = next((i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED), None)
+                if packed is not None:
+                    raise VcgaFormatError(self.path, f"record {packed!r} is compressed; torch.save stores every "
+                                          "record uncompressed")
+                pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+                if len(pkl) != 1:
+                    return  # not a torch archive: torch says what is wrong
+                if pkl[0].file_size > MAX_PICKLE:
+                    raise VcgaFormatError(self.path, f"its pickle is {pkl[0].file_size} bytes, more than the "
+                                          f"{MAX_PICKLE} VCGA lets torch unpickle")
+                data = zf.read(pkl[0])
+        # Two calls build a tensor (_rebuild_tensor_v2 and its hooks' OrderedDict). Counting them
+        # walks the pickle's opcodes (slow); the count of 'R' bytes bounds them first (fast).
+        calls = 2 * limit + 1024
+        if data.count(b"R") > calls and _reduce_calls(data, calls) > calls:
+            raise VcgaFormatError(self.path, f"its pickle builds more than {limit} tensors, the most VCGA reads "
+                                  "from one file (vcga.formatkit.MAX_TENSORS)")
+
     def _flatten(self, obj: Any, prefix: str, extra: dict[str, Any], torch: Any) -> None:
         if isinstance(obj, torch.Tensor):
             self._tensors.append((prefix, obj))
@@ -166,6 +212,9 @@ class TorchReader(ReaderContext):
 
     def _describe(self, torch: Any) -> list[TensorEntry]:
         out = []
+        if len(self._tensors) > formatkit.MAX_TENSORS:
+            raise VcgaFormatError(self.path, f"holds {len(self._tensors)} tensors, more than the "
+                                  f"{formatkit.MAX_TENSORS} VCGA reads from one file (vcga.formatkit.MAX_TENSORS)")
         names = [n for n, _ in self._tensors]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -225,6 +274,59 @@ class TorchReader(ReaderContext):
     def close(self) -> None:
         self._tensors = []
 
+
+
+def check_safe_torch(version: str) -> None:
+    """Refuse to read ``.pt`` files with a torch older than :data:`SAFE_TORCH`.
+
+    :raises VcgaFormatError: naming the version and what to do.
+    """
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    if m is None or (int(m.group(1)), int(m.group(2))) >= SAFE_TORCH:
+        return
+    need = ".".join(map(str, SAFE_TORCH))
+    raise VcgaFormatError("torch", f"torch {version} is too old to read .pt files safely: its weights_only=True "
+                          f"loader can be made to run code from the file (CVE-2025-32434, fixed in torch {need}). "
+                          f"Upgrade torch (pip install -U 'torch>={need}')")
+
+
+def _zip_records(f: Any) -> int:
+    """How many records a zip archive holds, from its end-of-central-directory record (zip64 too),
+    before anything parses the directory itself."""
+    size = os.fstat(f.fileno()).st_size
+    tail_len = min(size, 22 + 0xFFFF)  # the record, and a comment of at most 64 KiB
+    f.seek(size - tail_len)
+    tail = f.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + 22 > len(tail):
+        raise zipfile.BadZipFile("no end-of-central-directory record")
+    (records,) = struct.unpack_from("<H", tail, at + 10)
+    if records != 0xFFFF:
+        return records
+    if at < 20 or tail[at - 20:at - 16] != b"PK\x06\x07":
+        raise zipfile.BadZipFile("no zip64 end-of-central-directory locator")
+    (where,) = struct.unpack_from("<Q", tail, at - 20 + 8)
+    f.seek(where)
+    record = f.read(56)
+    if len(record) != 56 or record[:4] != b"PK\x06\x06":
+        raise zipfile.BadZipFile("bad zip64 end-of-central-directory record")
+    return int(struct.unpack_from("<Q", record, 32)[0])
+
+
+def _reduce_calls(data: bytes, stop_after: int) -> int:
+    """How many REDUCE opcodes (calls) the pickle ``data`` makes, counting no further than ``stop_after + 1``."""
+    import io
+
+    n = 0
+    try:
+        for op, _, _ in pickletools.genops(io.BytesIO(data)):
+            if op.name == "REDUCE":
+                n += 1
+                if n > stop_after:
+                    break
+    except (ValueError, EOFError):  # a damaged pickle: torch says what is wrong
+        pass
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------
