@@ -27,7 +27,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from vcga import formatkit
 from vcga.errors import VcgaFormatError
+from vcga.formatkit import is_plain_name
 
 __all__ = [
     "MIN_HEADER_SIZE",
@@ -250,15 +252,7 @@ def check_shard_basename(name: Any, path: Any) -> str:
 
     MindSpore joins ``shard_addresses`` to the directory of the file it was given; a name with a
     separator would let a crafted file make the reader open files elsewhere."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or len(name.encode("utf-8", "surrogatepass")) > 255
-    ):
+    if not is_plain_name(name) or len(name.encode("utf-8", "surrogatepass")) > 255:
         raise VcgaFormatError(
             path, f"MindRecord header: shard address {name!r} is not a plain file name",
             expected="a file name in the same directory, without '/', '\\\\' or '..'")
@@ -328,6 +322,11 @@ def _parse_pages(raw: Any, shard_id: int, page_size: int, path: Any) -> tuple[Pa
 
 def parse_header(blob: bytes, file_size: int, path: Any) -> Header:
     """Validate and parse the header JSON of one shard (``blob`` is the JSON text, without the u64)."""
+    # Pages hold a row each at least, so a header within the limit on rows lists as many pages,
+    # beside a few objects of its own (schema, fields).
+    if formatkit.more_json_objects_than(blob, formatkit.MAX_TENSORS + 4096):
+        raise VcgaFormatError(path, f"MindRecord header lists more pages than the {formatkit.MAX_TENSORS} rows VCGA "
+                              "reads from one dataset (vcga.formatkit.MAX_TENSORS)", offset=8)
     try:
         h = json.loads(blob)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vcga.errors import VcgaFormatError
+from vcga.formatkit import check_regular_file
 
 from ._format import BLOB_PAGE, RAW_PAGE, Header
 
@@ -110,25 +111,56 @@ def _fill(con: sqlite3.Connection, shard_name: str, index_fields: Sequence[tuple
     con.execute("COMMIT")
 
 
-def _connect_readonly(db_path: Path) -> sqlite3.Connection:
+#: The longest text or blob SQLite may build while VCGA reads an index (shard names, locations).
+_MAX_VALUE = 1 << 20
+#: SQLite virtual-machine steps allowed per row the index must hold (reading one takes a few dozen).
+_STEPS_PER_ROW = 1 << 16
+
+
+def _connect_readonly(db_path: Path, rows: int) -> sqlite3.Connection:
+    """The index opened read-only, bounded: an index is a file like any other of the dataset, and
+    SQLite would run what its schema holds (a view computing rows forever, a column expression
+    building a gigabyte value)."""
     # immutable=1: no locks, no journal recovery -- SQLite never writes to a source it reads.
     uri = db_path.resolve().as_uri() + "?mode=ro&immutable=1"
-    return sqlite3.connect(uri, uri=True)
+    con = sqlite3.connect(uri, uri=True)
+    try:
+        con.execute("PRAGMA trusted_schema=OFF")  # the schema may call only side-effect-free functions
+        if hasattr(con, "setlimit"):
+            con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE)
+        budget = [(rows + 1024) * _STEPS_PER_ROW // 1000]
+
+        def spend() -> int:
+            budget[0] -= 1
+            return int(budget[0] < 0)  # non-zero interrupts the statement
+
+        con.set_progress_handler(spend, 1000)
+        kinds = dict(con.execute("SELECT name, type FROM sqlite_master WHERE name IN ('INDEXES', 'SHARD_NAME')"))
+    except BaseException:
+        con.close()
+        raise
+    views = sorted(n for n, t in kinds.items() if t != "table")
+    if views:
+        con.close()
+        raise VcgaFormatError(db_path, f"MindRecord index: {views[0]} is a {kinds[views[0]]}, not a table; "
+                              "not an index MindSpore writes")
+    return con
 
 
 def read_index(db_path: Path, data_path: Path, header: Header, file_size: int) -> list[RowLocation]:
     """Read and validate the index of one shard; every location is checked against the header."""
-    if not db_path.is_file():
+    if not db_path.exists():
         raise VcgaFormatError(data_path, f"MindRecord index {db_path.name} is missing; MindSpore writes it beside "
                                          "every shard and cannot read the shard without it. Copy it along with the "
                                          "data file (or rewrite the dataset)")
+    check_regular_file(db_path)
     try:
-        con = _connect_readonly(db_path)
+        con = _connect_readonly(db_path, header.row_count)
     except sqlite3.Error as e:
         raise VcgaFormatError(db_path, f"cannot open the MindRecord index: {e}") from None
     try:
         try:
-            names = con.execute("SELECT NAME FROM SHARD_NAME").fetchall()
+            names = con.execute("SELECT NAME FROM SHARD_NAME").fetchmany(2)
             n_rows = con.execute("SELECT COUNT(*) FROM INDEXES").fetchone()[0]
             expected = header.row_count
             if n_rows != expected:

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from vcga import dtypes as _dtypes
+from vcga import formatkit
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaFormatError
-from vcga.formatkit import ReaderContext, pread_exact
+from vcga.formatkit import ReaderContext, check_regular_file, named_file, open_regular, pread_exact
 
 from . import _format as F  # noqa: N812 - the format's names read as F.NAME throughout
 from ._index import RowLocation, read_index
@@ -60,7 +61,7 @@ def resolve_dataset_path(path: str | os.PathLike[str]) -> Path:
         if cand.is_file():
             return cand
     if p.exists():
-        raise VcgaFormatError(p, "is not a regular file")
+        check_regular_file(p)  # says what it is instead
     raise VcgaFormatError(p, "no such file (nor a first shard named like "
                              f"{p.name}0 / {p.name}00 / {p.name}000)")
 
@@ -88,14 +89,16 @@ class _Shard:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except OSError as e:
-            raise VcgaFormatError(path, f"cannot open: {e.strerror}") from None
+        self.fd = open_regular(path)
         try:
             self.size = os.fstat(self.fd).st_size
             self.header = self._read_header()
-            self.rows: list[RowLocation] = read_index(Path(str(path) + ".db"), path, self.header, self.size)
+            if self.header.row_count > formatkit.MAX_TENSORS:
+                raise VcgaFormatError(path, f"header declares {self.header.row_count} rows, more than the "
+                                      f"{formatkit.MAX_TENSORS} VCGA reads from one dataset "
+                                      "(vcga.formatkit.MAX_TENSORS)")
+            db = named_file(path.parent, path.name + ".db", source=path, what="MindRecord index")
+            self.rows: list[RowLocation] = read_index(db, path, self.header, self.size)
         except BaseException:
             os.close(self.fd)
             raise
@@ -207,10 +210,16 @@ class MindRecordDataset:
             if h.shard_addresses[h.shard_id] != first_path.name:
                 raise VcgaFormatError(first_path, f"its header names this shard {h.shard_addresses[h.shard_id]!r}; "
                                                   "MindSpore cannot read renamed shards -- rename it back")
+            rows = 0
             for i, name in enumerate(h.shard_addresses):
-                shard = first if i == h.shard_id else _Shard(first_path.with_name(name))
+                shard = first if i == h.shard_id else _Shard(
+                    named_file(first_path.parent, name, source=first_path, what=f"shard {i}"))
                 self.shards.append(shard)
                 self._check_consistent(first, shard, i)
+                rows += len(shard.rows)
+                if rows > formatkit.MAX_TENSORS:
+                    raise VcgaFormatError(first_path, f"its shards hold more than {formatkit.MAX_TENSORS} rows, the "
+                                          "most VCGA reads from one dataset (vcga.formatkit.MAX_TENSORS)")
         except BaseException:
             self.close()
             first.close()  # closing twice is harmless
@@ -339,6 +348,11 @@ class MindRecordReader(ReaderContext):
         try:
             self.path = self.dataset.path
             self.layout = _classify(self.dataset.schema)
+            fields = len(self.dataset.schema.fields)
+            if self.layout == "generic" and self.dataset.row_count * fields > formatkit.MAX_TENSORS:
+                raise VcgaFormatError(self.dataset.path, f"{self.dataset.row_count} rows of {fields} fields make "
+                                      f"more than the {formatkit.MAX_TENSORS} tensors VCGA reads from one dataset "
+                                      "(vcga.formatkit.MAX_TENSORS)")
             self.metadata: Mapping[str, str] = _file_metadata(self.dataset.schema.desc)
             self._plans: list[_Plan] | None = None
         except BaseException:

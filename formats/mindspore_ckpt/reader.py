@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from vcga import dtypes as _dtypes
+from vcga import formatkit
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaFormatError
-from vcga.formatkit import ReaderContext, pread_exact, unpack_tensor_metadata
+from vcga.formatkit import ReaderContext, open_regular, pread_exact, unpack_tensor_metadata
 
 from ._proto import (
     _FIELD_EXTRA,
@@ -82,10 +83,7 @@ class MindSporeCkptReader(ReaderContext):
     def __init__(self, path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
         self.path = Path(path)
         self.verify_crc = verify_crc
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except OSError as e:
-            raise VcgaFormatError(self.path, f"cannot open: {e.strerror}") from None
+        self.fd = open_regular(self.path)
         try:
             self.size = os.fstat(self.fd).st_size
             self.body_end, self.stored_crc = self.size, None
@@ -204,7 +202,11 @@ class MindSporeCkptReader(ReaderContext):
     def _frames(self) -> list[_Frame]:
         """Walk the top-level fields: tags and lengths only."""
         frames: list[_Frame] = []
-        for number, wire, pos, off, n in self._walk(0, self.body_end):
+        for seen, (number, wire, pos, off, n) in enumerate(self._walk(0, self.body_end)):
+            if seen >= formatkit.MAX_TENSORS:  # Values, and fields skipped (each logs a line)
+                raise VcgaFormatError(self.path, f"holds more than {formatkit.MAX_TENSORS} top-level fields; VCGA "
+                                      f"reads at most {formatkit.MAX_TENSORS} Values from one file "
+                                      "(vcga.formatkit.MAX_TENSORS)", offset=pos)
             if number == 0:
                 raise VcgaFormatError(self.path, "protobuf field number 0 is invalid", offset=pos)
             if number in (_FIELD_VALUE, _FIELD_EXTRA) and wire == 2:

@@ -12,8 +12,9 @@ from typing import Any, TypeGuard
 
 import xxhash
 
-from vcga import dtypes, tensors
+from vcga import dtypes, formatkit, tensors
 from vcga.errors import VcgaChecksumError, VcgaFormatError
+from vcga.formatkit import is_plain_name, more_json_objects_than, open_regular
 
 from ._format import (
     _DOC_KEYS,
@@ -156,6 +157,11 @@ class _VbinFile:
             raise VcgaChecksumError(self.source, f"index checksum mismatch (computed {computed:016x})",
                                     offset=index_offset, expected=f"{index_sum:016x}")
         # -- index
+        # One object per tensor and per tensor's metadata, a few of the file's own, one per shard.
+        limit = formatkit.MAX_TENSORS
+        if more_json_objects_than(index, 2 * limit + 2 * 4096):
+            raise self._err(f"index holds more JSON objects than {limit} tensors with their metadata; VCGA reads "
+                            f"at most {limit} tensors from one file (vcga.formatkit.MAX_TENSORS)", index_offset)
         try:
             doc = json.loads(bytes(index).decode("ascii"), object_pairs_hook=_no_duplicates,
                              parse_constant=_reject_constant)
@@ -196,6 +202,9 @@ class _VbinFile:
             self._check_shards(self.shards, at)
         if not isinstance(doc["tensors"], list):
             raise self._err("index 'tensors' is not a list", at, "a JSON list")
+        if len(doc["tensors"]) > formatkit.MAX_TENSORS:
+            raise self._err(f"index lists {len(doc['tensors'])} tensors, more than the {formatkit.MAX_TENSORS} VCGA "
+                            "reads from one file (vcga.formatkit.MAX_TENSORS)", at)
         self.records = self._check_tensors(doc["tensors"], at, strict, sharded=self.shards is not None)
 
     def _check_shards(self, shards: Any, at: int) -> None:
@@ -208,9 +217,7 @@ class _VbinFile:
                                 "keys file, file_id, size, tensors")
             name = s["file"]
             # A shard name is a plain file name in the index's directory: no path can escape it.
-            if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-                    or "\0" in name or os.sep in name or (os.altsep and os.altsep in name)
-                    or Path(name).name != name or name in seen):
+            if not is_plain_name(name) or Path(name).name != name or name in seen:
                 raise self._err(f"shard {i}: file name {_short(name)} is not a plain file name in the index's "
                                 "directory", at, "a unique base name without path separators or '..'")
             seen.add(name)
@@ -370,7 +377,7 @@ class _VbinFile:
 
 
 def _map_file(path: Path) -> _VbinFile:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         st = os.fstat(f.fileno())
         size = st.st_size
         if size < PREAMBLE_SIZE + TRAILER_SIZE:

@@ -13,7 +13,7 @@ import xxhash
 from vcga import tensors
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaFormatError
-from vcga.formatkit import ReaderContext
+from vcga.formatkit import ReaderContext, named_file, open_regular
 
 from ._file import _map_file, _VbinFile, check_zero_padding
 from ._format import PREAMBLE_SIZE, _Record
@@ -34,7 +34,7 @@ class _Pass:
         self.owner = owner
         self.fd = -1
         if f.identity is not None:  # a mapped file (not bytes in memory)
-            self.fd = os.open(f.source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.fd = open_regular(f.source)
             try:
                 st = os.fstat(self.fd)
                 if (st.st_dev, st.st_ino) != f.identity or st.st_size != f.size:
@@ -370,12 +370,11 @@ class VbinReader(ReaderContext):
             return f
         assert self.path is not None and self._root.shards is not None
         desc = self._root.shards[number]
-        path = self.path.with_name(desc["file"])
-        try:
-            f = _map_file(path)
-        except FileNotFoundError:
+        path = named_file(self.path.parent, desc["file"], source=self.path, what=f"shard {number}")
+        if not path.exists():
             raise VcgaFormatError(self.path, f"shard {number} ({desc['file']}) is missing",
-                                  expected=f"{path} beside the index") from None
+                                  expected=f"{path} beside the index")
+        f = _map_file(path)
         try:
             if f.size != desc["size"] or f.file_id.hex() != desc["file_id"]:
                 raise VcgaFormatError(path, f"is not the shard the index lists (size {f.size}, file id "
