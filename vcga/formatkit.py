@@ -34,7 +34,7 @@ import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeGuard, TypeVar
 
 from vcga import dtypes
 from vcga.errors import VcgaConversionError, VcgaFormatError
@@ -240,7 +240,7 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def is_plain_name(name: Any) -> bool:
+def is_plain_name(name: object) -> TypeGuard[str]:
     """Whether ``name`` is a plain file name: one path component, not ``.`` or ``..``, no separator,
     no NUL -- what a checkpoint may use to name another of its files."""
     return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name

@@ -23,6 +23,7 @@ This module imports neither torch nor numpy.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import io
 import json
@@ -32,6 +33,7 @@ from typing import Any
 
 import xxhash
 
+from vcga import formatkit
 from vcga.errors import VcgaChecksumError, VcgaFormatError
 
 __all__ = [
@@ -84,6 +86,25 @@ class VbinItem:
 # Stand-ins (torch-free)
 # --------------------------------------------------------------------------------------------------
 
+#: Stand-in objects one tensor's entries take at most (metadata, properties, sizes, a chunk with its
+#: offsets and sizes, an index, a location), times :data:`vcga.formatkit.MAX_TENSORS`: the budget
+#: of one :func:`load_metadata`, which stops a pickle declaring millions of entries before it has
+#: built them.
+OBJECTS_PER_TENSOR = 12
+_budget: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("dcpmeta_budget", default=None)
+
+
+class _TooMany(pickle.UnpicklingError):
+    pass
+
+
+def _spend() -> None:
+    left = _budget.get()
+    if left is not None:
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooMany()
+
 
 class _Obj:
     """A plain object rebuilt from a pickle's state dict (what DCP's dataclasses pickle as)."""
@@ -91,6 +112,7 @@ class _Obj:
     _fields: tuple[str, ...] = ()
 
     def __setstate__(self, state: Any) -> None:
+        _spend()
         if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
             state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
@@ -146,6 +168,7 @@ class TensorProperties:
     ``memory_format`` (0 contiguous, 1 channels last, 2 preserve), ``pin_memory``."""
 
     def __setstate__(self, state: Any) -> None:
+        _spend()
         if isinstance(state, dict):  # an old pickle without __getstate__
             self.__dict__.update(state)
             return
@@ -172,6 +195,7 @@ def _get_layout(name: Any) -> str:
 
 
 def _size(*args: Any) -> tuple[int, ...]:
+    _spend()
     dims = tuple(args[0]) if args else ()
     if not all(type(d) is int for d in dims):
         raise pickle.UnpicklingError(f"torch.Size of non-integers {dims!r}")
@@ -246,8 +270,13 @@ def load_metadata(data: bytes, *, classes: str = "standin", where: Any = METADAT
         (nothing it names outside the list is ever imported or called)."""
     if classes not in ("standin", "torch"):
         raise ValueError(f"classes must be 'standin' or 'torch', got {classes!r}")
+    limit = OBJECTS_PER_TENSOR * formatkit.MAX_TENSORS
+    token = _budget.set([limit] if classes == "standin" else None)
     try:
         obj = _Unpickler(bytes(data), classes, where).load()
+    except _TooMany:
+        raise VcgaFormatError(where, f"DCP metadata builds more than {limit} objects, more than "
+                              f"{formatkit.MAX_TENSORS} tensors take (vcga.formatkit.MAX_TENSORS)") from None
     except pickle.UnpicklingError as e:
         msg = str(e)
         if msg.startswith("refused"):
@@ -259,6 +288,8 @@ def load_metadata(data: bytes, *, classes: str = "standin", where: Any = METADAT
     except (EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError,
             MemoryError, OverflowError, UnicodeDecodeError) as e:
         raise VcgaFormatError(where, f"DCP metadata is damaged ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        _budget.reset(token)
     want = _STANDINS[(_META, "Metadata")] if classes == "standin" else _import(_META, "Metadata")
     if type(obj) is not want:
         raise VcgaFormatError(where, f"holds a {type(obj).__name__}, not DCP Metadata")
@@ -313,7 +344,7 @@ def load_manifest(data: bytes, where: Any = MANIFEST_FILE) -> dict[str, Any]:
         raise VcgaFormatError(where, "checkpoint manifest lacks its files, metadata checksum or step")
     for f in files:
         name = f["file"]
-        if not name or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+        if not formatkit.is_plain_name(name):
             raise VcgaFormatError(where, f"manifest names {name!r}, which is not a plain file name in its directory")
     return doc
 

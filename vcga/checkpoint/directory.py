@@ -36,10 +36,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from vcga import dtypes
+from vcga import dtypes, formatkit
 from vcga.contract import FormatSpec, TensorEntry
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaFormatError
-from vcga.formatkit import ReaderContext
+from vcga.formatkit import ReaderContext, check_tensor_memory, is_plain_name, named_file, open_regular
 from vcga.plugin_manager import get_plugin_manager
 
 from .dcpmeta import (
@@ -58,7 +58,11 @@ __all__ = ["DcpDirectoryReader", "is_dcp_directory", "open_reader", "DCP_SPEC", 
 
 FORMAT_NAME = "dcp"
 _MAX_PICKLE = 1 << 20  # a chunk's own pickle names one storage: a few hundred bytes
-_MAX_METADATA = 1 << 31
+#: A kilobyte for each of vcga.formatkit.MAX_TENSORS tensors (DCP pickles one in a few hundred bytes).
+_MAX_METADATA = 1 << 28
+_MAX_MANIFEST = 1 << 26
+#: Chunks of one tensor that do not form a grid are checked pairwise for overlap, up to this many.
+_MAX_IRREGULAR_CHUNKS = 2048
 
 # torch's legacy typed storages (torch.save of the classic dtypes) and the dtype each holds.
 _TYPED_STORAGES = {
@@ -70,17 +74,26 @@ _TYPED_STORAGES = {
 
 
 def is_dcp_directory(path: Any) -> bool:
-    """A directory holding DCP's ``.metadata`` (never raises)."""
+    """A directory holding DCP's ``.metadata`` (never raises). Whatever that entry is: the reader
+    refuses one that is not a regular file in the directory, saying why."""
     try:
         p = Path(path)
-        return p.is_dir() and (p / METADATA_FILE).is_file()
+        return p.is_dir() and os.path.lexists(p / METADATA_FILE)
     except (OSError, TypeError, ValueError):
         return False
 
 
 def _plain_name(name: object) -> TypeGuard[str]:
-    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name and Path(name).name == name)
+    return is_plain_name(name) and Path(name).name == name
+
+
+def _read_small(path: Path, limit: int) -> bytes | None:
+    """The bytes of the regular file ``path``, None when it is larger than ``limit``."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            return None
+        data = f.read(limit + 1)
+    return data if len(data) <= limit else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,23 +329,30 @@ class DcpDirectoryReader(ReaderContext):
         self._vbin: dict[str, Any] = {}
         if not self.path.is_dir():
             raise VcgaFormatError(self.path, "is not a directory")
-        meta_path = self.path / METADATA_FILE
-        try:
-            raw = meta_path.read_bytes() if meta_path.stat().st_size <= _MAX_METADATA else None
-        except FileNotFoundError:
+        meta_path = named_file(self.path, METADATA_FILE, source=self.path, what="DCP metadata")
+        if not meta_path.exists():
             raise VcgaFormatError(self.path, f"holds no {METADATA_FILE}: not a torch.distributed.checkpoint "
-                                  "directory (or its save did not finish)") from None
+                                  "directory (or its save did not finish)")
+        raw = _read_small(meta_path, _MAX_METADATA)
         if raw is None:
-            raise VcgaFormatError(meta_path, "is larger than 2 GiB; not DCP metadata")
+            raise VcgaFormatError(meta_path, f"is larger than {_MAX_METADATA >> 20} MiB, more than the metadata of "
+                                  f"{formatkit.MAX_TENSORS} tensors (vcga.formatkit.MAX_TENSORS); not DCP metadata")
         self.manifest: dict[str, Any] | None = None
-        manifest_path = self.path / MANIFEST_FILE
+        manifest_path = named_file(self.path, MANIFEST_FILE, source=self.path, what="checkpoint manifest")
         if manifest_path.exists():
-            self.manifest = load_manifest(manifest_path.read_bytes(), manifest_path)
+            manifest = _read_small(manifest_path, _MAX_MANIFEST)
+            if manifest is None:
+                raise VcgaFormatError(manifest_path, f"is larger than {_MAX_MANIFEST >> 20} MiB; not a VCGA manifest")
+            self.manifest = load_manifest(manifest, manifest_path)
             got = metadata_checksum(raw)
             if got != self.manifest["metadata"]["checksum"]:
                 raise VcgaChecksumError(meta_path, f"checksum mismatch (computed {got}); the file was damaged after "
                                         "it was written", expected=self.manifest["metadata"]["checksum"])
         md = load_metadata(raw, where=meta_path)
+        if len(md.state_dict_metadata) > formatkit.MAX_TENSORS:
+            raise VcgaFormatError(meta_path, f"lists {len(md.state_dict_metadata)} entries, more than the "
+                                  f"{formatkit.MAX_TENSORS} tensors VCGA reads from one checkpoint "
+                                  "(vcga.formatkit.MAX_TENSORS)")
         self.layout = "vcga" if self.manifest is not None else "torch"
         self._tensors: list[_Tensor] = []
         self._objects: dict[str, Any] = {}
@@ -354,15 +374,16 @@ class DcpDirectoryReader(ReaderContext):
             if not isinstance(item, TensorStorageMetadata):
                 raise VcgaFormatError(meta_path, f"entry {fqn!r} is a {type(item).__name__}")
             self._tensors.append(self._plan_tensor(fqn, item, storage, files, meta_path))
-        missing = sorted(f for f in files if not (self.path / f).is_file())
+        self._files = {f: named_file(self.path, f, source=meta_path, what="shard file") for f in sorted(files)}
+        missing = sorted(f for f, p in self._files.items() if not p.exists())
         if missing:
             raise VcgaFormatError(self.path, f"shard file {missing[0]} is missing"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                                   + "; the checkpoint is incomplete", expected=f"{missing[0]} beside {METADATA_FILE}")
         if self.manifest is not None:
             for f in self.manifest["files"]:
-                p = self.path / f["file"]
-                if not p.is_file():
+                p = named_file(self.path, f["file"], source=manifest_path, what="shard file")
+                if not p.exists():
                     raise VcgaFormatError(self.path, f"shard file {f['file']} is missing; the checkpoint is incomplete")
                 if p.stat().st_size != f["size"]:
                     raise VcgaFormatError(p, f"is {p.stat().st_size} bytes where the manifest says {f['size']}; it "
@@ -425,7 +446,11 @@ class DcpDirectoryReader(ReaderContext):
         for d in shape:
             numel *= d
         # Chunks within bounds whose volumes add up to the tensor's and that do not overlap tile it.
-        if volume != numel or _overlap(chunks):
+        regular = volume == numel and _grid(shape, chunks)
+        if volume == numel and not regular and len(chunks) > _MAX_IRREGULAR_CHUNKS:
+            raise VcgaFormatError(where, f"tensor {fqn!r}: its {len(chunks)} chunks do not form a grid; VCGA checks "
+                                  f"at most {_MAX_IRREGULAR_CHUNKS} irregular chunks of a tensor for overlap")
+        if volume != numel or (not regular and _overlap(chunks)):
             raise VcgaFormatError(where, f"tensor {fqn!r}: its {len(chunks)} chunks do not tile shape {list(shape)} "
                                   f"({volume} elements for {numel}{', overlapping' if volume == numel else ''}); a "
                                   "shard is missing or duplicated")
@@ -481,6 +506,9 @@ class DcpDirectoryReader(ReaderContext):
         import numpy as np
 
         itemsize = dtypes.get(t.dtype).itemsize
+        # A chunk of torch's layout may view its storage with zero strides: a few stored bytes can
+        # declare a tensor of any size, which is built here whole.
+        check_tensor_memory(self.path, t.fqn, dtypes.nbytes(t.dtype, t.shape))
         out = np.empty((*t.shape, itemsize), dtype=np.uint8)
         for off, size, loc in t.chunks:
             where = f"{self.path / loc.relative_path}: tensor {t.fqn!r} chunk {list(off)}"
@@ -514,7 +542,7 @@ class DcpDirectoryReader(ReaderContext):
     def _vbin_reader(self, name: str) -> Any:
         r = self._vbin.get(name)
         if r is None:
-            r = _vbin_spec().open_reader(self.path / name, verify=self.verify)
+            r = _vbin_spec().open_reader(self._files[name], verify=self.verify)
             self._vbin[name] = r
         return r
 
@@ -528,7 +556,7 @@ class DcpDirectoryReader(ReaderContext):
             return memoryview(e.data).cast("B") if e.data is not None else memoryview(b"")
         name = loc.relative_path
         if name not in self._maps:
-            f = open(self.path / name, "rb")  # noqa: SIM115 - closed with the reader
+            f = os.fdopen(open_regular(self._files[name]), "rb")  # noqa: SIM115 - closed below
             try:
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -569,6 +597,20 @@ def _whole_checksum(t: _Tensor) -> str | None:
     if len(t.chunks) == 1 and isinstance(t.chunks[0][2], VbinItem) and t.chunks[0][1] == t.shape:
         return t.chunks[0][2].checksum
     return None
+
+
+def _grid(shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], Any]]) -> bool:
+    """Whether the non-empty chunks are distinct cells of one grid -- cut along each dimension at
+    every chunk's start and end, each chunk spanning exactly one cell -- so that none overlaps
+    another (what FSDP, tensor parallelism and DTensor shardings give), in O(n log n)."""
+    boxes = [(off, size) for off, size, _ in chunks if all(size)]
+    cuts = [sorted({0, d, *(o[i] for o, _ in boxes), *(o[i] + z[i] for o, z in boxes)})
+            for i, d in enumerate(shape)]
+    rank = [{c: j for j, c in enumerate(cs)} for cs in cuts]
+    for off, size in boxes:
+        if any(rank[i][o + z] != rank[i][o] + 1 for i, (o, z) in enumerate(zip(off, size))):
+            return False
+    return len({off for off, _ in boxes}) == len(boxes)
 
 
 def _overlap(chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], Any]]) -> bool:
