@@ -461,6 +461,9 @@ def test_a_pt_pickle_building_too_many_tensors_is_refused_before_torch_unpickles
     monkeypatch.setattr(torch, "load", load)
     with pytest.raises(VcgaFormatError, match="its pickle builds more than 8 tensors"):
         torch_pt.TorchReader(tmp_path / "views.pt")
+    torch.save({f"t{i}": torch.zeros(1) for i in range(40)}, tmp_path / "many.pt")  # a storage record each
+    with pytest.raises(VcgaFormatError, match=r"holds 4\d zip records, more than the 8 tensors"):
+        torch_pt.TorchReader(tmp_path / "many.pt")
 
 
 def test_a_tensor_larger_than_the_memory_available_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
