@@ -16,7 +16,6 @@ import sqlite3
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,32 +39,33 @@ TARGETS = ("out.safetensors", "out.pt", "out.h5", "out.mindrecord", "out.vbin", 
 DEVICES = ("/dev/zero", "/dev/urandom")
 
 
+# The watchdog is a process of its own: a reader blocked in a library that holds the GIL (the
+# safetensors binding opening a path) would keep a thread of this process from ever running.
+_WATCHDOG = """
+import os, select, sys
+path, after = sys.argv[1], float(sys.argv[2])
+while not select.select([sys.stdin], [], [], after)[0]:  # until the test closes our stdin
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # succeeds only while a reader waits
+        print("released a reader", flush=True)
+    except OSError:
+        pass
+"""
+
+
 @contextlib.contextmanager
 def fifo(path: Path) -> Iterator[Path]:
-    """A FIFO at ``path``. A watchdog opens its other end if anyone stays blocked on it for
-    RELEASE_AFTER_S (the blocked open then returns and reads end-of-file); the test then fails,
-    since nothing may block on it."""
+    """A FIFO at ``path``. A watchdog opens its other end whenever someone has been blocked reading
+    it for RELEASE_AFTER_S (the blocked open returns, reads end-of-file), and the test then fails:
+    nothing may block on it, and no test hangs."""
     os.mkfifo(path)
-    stop = threading.Event()
-    blocked: list[str] = []
-
-    def release() -> None:
-        while not stop.wait(RELEASE_AFTER_S):
-            for flags, who in ((os.O_WRONLY | os.O_NONBLOCK, "reader"), (os.O_RDONLY | os.O_NONBLOCK, "writer")):
-                try:
-                    os.close(os.open(path, flags))  # a non-blocking write-open succeeds only if a reader waits
-                    blocked.append(who)
-                except OSError:
-                    pass
-
-    watchdog = threading.Thread(target=release, daemon=True)
-    watchdog.start()
+    watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(path), str(RELEASE_AFTER_S)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         yield path
     finally:
-        stop.set()
-        watchdog.join()
-    assert not blocked, f"a {blocked[0]} blocked on the FIFO {path}"
+        released, _ = watchdog.communicate(timeout=2 * RELEASE_AFTER_S)
+    assert not released, f"a reader blocked on the FIFO {path}"
 
 
 def cli_run(*args: object) -> tuple[int, str]:
