@@ -114,8 +114,8 @@ class SafetensorsReader(ReaderContext):
     def _bounded_header(self) -> bytes | None:
         """The header's bytes, once they are known to declare at most :data:`~vcga.formatkit.MAX_TENSORS`
         tensors: the library's validation builds objects for every entry of a header of up to
-        100 MB (about 1 GB of memory for a million entries), so they are counted first. None when
-        the length field is invalid: the library then says what is wrong."""
+        100 MB (its cost: docs/security.md), so they are counted first. None when the length field
+        is invalid: the library then says what is wrong."""
         size = os.fstat(self._f.fileno()).st_size
         if size < 8:
             return None
@@ -442,7 +442,8 @@ class ShardedSafetensorsReader(ReaderContext):
             raise VcgaFormatError(self.path, "index has no weight_map of tensor name -> shard file name")
         if len(wmap) > formatkit.MAX_TENSORS:
             raise VcgaFormatError(self.path, f"weight_map lists {len(wmap)} tensors, more than the "
-                                  f"{formatkit.MAX_TENSORS} VCGA reads from one checkpoint (vcga.formatkit.MAX_TENSORS)")
+                                  f"{formatkit.MAX_TENSORS} VCGA reads from one checkpoint "
+                                  "(vcga.formatkit.MAX_TENSORS)")
         shards: dict[str, list[str]] = {}
         for name, shard in wmap.items():
             if not is_plain_name(shard):

@@ -22,9 +22,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from ckpt_helpers import read_all, write_all
 from click.testing import CliRunner
 
-from ckpt_helpers import read_all, write_all
 from vcga import formatkit
 from vcga.cli import cli
 from vcga.contract import TensorEntry
@@ -185,9 +185,8 @@ def test_hdf5_soft_links_inside_the_file_still_read(tmp_path):
 @pytest.mark.parametrize("fmt", READERS)
 def test_every_reader_refuses_a_fifo_or_a_device(tmp_path, fmt):
     spec = format_by_name(fmt)
-    with fifo(tmp_path / "pipe") as pipe:
-        with pytest.raises(VcgaFormatError, match="is a FIFO"):
-            spec.open_reader(pipe)
+    with fifo(tmp_path / "pipe") as pipe, pytest.raises(VcgaFormatError, match="is a FIFO"):
+        spec.open_reader(pipe)
     for device in DEVICES:
         with pytest.raises(VcgaFormatError, match="is a character device, not a regular file"):
             spec.open_reader(device)
@@ -363,9 +362,8 @@ def test_dcp_file_names_stay_in_the_checkpoint_directory(tmp_path):
     for name in ("__0_0.distcp", ".metadata"):
         shutil.copytree(d, tmp_path / "work")
         (tmp_path / "work" / name).unlink()
-        with fifo(tmp_path / "work" / name):
-            with pytest.raises(VcgaFormatError, match="is a FIFO"):
-                read_all(_dcp_spec(), tmp_path / "work")
+        with fifo(tmp_path / "work" / name), pytest.raises(VcgaFormatError, match="is a FIFO"):
+            read_all(_dcp_spec(), tmp_path / "work")
         shutil.rmtree(tmp_path / "work")
 
 
@@ -522,9 +520,8 @@ def test_hostile_files_fail_within_bounded_memory(tmp_path):
 
 def _vbin_with_many_tensors(path: Path, n: int) -> None:
     """A vendor-bin file whose index lists ``n`` empty tensors, checksums valid (docs/vendor-bin.md)."""
-    import xxhash
-
     import vbin_craft
+    import xxhash
 
     write_all(format_by_name("vendor-bin"), path, [TensorEntry("t", "float32", (0,), b"", {})])
     parts = vbin_craft.split(path.read_bytes())

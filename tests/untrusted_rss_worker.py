@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import resource
+import sqlite3  # noqa: F401
 import sys
 from pathlib import Path
 
 import h5py  # noqa: F401 - imported before the baseline: libraries are not what is measured
 import numpy  # noqa: F401
 import safetensors  # noqa: F401
-import sqlite3  # noqa: F401
 import xxhash  # noqa: F401
 
 from vcga.convert import format_by_name

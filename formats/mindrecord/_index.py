@@ -126,8 +126,9 @@ def _connect_readonly(db_path: Path, rows: int) -> sqlite3.Connection:
     con = sqlite3.connect(uri, uri=True)
     try:
         con.execute("PRAGMA trusted_schema=OFF")  # the schema may call only side-effect-free functions
-        if hasattr(con, "setlimit"):
-            con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE)
+        setlimit, length = getattr(con, "setlimit", None), getattr(sqlite3, "SQLITE_LIMIT_LENGTH", None)
+        if setlimit is not None and length is not None:  # Python 3.11+
+            setlimit(length, _MAX_VALUE)
         budget = [(rows + 1024) * _STEPS_PER_ROW // 1000]
 
         def spend() -> int:

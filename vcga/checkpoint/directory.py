@@ -556,7 +556,7 @@ class DcpDirectoryReader(ReaderContext):
             return memoryview(e.data).cast("B") if e.data is not None else memoryview(b"")
         name = loc.relative_path
         if name not in self._maps:
-            f = os.fdopen(open_regular(self._files[name]), "rb")  # noqa: SIM115 - closed below
+            f = os.fdopen(open_regular(self._files[name]), "rb")
             try:
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -608,7 +608,7 @@ def _grid(shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[
             for i, d in enumerate(shape)]
     rank = [{c: j for j, c in enumerate(cs)} for cs in cuts]
     for off, size in boxes:
-        if any(rank[i][o + z] != rank[i][o] + 1 for i, (o, z) in enumerate(zip(off, size))):
+        if any(rank[i][o + z] != rank[i][o] + 1 for i, (o, z) in enumerate(zip(off, size, strict=True))):
             return False
     return len({off for off, _ in boxes}) == len(boxes)
 
