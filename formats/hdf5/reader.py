@@ -310,9 +310,10 @@ class Hdf5Reader(ReaderContext):
                                   "(copy the data into the file first)")
         if dcpl.get_layout() == h5py.h5d.VIRTUAL:
             n = dcpl.get_virtual_count()
-            sources = [(dcpl.get_virtual_filename(i), dcpl.get_virtual_dsetname(i)) for i in range(min(n, 1))]
-            where = (f"{sources[0][1]!r} in {'this same file' if sources[0][0] == '.' else repr(sources[0][0])}"
-                     if sources else "no source")
+            where = "no source"
+            if n:
+                file, dset = dcpl.get_virtual_filename(0), dcpl.get_virtual_dsetname(0)
+                where = f"{dset!r} in " + ("this same file" if file == "." else repr(file))
             more = f" and {n - 1} more" if n > 1 else ""
             raise VcgaFormatError(self.path, f"dataset {path!r} is a virtual dataset mapped onto {where}{more}; "
                                   "VCGA reads only datasets stored in the file it is given (copy the data into "
