@@ -135,6 +135,7 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.compress",  # gradient compression: spec strings, ddp_hook, the engine, the wire meter
     "vcga.compress.exact",  # fixed-order arithmetic for compressors' decoders
     "vcga.compress.fused",  # compiled host loops, used where a self-check finds the torch operations' bits
+    "vcga.balance",  # balanced data parallelism: shares per rank by speed, the loss scale, re-balancing
 )
 
 #: pluggy project name; also the entry-point group plugins register under.

@@ -10,7 +10,10 @@ Either is Lightning's ``DDPStrategy`` with one more argument, ``compression`` (a
 ``"powersgd:rank=4"``; None: the configured ``compression`` / ``VCGA_COMPRESSION``, and nothing
 when that is unset). Lightning registers a DDP communication hook only on CUDA; these register
 :func:`vcga.compress.ddp_hook` on every device (:mod:`vcga.integrations.lightning._compression`).
-Importing this package imports no Lightning; asking for ``DDPStrategy`` imports
+``Balance`` (the same two ways) runs a Trainer with a :class:`vcga.balance.Balancer`: shares
+per rank by speed, the loss scale applied for the module (:mod:`vcga.integrations.lightning._balance`).
+
+Importing this package imports no Lightning; asking for ``DDPStrategy`` or ``Balance`` imports
 ``pytorch_lightning``.
 """
 
@@ -18,12 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "Balance"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DDPStrategy":  # lazily: a lightning.pytorch user may not have pytorch_lightning
-        from vcga.integrations.lightning._pytorch_lightning import DDPStrategy
+    if name in __all__:  # lazily: a lightning.pytorch user may not have pytorch_lightning
+        from vcga.integrations.lightning import _pytorch_lightning
 
-        return DDPStrategy
+        return getattr(_pytorch_lightning, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
