@@ -27,6 +27,10 @@ Shares = str | Sequence[int] | Mapping[str, float]
 Caps = int | Sequence[int] | Mapping[str, int] | None
 
 
+def _bad(key: str, value: Any, allowed: str) -> VcgaConfigError:
+    return VcgaConfigError(key, value, allowed, "vcga.balance.Balancer")
+
+
 @dataclass(frozen=True)
 class Step:
     """A step the balancer handed out: where it is in the sequence and how it was split."""
@@ -80,7 +84,7 @@ def _split_batch(batch: Any, sizes: list[int]) -> list[Any]:
         cols = [_split_batch(x, sizes) for x in batch]
         rows = [[c[i] for c in cols] for i in range(len(sizes))]
         return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
-    raise VcgaConfigError("batch", type(batch).__name__, "sample indices, a tensor, or a tuple / list / dict of "
+    raise _bad("batch", type(batch).__name__, "sample indices, a tensor, or a tuple / list / dict of "
                           "tensors whose first dimension is the samples")
 
 
@@ -122,11 +126,11 @@ class Balancer:
                  shuffle: bool = True, drop_last: bool = True, micro_batch: Caps = None, group: Any = None,
                  warmup: int = 2, window: int = 5, smoothing: float = 0.5, hysteresis: float = 0.03) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
-            raise VcgaConfigError("num_samples", num_samples, "the dataset's length, an integer >= 1")
+            raise _bad("num_samples", num_samples, "the dataset's length, an integer >= 1")
         if not isinstance(global_batch, int) or global_batch < 1:
-            raise VcgaConfigError("global_batch", global_batch, "an integer >= 1")
+            raise _bad("global_batch", global_batch, "an integer >= 1")
         if not isinstance(warmup, int) or warmup < 0 or not isinstance(window, int) or window < 1:
-            raise VcgaConfigError("window", (warmup, window), "warmup >= 0 and window >= 1 steps")
+            raise _bad("window", (warmup, window), "warmup >= 0 and window >= 1 steps")
         self.policy = AutoPolicy(smoothing, hysteresis)
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -134,10 +138,12 @@ class Balancer:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         if global_batch < self.world_size:
-            raise VcgaConfigError("global_batch", global_batch, f"at least one sample per rank: >= {self.world_size}")
+            raise _bad("global_batch", global_batch, f"at least one sample per rank: >= {self.world_size}")
         self.num_samples, self.global_batch = num_samples, global_batch
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.warmup, self.window = warmup, window
+        if self.steps_per_epoch < 1:
+            raise _bad("global_batch", global_batch, f"at most num_samples ({num_samples}) with drop_last")
         self.epoch = 0
         self.cursor = 0  # steps of this epoch handed out
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -153,8 +159,6 @@ class Balancer:
         self._set(shares, check=False)
         self.caps = self._caps(micro_batch)
         self.cap = self.caps[self.rank]
-        if self.steps_per_epoch < 1:
-            raise VcgaConfigError("global_batch", global_batch, f"at most num_samples ({num_samples}) with drop_last")
 
     # -- shares --------------------------------------------------------------------------------------
 
@@ -173,7 +177,7 @@ class Balancer:
     def _set(self, shares: Shares, check: bool) -> None:
         if isinstance(shares, str):
             if shares != "auto":
-                raise VcgaConfigError("shares", shares, '"auto", a list of counts per rank, or a dict of weights '
+                raise _bad("shares", shares, '"auto", a list of counts per rank, or a dict of weights '
                                       'keyed by backend name')
             self._auto = True
             counts = self._shares if self._shares else split_counts(self.global_batch, [1.0] * self.world_size)
@@ -184,14 +188,14 @@ class Balancer:
             counts = [int(c) for c in shares]
             if (len(counts) != self.world_size or sum(counts) != self.global_batch or min(counts) < 1
                     or any(c != s for c, s in zip(counts, shares))):
-                raise VcgaConfigError("shares", list(shares), f"{self.world_size} integer counts >= 1 that sum to the "
+                raise _bad("shares", list(shares), f"{self.world_size} integer counts >= 1 that sum to the "
                                       f"global batch ({self.global_batch})")
             self._auto = False
         if check and self.group is not None:  # a forced re-balance must be the same on every rank
             got: list[Any] = [None] * self.world_size
             dist.all_gather_object(got, (counts, self._auto), group=self.group)
             if any(g != got[0] for g in got):
-                raise VcgaConfigError("shares", shares, "the same shares on every rank (set_shares is collective); "
+                raise _bad("shares", shares, "the same shares on every rank (set_shares is collective); "
                                       f"ranks gave {got}")
         self._shares = list(counts)
         self._seen, self._speeds = 0, None
@@ -230,9 +234,9 @@ class Balancer:
         else:
             caps = list(micro_batch)
             if len(caps) != self.world_size:
-                raise VcgaConfigError("micro_batch", caps, f"one cap per rank ({self.world_size})")
+                raise _bad("micro_batch", caps, f"one cap per rank ({self.world_size})")
         if any(c is not None and (not isinstance(c, int) or c < 1) for c in caps):
-            raise VcgaConfigError("micro_batch", micro_batch, "integer caps >= 1 sample (None: no cap)")
+            raise _bad("micro_batch", micro_batch, "integer caps >= 1 sample (None: no cap)")
         return caps
 
     def micro_steps(self) -> list[int]:
@@ -311,6 +315,7 @@ class Balancer:
         d = self.policy.decide(self.global_batch, self._shares, [tuple(g) for g in got], self._speeds)
         self.last_decision = d
         self._speeds = d.speeds
+        log.debug("vcga.balance: measured (s, samples) per rank %s; smoothed samples/s %s", got, d.speeds)
         if d.changed:
             log.info("vcga.balance: shares %s -> %s (%s)", self._shares, d.shares, d.reason)
             self._shares = d.shares
@@ -368,7 +373,7 @@ class Balancer:
         at most this rank's cap (one when it has none)."""
         n = samples_in(batch)
         if n is None:
-            raise VcgaConfigError("batch", type(batch).__name__, "sample indices, or tensors whose first "
+            raise _bad("batch", type(batch).__name__, "sample indices, or tensors whose first "
                                   "dimension is the samples")
         return _split_batch(batch, micro_sizes(n, self.cap))
 
@@ -385,7 +390,7 @@ class Balancer:
         parts = self.micro_batches(batch)
         fsdp = not hasattr(model, "no_sync") and hasattr(model, "set_requires_gradient_sync")
         if fsdp and len(set(self.micro_steps())) > 1 and _reshards_after_forward(model):
-            raise VcgaConfigError("micro_batch", self.caps, "with FSDP2, a model that keeps its parameters between "
+            raise _bad("micro_batch", self.caps, "with FSDP2, a model that keeps its parameters between "
                                   "micro-steps: fully_shard(..., reshard_after_forward=False) on every sharded "
                                   f"module (this step takes {self.micro_steps()} micro-steps per rank; resharding "
                                   "after forward would gather a different number of times on each)")

@@ -29,14 +29,14 @@ def split_counts(total: int, weights: Sequence[float], minimum: int = 1) -> list
     """
     n = len(weights)
     if n == 0:
-        raise VcgaConfigError("shares", list(weights), "one weight per rank (got none)")
+        raise VcgaConfigError("shares", list(weights), "one weight per rank (got none)", "vcga.balance")
     bad = [w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
     if bad:
         raise VcgaConfigError("shares", list(weights), "finite weights > 0 (a rank that should get nothing "
-                              "belongs outside the data-parallel group)")
+                              "belongs outside the data-parallel group)", "vcga.balance")
     if total < n * minimum:
         raise VcgaConfigError("global_batch", total, f"at least {minimum} sample(s) per rank: >= {n * minimum} "
-                              f"for {n} ranks")
+                              f"for {n} ranks", "vcga.balance")
     s = math.fsum(weights)
     quotas = [total * w / s for w in weights]
     counts = [int(math.floor(q)) for q in quotas]
@@ -64,7 +64,7 @@ def parse_weights(text: str, option: str = "weights") -> dict[str, float]:
             w = math.nan
         if not sep or not name or not (math.isfinite(w) and w > 0) or name in out:
             raise VcgaConfigError(option, text, "backend=weight pairs with weights > 0, each backend once, "
-                                  "e.g. nccl=2.5,hccl=1")
+                                  "e.g. nccl=2.5,hccl=1", "vcga.balance")
         out[name] = w
     return out
 
@@ -78,19 +78,21 @@ def for_backend(mapping: Mapping[str, Any], backend: str, stands_for: str | None
     return None
 
 
-def weight_of(backend: str, stands_for: str | None, weights: Mapping[str, float]) -> float:
-    """The weight ``weights`` gives a rank running ``backend`` (:func:`for_backend`)."""
+def weight_of(backend: str, stands_for: str | None, weights: Mapping[str, float], key: str = "shares") -> float:
+    """The weight ``weights`` gives a rank running ``backend`` (:func:`for_backend`); ``key``: the
+    argument's name in the error."""
     w = for_backend(weights, backend, stands_for)
     if w is not None:
         return float(w)
     known = backend + (f" (simulating {stands_for})" if stands_for and stands_for != backend else "")
-    raise VcgaConfigError("shares", dict(weights), f"a weight for every backend of the job; none for {known}")
+    raise VcgaConfigError(key, dict(weights), f"a weight for every backend of the job; none for {known}",
+                          "vcga.balance")
 
 
 def counts_from_weights(total: int, weights: Mapping[str, float], backends: Sequence[tuple[str, str | None]],
-                        minimum: int = 1) -> list[int]:
+                        minimum: int = 1, key: str = "shares") -> list[int]:
     """Counts per rank for vendor ``weights``; ``backends``: each rank's (backend, what it simulates or None)."""
-    return split_counts(total, [weight_of(b, s, weights) for b, s in backends], minimum)
+    return split_counts(total, [weight_of(b, s, weights, key) for b, s in backends], minimum)
 
 
 def micro_sizes(count: int, cap: int | None) -> list[int]:
@@ -137,9 +139,10 @@ class AutoPolicy:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.smoothing < 1.0:
-            raise VcgaConfigError("smoothing", self.smoothing, "a weight of the old estimate in [0, 1)")
+            raise VcgaConfigError("smoothing", self.smoothing, "a weight of the old estimate in [0, 1)", "vcga.balance")
         if not 0.0 <= self.hysteresis < 1.0:
-            raise VcgaConfigError("hysteresis", self.hysteresis, "a fraction of the step time in [0, 1)")
+            raise VcgaConfigError("hysteresis", self.hysteresis, "a fraction of the step time in [0, 1)",
+                                  "vcga.balance")
 
     def decide(self, total: int, shares: Sequence[int], figures: Sequence[tuple[float, int]],
                speeds: Sequence[float] | None) -> Decision:

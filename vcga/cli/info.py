@@ -170,7 +170,8 @@ def _parse_counts(spec: str, option: str) -> list[tuple[str, int]]:
 
 def collect_plan(vendors: str | None = None, backends: str | None = None, nodes: int | None = None,
                  algorithm: str | None = None, figures: str | None = None,
-                 compression: str | None = None) -> dict[str, Any]:
+                 compression: str | None = None, weights: str | None = None,
+                 global_batch: int | None = None) -> dict[str, Any]:
     """The bridge plan for a layout, as JSON-ready dict (what every rank of that layout computes).
 
     The layout is ``backends`` (registered backend names with counts, e.g. ``nccl:8,hccl:8``), or
@@ -182,7 +183,8 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
     measured α–β figures (a group's ``transport.describe()["calibration"]``, or its ``figures``;
     benchmarks/multinode.py ``--figures`` writes one): the choice per message size they predict.
     ``compression`` (default: the configured ``compression``) adds where and from which size
-    gradient compression applies.
+    gradient compression applies. ``weights`` (``nccl=2.5,hccl=1``) with ``global_batch``: the
+    samples of each global batch every rank takes under :class:`vcga.balance.Balancer`.
     """
     from dataclasses import replace
 
@@ -244,6 +246,8 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
             out["figures"] = _figure_choices(plan, figures, out["pipeline"])
     elif figures is not None:
         raise click.UsageError("--figures needs a mixed-vendor layout (one backend has no bridge to choose for)")
+    if weights is not None:
+        out["shares"] = _shares(weights, global_batch, [records[n] for n in names])
     text = compression if compression is not None else config.compression
     if text:
         from vcga.compress import parse_spec
@@ -254,6 +258,28 @@ def collect_plan(vendors: str | None = None, backends: str | None = None, nodes:
             facts = [(n, node_of[r], records[n].device_type) for r, n in enumerate(names)]
             out["compression"] = describe(spec, facts)
     return out
+
+
+def _shares(weights: str, global_batch: int | None, records: list[Any]) -> dict[str, Any]:
+    """What :class:`vcga.balance.Balancer` gives each rank of the layout for vendor ``weights``."""
+    from vcga.balance.shares import counts_from_weights, parse_weights
+
+    if global_batch is None:
+        raise click.UsageError("--weights needs --global-batch: the samples of one optimizer step over all ranks")
+    w = parse_weights(weights, "--weights")
+    ranks = [(b.name, b.describe().get("stands_for")) for b in records]
+    return {"weights": w, "global_batch": global_batch, "backends": [b for b, _ in ranks],
+            "counts": counts_from_weights(global_batch, w, ranks, key="--weights")}
+
+
+def _render_shares(s: dict[str, Any]) -> list[str]:
+    w = ",".join(f"{k}={v:g}" for k, v in s["weights"].items())
+    lines = ["", f"data-parallel shares (vcga.balance; weights {w}; global batch {s['global_batch']}; "
+                 "largest remainder, at least 1 per rank)"]
+    width = max(len(b) for b in s["backends"])
+    for r, (b, c) in enumerate(zip(s["backends"], s["counts"])):
+        lines.append(f"  rank {r:<3} {b:<{width}}  {c:>6}  ({c / s['global_batch']:.1%})")
+    return lines
 
 
 def _figure_choices(plan: Any, path: str, stream: bool = False) -> dict[str, Any]:
@@ -321,6 +347,8 @@ def render_plan(data: dict[str, Any]) -> str:
             from vcga.compress.plan import render
 
             lines.extend(render(data["compression"]))
+        if "shares" in data:
+            lines.extend(_render_shares(data["shares"]))
         return "\n".join(lines)
     p = data["plan"]
     lines.append(f"bridge_algorithm: {p['algorithm']}; vendor groups contiguous: {'yes' if p['contiguous'] else 'no'}")
@@ -369,6 +397,8 @@ def render_plan(data: dict[str, Any]) -> str:
         from vcga.compress.plan import render
 
         lines.extend(render(data["compression"]))
+    if "shares" in data:
+        lines.extend(_render_shares(data["shares"]))
     return "\n".join(lines)
 
 
@@ -427,9 +457,12 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 @click.option("--compression", metavar="SPEC",
               help="With --plan: a gradient compression spec (powersgd:rank=4, ...; default: the configured "
                    "`compression`): where it applies and from which size it pays per link class.")
+@click.option("--weights", metavar="SPEC", help="With --plan: vendor weights (nccl=2.5,hccl=1): the samples each rank "
+              "takes of a global batch under vcga.balance (docs/balance.md); with --global-batch.")
+@click.option("--global-batch", type=click.IntRange(min=1), help="With --weights: samples per optimizer step.")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
          nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool, calibrate: bool,
-         compression: str | None) -> None:
+         compression: str | None, weights: str | None, global_batch: int | None) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -440,16 +473,17 @@ def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors:
         os.environ["VCGA_PLUGIN_RECHECK"] = "1"  # read when the plugin manager is created, below
     if plan:
         try:
-            pdata = collect_plan(vendors, backends, nodes, algorithm, figures, compression)
+            pdata = collect_plan(vendors, backends, nodes, algorithm, figures, compression, weights, global_batch)
             if calibrate:
                 pdata["figures"] = _calibrate(pdata, vendors, backends, nodes, algorithm, figures)
         except VcgaError as e:
             raise click.ClickException(str(e)) from None
         click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
         return
-    if vendors or backends or nodes is not None or algorithm or figures or calibrate or compression:
-        raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures, --calibrate and --compression "
-                               "go with --plan")
+    if (vendors or backends or nodes is not None or algorithm or figures or calibrate or compression or weights
+            or global_batch is not None):
+        raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures, --calibrate, --compression, "
+                               "--weights and --global-batch go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:

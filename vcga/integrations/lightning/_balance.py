@@ -48,7 +48,7 @@ def balance_callback(base: type, module: str) -> type:
             super().__init__()
             if loss not in _LOSS:
                 raise VcgaConfigError("loss", loss, '"mean" (the module returns the mean over its batch), '
-                                      '"sum", or None (it scales the loss itself)')
+                                      '"sum", or None (it scales the loss itself)', "vcga Balance callback")
             self.balancer, self.loss = balancer, loss
             self._scale: float | None = None
             self._measure: Any = None
@@ -62,7 +62,7 @@ def balance_callback(base: type, module: str) -> type:
                 raise VcgaConfigError("use_distributed_sampler", True, "False with vcga's Balance callback: "
                                       "Lightning's DistributedSampler would give every rank an equal share; "
                                       "Trainer(use_distributed_sampler=False) and DataLoader(ds, "
-                                      "batch_sampler=balancer.batch_sampler())")
+                                      "batch_sampler=balancer.batch_sampler())", "Trainer")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             from vcga.balance.balancer import samples_in
@@ -70,7 +70,8 @@ def balance_callback(base: type, module: str) -> type:
             samples = samples_in(batch)
             if samples is None:
                 raise VcgaConfigError("batch", type(batch).__name__, "tensors whose first dimension is the "
-                                      "samples (the callback scales the loss by the batch's length)")
+                                      "samples (the callback scales the loss by the batch's length)",
+                                      "vcga Balance callback")
             self._scale = self.balancer.loss_scale * (samples if self.loss == "mean" else 1)
             self._measure = self.balancer.measure(pl_module, samples)
             self._measure.__enter__()
