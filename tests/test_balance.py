@@ -272,3 +272,12 @@ def test_info_plan_shows_the_shares_vendor_weights_yield():
 def test_the_shares_arithmetic_imports_no_torch():
     code = "import sys, vcga.balance, vcga.balance.shares; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_script_in_docs_balance_is_the_example_file():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "balance.md").read_text()
+    block = doc.split("<!-- example: examples/train_balanced.py -->\n```python\n", 1)[1].split("```\n<!-- end example -->")[0]
+    assert block == (root / "examples" / "train_balanced.py").read_text()
