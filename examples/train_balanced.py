@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     shares = args.shares if args.shares == "auto" else parse_weights(args.shares, "--shares")
-    caps = {k: int(v) for k, v in parse_weights(args.micro_batch, "--micro-batch").items()} if args.micro_batch else None
+    caps = parse_weights(args.micro_batch, "--micro-batch") if args.micro_batch else None
+    caps = {k: int(v) for k, v in caps.items()} if caps else None
     balancer = Balancer(len(dataset), args.global_batch, shares, seed=0, micro_batch=caps)
     loader = DataLoader(dataset, batch_sampler=balancer.batch_sampler())
 

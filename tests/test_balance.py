@@ -81,13 +81,13 @@ def test_auto_smooths_a_change_of_speed_and_converges_on_equal_step_times_despit
         if window == 2:
             speeds = [100.0, 50.0]  # rank 1 halves its speed
         # each rank's time per step: a fixed 0.1 s plus its samples over its speed
-        figures = [(5 * (0.1 + n / v), 5 * n) for n, v in zip(shares, speeds)]
+        figures = [(5 * (0.1 + n / v), 5 * n) for n, v in zip(shares, speeds, strict=True)]
         d = p.decide(200, shares, figures, est)
         shares, est = d.shares, d.speeds
         history.append(shares)
     assert history[1] == [100, 100]
     assert 100 < history[2][0] < 120  # part of the way at the first window after the change (unsmoothed: 131)
-    t = [0.1 + n / v for n, v in zip(shares, speeds)]
+    t = [0.1 + n / v for n, v in zip(shares, speeds, strict=True)]
     assert abs(t[0] - t[1]) / max(t) < 0.05, (history, t)  # equal step times: the fixed cost is allowed for
     assert history[-1] == history[-2]  # settled
 
@@ -279,5 +279,6 @@ def test_the_script_in_docs_balance_is_the_example_file():
 
     root = Path(__file__).resolve().parents[1]
     doc = (root / "docs" / "balance.md").read_text()
-    block = doc.split("<!-- example: examples/train_balanced.py -->\n```python\n", 1)[1].split("```\n<!-- end example -->")[0]
+    start, end = "<!-- example: examples/train_balanced.py -->\n```python\n", "```\n<!-- end example -->"
+    block = doc.split(start, 1)[1].split(end)[0]
     assert block == (root / "examples" / "train_balanced.py").read_text()

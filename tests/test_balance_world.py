@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from balance_cases import B, N, SEED
+from balance_cases import SEED, B, N
 from pg_world import run_world
 
 PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",

@@ -74,7 +74,7 @@ def _split_batch(batch: Any, sizes: list[int]) -> list[Any]:
     """``batch`` (a list of indices, a tensor, or a tuple / list / dict of tensors) cut along the samples."""
     if _is_indices(batch):
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [batch[a:a + n] for a, n in zip(starts, sizes)]
+        return [batch[a:a + n] for a, n in zip(starts, sizes, strict=True)]
     if isinstance(batch, torch.Tensor):
         return list(torch.split(batch, sizes))
     if isinstance(batch, Mapping):
@@ -171,7 +171,7 @@ class Balancer:
             else:
                 got: list[Any] = [None] * self.world_size
                 dist.all_gather_object(got, mine, group=self.group)
-                self._backends = [tuple(x) for x in got]  # type: ignore[misc]
+                self._backends = [tuple(x) for x in got]
         return self._backends
 
     def _set(self, shares: Shares, check: bool) -> None:
@@ -187,7 +187,7 @@ class Balancer:
         else:
             counts = [int(c) for c in shares]
             if (len(counts) != self.world_size or sum(counts) != self.global_batch or min(counts) < 1
-                    or any(c != s for c, s in zip(counts, shares))):
+                    or any(c != s for c, s in zip(counts, shares, strict=True))):
                 raise _bad("shares", list(shares), f"{self.world_size} integer counts >= 1 that sum to the "
                                       f"global batch ({self.global_batch})")
             self._auto = False
@@ -242,7 +242,7 @@ class Balancer:
     def micro_steps(self) -> list[int]:
         """How many micro-batches each rank's part of the current step takes (its share over its cap)."""
         shares = self._current.shares if self._current is not None else tuple(self._shares)
-        return [len(micro_sizes(s, c)) for s, c in zip(shares, self.caps)]
+        return [len(micro_sizes(s, c)) for s, c in zip(shares, self.caps, strict=True)]
 
     # -- the sequence of global batches --------------------------------------------------------------
 

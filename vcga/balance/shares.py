@@ -15,8 +15,8 @@ from typing import Any
 
 from vcga.errors import VcgaConfigError
 
-__all__ = ["split_counts", "parse_weights", "for_backend", "weight_of", "counts_from_weights", "micro_sizes", "AutoPolicy",
-           "Decision"]
+__all__ = ["split_counts", "parse_weights", "for_backend", "weight_of", "counts_from_weights", "micro_sizes",
+           "AutoPolicy", "Decision"]
 
 
 def split_counts(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
@@ -153,10 +153,11 @@ class AutoPolicy:
             return Decision(list(shares), False, list(speeds) if speeds else None, None,
                             f"ranks {missing} measured nothing in this window")
         new = [s / t for t, s in figures]
-        est = new if speeds is None else [self.smoothing * o + (1 - self.smoothing) * v for o, v in zip(speeds, new)]
+        est = new if speeds is None else [self.smoothing * o + (1 - self.smoothing) * v
+                                          for o, v in zip(speeds, new, strict=True)]
         candidate = split_counts(total, est)
-        now = max(c / v for c, v in zip(shares, est))
-        then = max(c / v for c, v in zip(candidate, est))
+        now = max(c / v for c, v in zip(shares, est, strict=True))
+        then = max(c / v for c, v in zip(candidate, est, strict=True))
         if candidate != list(shares) and then < now * (1 - self.hysteresis):
             return Decision(candidate, True, est, then, f"predicted {then * 1e3:.3g} ms per step, was {now * 1e3:.3g}")
         return Decision(list(shares), False, est, now, "within the hysteresis of the current shares")

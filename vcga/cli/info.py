@@ -277,7 +277,7 @@ def _render_shares(s: dict[str, Any]) -> list[str]:
     lines = ["", f"data-parallel shares (vcga.balance; weights {w}; global batch {s['global_batch']}; "
                  "largest remainder, at least 1 per rank)"]
     width = max(len(b) for b in s["backends"])
-    for r, (b, c) in enumerate(zip(s["backends"], s["counts"])):
+    for r, (b, c) in enumerate(zip(s["backends"], s["counts"], strict=True)):
         lines.append(f"  rank {r:<3} {b:<{width}}  {c:>6}  ({c / s['global_batch']:.1%})")
     return lines
 

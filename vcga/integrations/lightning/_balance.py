@@ -36,7 +36,7 @@ _LOSS = ("mean", "sum", None)
 def balance_callback(base: type, module: str) -> type:
     """The ``Balance`` callback class on ``base`` (the Lightning package's ``Callback``)."""
 
-    class Balance(base):  # type: ignore[misc, valid-type]
+    class Balance(base):
         """Run a Trainer with a :class:`vcga.balance.Balancer` (see :mod:`vcga.integrations.lightning._balance`).
 
         :param balancer: the balancer whose ``batch_sampler()`` the training loader uses.
