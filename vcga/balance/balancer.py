@@ -124,7 +124,7 @@ class Balancer:
 
     def __init__(self, num_samples: int, global_batch: int, shares: Shares = "auto", *, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, micro_batch: Caps = None, group: Any = None,
-                 warmup: int = 2, window: int = 5, smoothing: float = 0.5, hysteresis: float = 0.03) -> None:
+                 warmup: int = 2, window: int = 5, smoothing: float = 0.3, hysteresis: float = 0.03) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise _bad("num_samples", num_samples, "the dataset's length, an integer >= 1")
         if not isinstance(global_batch, int) or global_batch < 1:
@@ -307,12 +307,8 @@ class Balancer:
             return
         if k < self.warmup or (k - self.warmup) % self.window:
             return
-        mine = self._clock.take()
-        got: list[Any] = [mine]
-        if self.group is not None:
-            got = [None] * self.world_size
-            dist.all_gather_object(got, mine, group=self.group)
-        d = self.policy.decide(self.global_batch, self._shares, [tuple(g) for g in got], self._speeds)
+        got = self._gather(self._clock.take())
+        d = self.policy.decide(self.global_batch, self._shares, got, self._speeds)
         self.last_decision = d
         self._speeds = d.speeds
         log.debug("vcga.balance: measured (s, samples) per rank %s; smoothed samples/s %s", got, d.speeds)
@@ -321,6 +317,17 @@ class Balancer:
             self._shares = d.shares
         elif d.speeds is None:
             log.warning("vcga.balance: shares='auto' learns speeds from measure(); %s", d.reason)
+
+    def _gather(self, mine: tuple[float, int]) -> list[tuple[float, int]]:
+        """Every rank's (seconds, samples): one all_reduce of a small tensor, each rank filling its own
+        row (a sum with zeros is exact: every rank receives the same bits). Where the rank computes
+        (the measured module's device): a vendor's group takes only its device's tensors."""
+        if self.group is None:
+            return [mine]
+        t = torch.zeros(self.world_size, 2, dtype=torch.float32, device=self._clock.device or "cpu")
+        t[self.rank, 0], t[self.rank, 1] = mine
+        dist.all_reduce(t, group=self.group)
+        return [(float(a), int(b)) for a, b in t.tolist()]
 
     # -- the loss scale ------------------------------------------------------------------------------
 

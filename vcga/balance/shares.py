@@ -134,7 +134,7 @@ class AutoPolicy:
     every rank's step takes the same time, even when a step also has a fixed cost per rank.
     """
 
-    smoothing: float = 0.5
+    smoothing: float = 0.3
     hysteresis: float = 0.03
 
     def __post_init__(self) -> None:

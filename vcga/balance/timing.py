@@ -42,6 +42,7 @@ class ComputeClock:
         self._pending: list[tuple[Any, Any, int]] = []  # device (start, end, samples), read at take()
         self.seconds = 0.0
         self.samples = 0
+        self.device: torch.device | None = None  #: the measured module's device (None: none measured)
 
     def _hook(self, module: torch.nn.Module) -> None:
         if module in self._hooked:
@@ -69,6 +70,8 @@ class ComputeClock:
         if module is not None:
             self._hook(module)
             device = next((p.device for p in module.parameters()), None)
+            if device is not None and device.type != "meta":
+                self.device = device
         on_device = device is not None and device.type not in ("cpu", "meta")
         self._fired, self._last = False, None
         start = None
