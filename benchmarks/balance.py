@@ -239,7 +239,21 @@ def _job(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _median(jobs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(statistics.median(j[key]) for j in jobs)
+    """The median over every round of every job."""
+    return statistics.median(x for j in jobs for x in j[key])
+
+
+def _ratio(jobs: list[dict[str, Any]], num: str, den: str, spread: bool = False) -> str:
+    """The median of ``num / den`` taken within each round (seconds apart: the load they saw is alike),
+    with ``spread`` its range over the rounds."""
+    r = [a / b for j in jobs for a, b in zip(j[num], j[den], strict=True)]
+    return f"{statistics.median(r):.2f}" + (f" ({min(r):.2f}-{max(r):.2f})" if spread else "")
+
+
+def _shares(jobs: list[dict[str, Any]]) -> str:
+    """Each rank's median of the shares "auto" ended with, over every round."""
+    ends = [s for j in jobs for s in j["auto_shares"]]
+    return "/".join(str(round(statistics.median(s[r] for s in ends))) for r in range(len(ends[0])))
 
 
 def main() -> None:
@@ -257,6 +271,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="print rank 0's re-balancing decisions")
     ap.add_argument("--json", help="write every job's figures here")
+    ap.add_argument("--tabulate", nargs="+", metavar="JSON", help="print the table of saved runs (--json) together")
     ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -267,7 +282,14 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _ranks import table
 
-    results = {c: [_job(c, args) for _ in range(args.jobs)] for c in args.configs}
+    if args.tabulate:  # several runs' --json, one table
+        results: dict[str, list[dict[str, Any]]] = {}
+        for path in args.tabulate:
+            for c, jobs in json.loads(Path(path).read_text()).items():
+                results.setdefault(c, []).extend(jobs)
+        args.jobs = len(next(iter(results.values())))
+    else:
+        results = {c: [_job(c, args) for _ in range(args.jobs)] for c in args.configs}
     lines = []
     for c, jobs in results.items():
         vendors, speeds, after = CONFIGS[c]
@@ -275,21 +297,22 @@ def main() -> None:
         load = f"{min(loads):.1f}-{max(loads):.1f}"
         if after is None:
             alone, equal, hand, auto = (_median(jobs, k) for k in ("alone", "equal", "hand", "auto"))
-            shares = jobs[-1]["auto_shares"][-1]
             lines.append([f"{len(speeds)} ranks, speeds {'/'.join(f'{s:g}' for s in speeds)}", f"{alone:,.0f}",
                           f"{equal:,.0f}", f"{hand:,.0f} ({'/'.join(map(str, jobs[0]['hand_shares'][0]))})",
-                          f"{auto:,.0f} ({'/'.join(map(str, shares))})", f"{auto / alone:.2f}", f"{auto / hand:.2f}",
-                          f"{hand / equal:.2f}", f"{auto / equal:.2f}", load])
+                          f"{auto:,.0f} ({_shares(jobs)})", _ratio(jobs, "auto", "alone", True),
+                          _ratio(jobs, "auto", "hand", True), _ratio(jobs, "hand", "equal"),
+                          _ratio(jobs, "auto", "equal"), load])
         else:
             hand, auto = _median(jobs, "hand_after"), _median(jobs, "auto_after")
-            shares = jobs[-1]["auto_shares"][-1]
             lines.append([f"2 ranks, 1/1, rank 1 -> 0.5 at step {args.slow_at}", "-", "-",
                           f"{hand:,.0f} ({'/'.join(map(str, jobs[0]['hand_shares'][0]))})",
-                          f"{auto:,.0f} ({'/'.join(map(str, shares))})", "-", f"{auto / hand:.2f}", "-", "-", load])
+                          f"{auto:,.0f} ({_shares(jobs)})", "-", _ratio(jobs, "auto_after", "hand_after", True),
+                          "-", "-", load])
     head = ["world", "ideal (alone, summed)", "equal", "hand (shares)", "auto (shares at the end)", "auto/ideal",
             "auto/hand", "hand/equal", "auto/equal", "load (1 min)"]
     print(table(head, lines, args.markdown))
-    print(f"samples/s, medians of {args.jobs} jobs x {args.rounds} rounds; global batch {args.global_batch}, "
+    print(f"samples/s: medians over {args.jobs} jobs x {args.rounds} rounds; ratios: medians of the ratios within "
+          f"each round; global batch {args.global_batch}, "
           f"{args.steps} timed steps per variant (auto after {args.settle}; the slowdown: steps "
           f"{args.slow_at + 20}-{args.slow_at + 39})")
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def _split_batch(batch: Any, sizes: list[int]) -> list[Any]:
         rows = [[c[i] for c in cols] for i in range(len(sizes))]
         return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
     raise _bad("batch", type(batch).__name__, "sample indices, a tensor, or a tuple / list / dict of "
-                          "tensors whose first dimension is the samples")
+               "tensors whose first dimension is the samples")
 
 
 class Balancer:
@@ -175,28 +176,28 @@ class Balancer:
         return self._backends
 
     def _set(self, shares: Shares, check: bool) -> None:
+        auto = isinstance(shares, str)
         if isinstance(shares, str):
             if shares != "auto":
-                raise _bad("shares", shares, '"auto", a list of counts per rank, or a dict of weights '
-                                      'keyed by backend name')
-            self._auto = True
+                raise _bad("shares", shares, '"auto", a list of counts per rank, or a dict of weights keyed by '
+                           "backend name")
             counts = self._shares if self._shares else split_counts(self.global_batch, [1.0] * self.world_size)
         elif isinstance(shares, Mapping):
-            self._auto = False
             counts = counts_from_weights(self.global_batch, shares, self.backends())
         else:
-            counts = [int(c) for c in shares]
-            if (len(counts) != self.world_size or sum(counts) != self.global_batch or min(counts) < 1
-                    or any(c != s for c, s in zip(counts, shares, strict=True))):
-                raise _bad("shares", list(shares), f"{self.world_size} integer counts >= 1 that sum to the "
-                                      f"global batch ({self.global_batch})")
-            self._auto = False
+            counts = list(shares)
+            if (len(counts) != self.world_size or sum(counts) != self.global_batch
+                    or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c >= 1 for c in counts)):
+                raise _bad("shares", counts, f"{self.world_size} integer counts >= 1 that sum to the global batch "
+                           f"({self.global_batch})")
+            counts = [int(c) for c in counts]
         if check and self.group is not None:  # a forced re-balance must be the same on every rank
             got: list[Any] = [None] * self.world_size
-            dist.all_gather_object(got, (counts, self._auto), group=self.group)
+            dist.all_gather_object(got, (counts, auto), group=self.group)
             if any(g != got[0] for g in got):
-                raise _bad("shares", shares, "the same shares on every rank (set_shares is collective); "
-                                      f"ranks gave {got}")
+                raise _bad("shares", shares, f"the same shares on every rank (set_shares is collective); ranks gave "
+                           f"{got}")
+        self._auto = auto
         self._shares = list(counts)
         self._seen, self._speeds = 0, None
         self._clock.take()
@@ -381,7 +382,7 @@ class Balancer:
         n = samples_in(batch)
         if n is None:
             raise _bad("batch", type(batch).__name__, "sample indices, or tensors whose first "
-                                  "dimension is the samples")
+                       "dimension is the samples")
         return _split_batch(batch, micro_sizes(n, self.cap))
 
     def accumulate(self, model: Any, batch: Any) -> Iterator[Any]:
@@ -398,9 +399,9 @@ class Balancer:
         fsdp = not hasattr(model, "no_sync") and hasattr(model, "set_requires_gradient_sync")
         if fsdp and len(set(self.micro_steps())) > 1 and _reshards_after_forward(model):
             raise _bad("micro_batch", self.caps, "with FSDP2, a model that keeps its parameters between "
-                                  "micro-steps: fully_shard(..., reshard_after_forward=False) on every sharded "
-                                  f"module (this step takes {self.micro_steps()} micro-steps per rank; resharding "
-                                  "after forward would gather a different number of times on each)")
+                       "micro-steps: fully_shard(..., reshard_after_forward=False) on every sharded "
+                       f"module (this step takes {self.micro_steps()} micro-steps per rank; resharding "
+                       "after forward would gather a different number of times on each)")
         try:
             for i, part in enumerate(parts):
                 self._part = samples_in(part)
