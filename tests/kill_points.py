@@ -41,11 +41,11 @@ def install(work: str, stop_at: int | None, report_fd: int) -> None:
                 moment(f"{event} {os.path.relpath(path, work)}")
 
     def profile(frame, event: str, arg: object) -> None:
-        # writer.write(entry) called by vcga.convert.convert: one moment per tensor
+        # writer.write(entry) called by vcga.convert.engine.convert: one moment per tensor
         if event == "call" and frame.f_code.co_name == "write":
             caller = frame.f_back
             if caller is not None and caller.f_code.co_name == "convert" and \
-                    caller.f_code.co_filename.endswith(os.path.join("vcga", "convert.py")):
+                    caller.f_code.co_filename.endswith(os.path.join("vcga", "convert", "engine.py")):
                 moment("tensor")
 
     sys.addaudithook(audit)
