@@ -40,7 +40,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,8 @@ import time
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
+
+from vcga.testing import free_port
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier",
                "send_recv", "all_to_all_single")
@@ -275,12 +276,6 @@ def rank_main(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 # The launcher
 # ------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def setup_env(setup: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}

@@ -34,7 +34,6 @@ from .world import (
     PlannedCheck,
     WorldOutcome,
     WorldSpec,
-    free_port,
     resolve_group_kind,
     vcga_group_status,
 )
@@ -48,7 +47,6 @@ __all__ = [
     "Event",
     "vcga_group_status",
     "run_world",
-    "free_port",
 ]
 
 
@@ -91,7 +89,7 @@ class _Attempt:
 
     def run(self) -> None:
         ctx = spawn.get_context()  # a forkserver with torch imported: a rank starts in 0.1 s, not 2
-        port = free_port()
+        port = spawn.free_port()
         store_timeout = self.stall_s * 2 + 60  # the parent decides about hangs before any store wait gives up
         # One pipe per rank, written synchronously: a rank that dies right after a message has
         # delivered it (a queue's feeder thread would lose it), and EOF says the rank is gone.

@@ -3,7 +3,6 @@ events and a world's outcome; which group kind (``vcga`` or native) a world can 
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,12 +85,6 @@ class WorldOutcome:
     check_seconds: dict[str, float] = field(default_factory=dict)
     exports: dict[str, dict[str, Any]] = field(default_factory=dict)
     group_resets: int = 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vcga_group_status() -> tuple[bool, str]:

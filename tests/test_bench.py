@@ -18,7 +18,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, VENV_BIN, free_port, run_vcga
+from tests.conftest import ROOT, VENV_BIN, run_vcga
+
+from vcga.testing import free_port
 from vcga.bench import runner as bench, spec as bench_spec
 from vcga.errors import VcgaConfigError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 
 def peers(*backends: str, nodes: list[str] | None = None) -> list[dict]:

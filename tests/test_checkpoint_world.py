@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 MiB = 1 << 20
 # Ranks fork from a server that imported these once (tests/pg_world.py): a world starts in well

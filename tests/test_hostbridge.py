@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from pg_world import run_world
+from vcga.testing import run_world
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -48,7 +48,7 @@ def test_a_killed_peer_fails_the_other_at_once(with_child: bool) -> None:
     import signal
 
     from hostbridge_cases import killed_peer
-    from pg_world import free_port
+    from vcga.testing import free_port
 
     from vcga.spawn import get_context
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, VENV_BIN, free_port
+from tests.conftest import ROOT, VENV_BIN
+
+from vcga.testing import free_port
 
 SCRIPTS = ROOT / "tests" / "integrations"
 MIXED = {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from pg_world import run_world
+from vcga.testing import run_world
 from vcga.contract import EMULATIONS
 
 BACKENDS = ["gloo", "sim-hccl", "sim-cncl", "sim-nccl"]

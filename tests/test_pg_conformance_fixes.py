@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 WORLD = 3
 TIMEOUT_S = 20.0

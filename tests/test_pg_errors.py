@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from pg_world import WorldFailed, run_world
+from vcga.testing import WorldFailed, run_world
 
 TIMEOUT_S = 3.0
 #: How much later than the timeout a waiting rank may raise: a store or gloo poll interval plus

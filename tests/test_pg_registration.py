@@ -126,7 +126,7 @@ def test_init_single_process_and_communicator() -> None:
 
 
 def test_init_reads_torchrun_environment() -> None:
-    from pg_world import free_port
+    from vcga.testing import free_port
 
     out = _py("""
         import vcga

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from pg_world import free_port
 from torch._C._distributed_c10d import _create_work_from_future
 
 from vcga import pypg
@@ -22,6 +21,7 @@ from vcga.config import Config
 from vcga.contract import CapabilityTable, Collective, ReduceOp
 from vcga.errors import VcgaError, VcgaTimeoutError, VcgaUnsupportedError, typed
 from vcga.pypg import PyWork, completed_work, reduce_op_of, torch_reduce_op
+from vcga.testing import free_port
 
 
 def _work(value=None):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 
 def _try(fn: Any) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 
 class CountingStore:

@@ -136,6 +136,7 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.compress.exact",  # fixed-order arithmetic for compressors' decoders
     "vcga.compress.fused",  # compiled host loops, used where a self-check finds the torch operations' bits
     "vcga.balance",  # balanced data parallelism: shares per rank by speed, the loss scale, re-balancing
+    "vcga.testing",  # for a plugin's own tests: run_world (a local world of forked ranks), free_port
 )
 
 #: pluggy project name; also the entry-point group plugins register under.

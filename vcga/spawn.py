@@ -20,8 +20,11 @@ ranks of the old one still run, ranks are spawned instead).
 
 ``VCGA_START_METHOD=spawn`` turns the forkserver off (a fresh interpreter per rank).
 
-:func:`run_ranks` spawns ``world`` ranks with a free TCP port for their rendezvous. A rank that
-exits non-zero ends the wait at once instead of leaving the caller waiting for the whole timeout.
+:func:`run_ranks` spawns ``world`` ranks with a free TCP port (:func:`free_port`) for their
+rendezvous and returns what rank 0 reports; :func:`stream_ranks` yields everything the ranks report;
+:func:`run_world` returns every rank's return value, with the traceback of a rank that raised. A
+rank that exits non-zero ends the wait at once instead of leaving the caller waiting for the whole
+timeout. (:func:`vcga.testing.run_world` is :func:`run_world` with a test's defaults.)
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vcga.errors import VcgaConfigError
 
-__all__ = ["run_ranks", "stream_ranks", "RanksFailed", "get_context", "START_METHOD_ENV", "IMPORT_ENV_PREFIXES"]
+__all__ = ["run_ranks", "run_world", "stream_ranks", "RanksFailed", "get_context", "free_port", "START_METHOD_ENV",
+           "IMPORT_ENV_PREFIXES"]
 
 #: The environment variable that chooses how rank processes start: ``forkserver`` (the default
 #: where the platform has it) or ``spawn``.
@@ -62,7 +67,9 @@ class RanksFailed(RuntimeError):
     """A rank exited with an error, or no result came within the timeout."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the kernel found free a moment ago: for a rendezvous of local
+    ranks (another process may take it before the ranks bind it; the window is short)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -203,6 +210,54 @@ def _ranks_alive() -> bool:
     return any(isinstance(p, _Process) for p in mp.active_children())
 
 
+class _Ranks:
+    """``world`` processes of :func:`get_context` running ``target(rank, world, port, *args, queue)``
+    with a free TCP port for their rendezvous and one queue to report on: what :func:`run_ranks`,
+    :func:`stream_ranks` and :func:`vcga.testing.run_world` share. ``env`` is set in this process
+    while the ranks start (each rank starts with the parent's environment of that moment)."""
+
+    def __init__(self, target: Callable[..., Any], world: int, args: tuple[Any, ...], *,
+                 env: dict[str, str] | None = None, preload: Sequence[str] = (), daemon: bool = False) -> None:
+        self.port = free_port()
+        ctx = get_context(preload)
+        self.queue = ctx.Queue()
+        self.procs = [ctx.Process(target=target, args=(r, world, self.port, *args, self.queue), daemon=daemon)
+                      for r in range(world)]
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        try:
+            os.environ.update(env or {})
+            for p in self.procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def get(self, timeout: float) -> Any:
+        """The next thing a rank put on the queue; :data:`_NOTHING` after ``timeout`` seconds."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue_mod.Empty:
+            return _NOTHING
+
+    def failed(self) -> list[int]:
+        """The ranks that exited with an error (non-zero)."""
+        return [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+
+    def stop(self, join_s: float) -> None:
+        """Wait up to ``join_s`` for each rank to exit; kill the ones still running."""
+        for p in self.procs:
+            p.join(timeout=join_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+_NOTHING = object()
+
+
 def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 3600) -> Any:
     """Start ``world`` processes (:func:`get_context`) running ``target(rank, world, port, *args,
     queue)`` with a free TCP port for their rendezvous; return the first thing a rank puts on
@@ -210,27 +265,71 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
 
     :raises RanksFailed: a rank exited non-zero first (its traceback is on stderr), or ``timeout``
         seconds passed without a result."""
-    port = _free_port()
-    ctx = get_context()
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    ranks = _Ranks(target, world, args)
     deadline = time.monotonic() + timeout
     try:
         while True:
-            try:
-                return queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RanksFailed(f"ranks {failed} failed (see their tracebacks above)" if failed
-                                      else f"no result within {timeout:g} s") from None
+            item = ranks.get(1.0)
+            if item is not _NOTHING:
+                return item
+            failed = ranks.failed()
+            if failed or time.monotonic() > deadline:
+                raise RanksFailed(f"ranks {failed} failed (see their tracebacks above)" if failed
+                                  else f"no result within {timeout:g} s")
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        ranks.stop(60)
+
+
+def _world_rank(rank: int, world: int, port: int, target: Callable[..., Any], args: tuple[Any, ...],
+                env: dict[str, str], results: Any) -> None:
+    try:
+        os.environ.update(env)
+        value = target(rank, world, f"tcp://127.0.0.1:{port}", *args)
+        results.put(("ok", rank, value))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, with its traceback
+        results.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_world(target: Callable[..., Any], world: int, *args: Any, env: dict[str, str] | None = None,
+              timeout: float = 3600, preload: Sequence[str] = ()) -> list[Any]:
+    """Run ``target(rank, world, init_method, *args)`` on ``world`` processes (:func:`get_context`,
+    with ``preload``) and return their return values in rank order. ``init_method`` is
+    ``tcp://127.0.0.1:PORT`` on a free port; ``env`` is set in each rank before ``target`` runs.
+    Leftover ranks are killed: a hang in ``target`` ends as an error, never a hung caller.
+
+    :raises RanksFailed: a rank raised (its traceback is in the message), died without reporting,
+        or had not finished after ``timeout`` seconds; the message has a section per failed rank."""
+    ranks = _Ranks(_world_rank, world, (target, args, dict(env or {})), preload=preload, daemon=True)
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world)) - set(out) - set(errors))
+                errors.update(dict.fromkeys(missing, f"did not finish within {timeout:g} s"))
+                break
+            item = ranks.get(min(left, 1.0))
+            if item is _NOTHING:
+                dead = [r for r, p in enumerate(ranks.procs) if not p.is_alive() and r not in out and r not in errors]
+                if not dead:
+                    continue
+                item = ranks.get(2.0)  # a rank that just exited may still have its last message in flight
+                if item is _NOTHING:
+                    errors.update({r: f"exited with code {ranks.procs[r].exitcode} without reporting" for r in dead})
+                    continue
+            kind, rank, value = item
+            if kind == "ok":
+                out[rank] = value
+            else:
+                errors[rank] = value
+    finally:
+        ranks.stop(10)
+    if errors:
+        raise RanksFailed(f"ranks {sorted(errors)} failed:\n"
+                          + "\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(errors.items())))
+    return [out[r] for r in range(world)]
 
 
 #: What a rank puts on the queue of :func:`stream_ranks` when it has nothing more to say.
@@ -248,47 +347,26 @@ def stream_ranks(target: Callable[..., None], world: int, *args: Any, timeout: f
 
     :raises RanksFailed: a rank exited non-zero (its traceback is on stderr), or nothing came
         within ``timeout`` seconds."""
-    port = _free_port()
-    ctx = get_context()
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    try:
-        os.environ.update(env or {})
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    ranks = _Ranks(target, world, args, env=env)
     clean = False
     try:
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                item = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            item = ranks.get(1.0)
+            if item is _NOTHING:
+                failed = ranks.failed()
                 if failed or time.monotonic() > deadline:
                     raise RanksFailed(f"ranks {failed} failed (see their tracebacks above)" if failed
-                                      else f"nothing from the ranks within {timeout:g} s") from None
+                                      else f"nothing from the ranks within {timeout:g} s")
                 continue
             if isinstance(item, str) and item == END:
                 clean = True
                 break
             deadline = time.monotonic() + timeout
             yield item
-        for p in procs:
-            p.join(timeout=60)
-        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        ranks.stop(60)
+        failed = ranks.failed()
         if failed:
             raise RanksFailed(f"ranks {failed} failed (see their tracebacks above)")
     finally:
-        for p in procs:
-            if not clean:
-                p.join(timeout=1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        ranks.stop(60 if clean else 1)

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from vcga.config import Config, load_config
 from vcga.errors import VcgaConfigError
+from vcga.spawn import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -79,12 +79,6 @@ def _env_int(env: dict[str, str] | os._Environ[str], key: str, default: int | No
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init(backend: str | None = None, *, rank: int | None = None, world_size: int | None = None,
          local_rank: int | None = None, init_method: str | None = None, timeout_s: float | None = None,
          config: Config | None = None) -> Communicator:
@@ -130,7 +124,7 @@ def init(backend: str | None = None, *, rank: int | None = None, world_size: int
             if "MASTER_ADDR" in env and "MASTER_PORT" in env:
                 init_method = "env://"
             elif world_size == 1:
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
+                init_method = f"tcp://127.0.0.1:{free_port()}"
             else:
                 raise VcgaConfigError("MASTER_ADDR/MASTER_PORT", None,
                                       "set by torchrun, or pass init_method= to vcga.init()", "environment")
