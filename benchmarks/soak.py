@@ -50,8 +50,6 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
-from vcga.testing import free_port
-
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier",
                "send_recv", "all_to_all_single")
 DTYPES = ("float32", "bfloat16", "float16", "int64")
@@ -296,6 +294,8 @@ def run_job(setup: str, world: int, calls: int, seed: int, timeout: float, cores
     """One job: ``world`` fresh processes. Returns every rank's exit code and rank 0's report.
     With ``cores``, ranks may dump core (into their working directory, the job's temporary one),
     and a failed job's cores and logs are moved to ``cores``."""
+    from vcga.testing import free_port  # here, not at the top: tests/exit_soak.py forks gloo ranks that never import vcga
+
     with tempfile.TemporaryDirectory(prefix="vcga-soak-") as tmp:
         out = Path(tmp) / "result.json"
         env = {**setup_env(setup), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -75,12 +74,6 @@ def vcga_group_registered() -> bool:
     import vcga  # noqa: F401 - importing vcga registers the backend
 
     return "vcga" in [b.lower() for b in dist.Backend.backend_list]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,6 +259,8 @@ def run_world(backends: list[str], what: str) -> str:
 
     A group that cannot be created with a typed VCGA error is a missing prerequisite (SKIP); a wrong
     value, a collective error, a crash or a timeout is a failure."""
+    from vcga.testing import free_port
+
     port = free_port()
     procs = []
     for rank, backend in enumerate(backends):
