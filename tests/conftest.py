@@ -26,6 +26,22 @@ def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+#: What the rank processes of many tests import after they start, imported once instead by the
+#: server they fork from (vcga.spawn.get_context, docs/testing.md): DDP's constructor imports
+#: torch._dynamo (about 1 CPU-s in each rank that builds a DDP model), the compressors' fused host
+#: loops numba, the checkpoint worlds torch.distributed.checkpoint.
+RANK_PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "numba")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def rank_server() -> None:
+    """Start this worker's rank server with :data:`RANK_PRELOAD` before the first test that needs
+    it (a later call that asks for fewer modules keeps them: vcga.spawn.get_context)."""
+    from vcga.spawn import get_context
+
+    get_context(RANK_PRELOAD)
+
+
 #: The modules that take longest in a two-worker run, longest first (wall seconds measured with
 #: `pytest -n 2 --dist loadfile --durations=0`, summed per module; docs/testing.md). `make test`
 #: hands whole modules to its workers in collection order (`--no-loadscope-reorder`; xdist's own
@@ -69,7 +85,82 @@ def clean_vcga_env(monkeypatch: pytest.MonkeyPatch):
 
 
 def run_vcga(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the installed `vcga` console script in a subprocess, as a user would."""
+    """Run ``vcga ARGS`` in this process, as the console script would in a process of its own.
+
+    The command sees what a fresh process would: this environment without ``VCGA_*``, plus ``env``;
+    ``env``'s ``PYTHONPATH`` first on ``sys.path`` (not in the environment: an import-time variable
+    would restart the rank server, and ranks and plugin vetting take ``sys.path`` from here);
+    ``TMPDIR`` read anew; a fresh plugin manager; no module from those ``PYTHONPATH`` folders imported yet
+    (they are set aside for the run and put back after). Its stdout and stderr come back as text; an
+    exception that escapes is printed to stderr as the interpreter would, exit status 1. The rank
+    processes of ``vcga verify`` and ``vcga bench`` fork from this worker's rank server, which has
+    imported torch, instead of a server of the command's own: that start-up, and the command's own
+    interpreter, are what running it here saves (about 2 CPU-s each). ``timeout`` is the pytest
+    timeout's job here; the commands bound their own waits.
+
+    Three things need the real process, and keep it: the console script and ``python -m vcga``
+    (tests/test_cli.py), what ``--help`` imports (tests/test_pg_registration.py), and killing the
+    runner (tests/test_verify.py): :func:`run_vcga_process`."""
+    import signal
+    import tempfile
+    import traceback
+
+    from click.testing import CliRunner
+
+    from vcga.cli import main
+    from vcga.plugin_manager import reset_plugin_manager
+
+    env = dict(env or {})
+    paths = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    saved_env, saved_path = dict(os.environ), list(sys.path)
+    saved_modules = _modules_under(paths)  # a fresh process has imported none of them
+    for name in saved_modules:
+        del sys.modules[name]
+    saved_tmp, saved_term = tempfile.tempdir, signal.getsignal(signal.SIGTERM)
+    runner = CliRunner()
+    try:
+        for k in [k for k in os.environ if k.startswith("VCGA_")]:
+            del os.environ[k]
+        os.environ.update(env)
+        sys.path[:0] = [p for p in paths if p not in sys.path]
+        tempfile.tempdir = None
+        reset_plugin_manager()
+        with runner.isolation() as (out, err, _):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - what the interpreter would print, and its status
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        for name in _modules_under(paths):
+            del sys.modules[name]
+        sys.modules.update(saved_modules)
+        tempfile.tempdir = saved_tmp
+        signal.signal(signal.SIGTERM, saved_term)
+        reset_plugin_manager()
+    return subprocess.CompletedProcess(["vcga", *args], code, stdout, stderr)
+
+
+def _modules_under(paths: list[str]) -> dict:
+    """The imported modules whose file lies under one of ``paths`` (plugins a test puts there)."""
+    roots = tuple(os.path.join(os.path.realpath(p), "") for p in paths)
+    return {name: m for name, m in list(sys.modules.items())
+            if roots and isinstance(getattr(m, "__file__", None), str) and os.path.realpath(m.__file__).startswith(roots)}
+
+
+def run_vcga_process(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the installed ``vcga`` console script in a process of its own, exactly as a user would."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
     full_env.update(env or {})
     return subprocess.run([str(VENV_BIN / "vcga"), *args], capture_output=True, text=True, timeout=timeout,

@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-from conftest import VENV_BIN, run_vcga
+from conftest import ROOT, run_vcga, run_vcga_process
+
+HELPERS = ROOT / "tests" / "helper_plugins"
 
 
 def test_help_does_not_import_torch():
@@ -31,7 +33,9 @@ def test_info_plan_does_not_import_torch():
 
 
 def test_console_script_and_module_agree():
-    a = run_vcga("--version")
+    """The two real processes of this module: the installed console script and ``python -m vcga``
+    (every other test runs the command in-process, conftest.run_vcga)."""
+    a = run_vcga_process("--version")
     b = subprocess.run([sys.executable, "-m", "vcga", "--version"], capture_output=True, text=True, timeout=60)
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
 
@@ -66,13 +70,15 @@ def test_info_reports_a_bad_config_in_one_line():
     assert "collective_timeout_s" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_plain_verify_passes_and_prints_a_table():
-    """What `make verify` runs: the quick profile on gloo and the simulated mixed-vendor world."""
-    r = run_vcga("verify", timeout=400, env={"COLUMNS": "200"})
+def test_plain_verify_prints_a_table_and_a_summary_and_runs_the_mixed_world():
+    """`vcga verify` as `make verify` runs it -- gloo and a simulated mixed-vendor world -- on a profile
+    that keeps a case or two of each family (CI runs the whole quick profile in `make verify`)."""
+    r = run_vcga("verify", "--profile", str(HELPERS / "verify_plain_tiny.yaml"), env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "vcga verify summary" in r.stdout and "FAIL" not in r.stdout and " 0 failed" in r.stdout
     for check in ("collectives", "exact-reduce", "random-reduce", "gradients", "mixed-vendors"):
         assert check in r.stdout
+    assert "sim:nccl:1,hccl:1" in r.stdout  # the mixed world is in the table
     assert "not verified" not in r.stdout  # the mixed world ran through the bridge, it was not skipped
 
 
