@@ -1,4 +1,5 @@
-"""Run examples/train_elastic.py under real torchrun for the fault-matrix tests.
+"""Run examples/train_elastic.py under real torchrun for the fault-matrix tests, and without it for
+their references.
 
 :func:`launch` starts torchrun and waits for it, acting as the operator of a hung worker would be
 expected to: when a worker stopped by SIGSTOP (``VCGA_FAULT=hang:...``) has a SIGTERM pending --
@@ -6,6 +7,9 @@ torchrun's agent sends it when it tears the failed attempt down, and a stopped p
 on it -- the harness continues it (SIGCONT) so it dies at once, instead of the agent waiting its
 fixed 30 s before SIGKILL. The waiting polls the process table with a deadline; nothing is
 synchronised by sleeping.
+
+:func:`run_forked` runs the same script and environment without torchrun, its ranks forked from the
+rank server (tests/script_world.py): for a reference run, with no fault and no restart to launch.
 """
 
 from __future__ import annotations
@@ -92,6 +96,25 @@ def launch(tmp: Path, *, nproc: int, vendors: str, args: list[str], fault: str =
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     run = Run(proc.returncode, log.read_text(errors="replace"), continued=continued)
+    if events.exists():
+        run.events = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    if out.exists():
+        run.result = json.loads(out.read_text())
+    return run
+
+
+def run_forked(tmp: Path, *, nproc: int, vendors: str, args: list[str], timeout_s: float = 20.0,
+               deadline_s: float = 540.0, name: str = "run") -> Run:
+    """:func:`launch`'s job without torchrun (no fault, no restart): the ranks' output is the test's
+    own (pytest shows it on a failure), not :attr:`Run.output`."""
+    from script_world import run_script
+
+    out, events = tmp / f"{name}.json", tmp / f"{name}.events"
+    env = {"VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1", "VCGA_TIMEOUT": str(timeout_s),
+           "OMP_NUM_THREADS": "1", "VCGA_FAULT": "", "PYTHONUNBUFFERED": "1"}
+    codes = run_script(SCRIPT, nproc, [*args, "--out", str(out), "--events", str(events)], env=env,
+                       timeout=deadline_s)
+    run = Run(next((c for c in codes if c), 0), f"(forked ranks, exit statuses {codes}: their output is above)")
     if events.exists():
         run.events = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     if out.exists():

@@ -2,7 +2,8 @@
 simulated on CPU, VCGA_SIM_VENDORS=nccl:2,hccl:2).
 
 One uninterrupted 4-rank run is the reference (it checkpoints with async_save and records the
-magnitudes the 3-rank bound needs). One job of the same ranks then meets, one per attempt, the
+magnitudes the 3-rank bound needs); it needs no launcher, so its ranks are forked from the rank
+server with torchrun's environment (tests/script_world.py) instead of a torchrun of their own. One job of the same ranks then meets, one per attempt, the
 faults of the matrix that need a restart -- torchrun restarts the workers each time:
 
 1. rank 1 SIGKILLed mid-step (after its forward pass, its peers waiting in the all_reduce);
@@ -11,8 +12,9 @@ faults of the matrix that need a restart -- torchrun restarts the workers each t
 3. rank 3 SIGSTOPped (hung): its peers fail with a typed VcgaTimeoutError, torchrun restarts.
 
 It must end with parameters bitwise equal to the reference. Then 3 ranks of another vendor mix
-resume the reference's step-6 checkpoint (resharded) and must stay within the derived bound of
-the reference (the script checks; docstring of examples/train_elastic.py). Disk full, a corrupted
+resume the reference's step-6 checkpoint (resharded; no restart either, so forked ranks too) and
+must stay within the derived bound of the reference (the script checks; docstring of
+examples/train_elastic.py). Disk full, a corrupted
 shard and resharding without restarts: tests/test_checkpoint_world.py and tests/test_checkpoint.py."""
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import shutil
 
 import pytest
 
-from elastic_run import launch
+from elastic_run import launch, run_forked
 
 VENDORS = "nccl:2,hccl:2"
 STEPS = ["--steps", "12", "--save-every", "3"]
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
-    run = launch(tmp, nproc=4, vendors=VENDORS, name="ref",
+    run = run_forked(tmp, nproc=4, vendors=VENDORS, name="ref",
                  args=["--root", str(tmp / "ref"), *STEPS, "--async", "--keep-last", "4",
                        "--record-bound", str(tmp / "ref.pt")])
     assert run.returncode == 0, run.output[-4000:]
@@ -77,8 +79,8 @@ def test_three_ranks_resume_a_four_rank_checkpoint_within_the_derived_bound(refe
     from vcga.checkpoint.storage import write_latest
 
     write_latest(root, 6)
-    run = launch(tmp_path, nproc=3, vendors="nccl:1,hccl:2", name="three",
-                 args=["--root", str(root), *STEPS, "--compare-with", str(ref_dir / "ref.pt")])
+    run = run_forked(tmp_path, nproc=3, vendors="nccl:1,hccl:2", name="three",
+                     args=["--root", str(root), *STEPS, "--compare-with", str(ref_dir / "ref.pt")])
     assert run.returncode == 0, run.output[-4000:]
     res = run.result
     assert res["world"] == 3 and res["resumed_from"] == 6 and res["final_step"] == 12
@@ -94,7 +96,8 @@ def test_a_compressed_job_killed_mid_step_resumes_with_its_residuals_bitwise_equ
     uninterrupted compressed run does. (Without the state in the checkpoint it does not: the
     resumed residuals would start at zero.)"""
     spec = ["--steps", "6", "--save-every", "2", "--compression", "powersgd:rank=2,min_rate=0"]
-    ref = launch(tmp_path, nproc=2, vendors="nccl:1,hccl:1", name="cref", args=["--root", str(tmp_path / "ref"), *spec])
+    ref = run_forked(tmp_path, nproc=2, vendors="nccl:1,hccl:1", name="cref",
+                     args=["--root", str(tmp_path / "ref"), *spec])
     assert ref.returncode == 0, ref.output[-4000:]
     run = launch(tmp_path, nproc=2, vendors="nccl:1,hccl:1", name="ckill", max_restarts=1,
                  fault="kill:rank=1:step=3:at=mid:attempt=0", args=["--root", str(tmp_path / "ckpt"), *spec])
