@@ -1,6 +1,7 @@
 """``backend="vcga"`` is available after ``import vcga`` (before or after torch) or through torch's
 own ``torch.backends`` autoload -- without ``import vcga`` importing torch, and without any way for
-the autoload to break ``import torch``. Each check runs in a fresh interpreter."""
+the autoload to break ``import torch``. Each import check runs in a fresh interpreter; the checks of
+``vcga.init`` run in a rank forked from the rank server (a fresh process, torch already imported)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,27 @@ def _py(code: str, **env: str) -> str:
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
+
+
+def _init_rank(rank: int, world_size: int, init_method: str, code: str, drop: list[str]) -> str:
+    import contextlib
+    import io
+
+    for k in drop:
+        os.environ.pop(k, None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(textwrap.dedent(code), "<test>", "exec"), {})  # noqa: S102 - the test's own code
+    return out.getvalue().strip()
+
+
+def _forked(code: str, **env: str) -> str:
+    """:func:`_py`, in a process forked from the rank server: ``code``'s stdout, run with this
+    process's environment but the world variables and run_world's own, plus ``env``."""
+    from vcga.testing import WORLD_ENV, run_world
+
+    drop = [k for k in (*_WORLD_VARS, *WORLD_ENV, "VCGA_BRIDGE_FIGURES_CACHE") if k not in env]
+    return run_world(_init_rank, 1, code, drop, env={**env, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1"})[0]
 
 
 def test_import_vcga_does_not_import_torch() -> None:
@@ -94,7 +116,7 @@ def test_devices_match_the_process_group() -> None:
 def test_init_single_process_and_communicator() -> None:
     """vcga.init() without torchrun: a world of one; the Communicator runs real collectives, and
     under torch's current names (no FutureWarning from vcga's own calls)."""
-    out = _py("""
+    out = _forked("""
         import torch, vcga
         comm = vcga.init("gloo")
         x = torch.arange(4.0)
@@ -120,7 +142,7 @@ def test_init_single_process_and_communicator() -> None:
 def test_init_reads_torchrun_environment() -> None:
     from vcga.testing import free_port
 
-    out = _py("""
+    out = _forked("""
         import vcga
         comm = vcga.init()
         print(comm.rank, comm.world_size, comm.backend)
@@ -131,7 +153,7 @@ def test_init_reads_torchrun_environment() -> None:
 
 
 def test_init_rejects_a_malformed_environment() -> None:
-    out = _py("""
+    out = _forked("""
         import vcga
         from vcga.errors import VcgaConfigError
         try:
