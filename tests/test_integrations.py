@@ -144,14 +144,26 @@ def test_accelerate_helper_refuses_compression_beside_torchs_hook():
         accelerator(cpu=True, compression="bf16", kwargs_handlers=[handler])
 
 
+def _accelerate_alone(rank: int, world_size: int, init_method: str) -> str:
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    try:
+        Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="vcga")])
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
 def test_accelerate_alone_refuses_vcga_on_cpu():
-    """Why the helper exists: asked for backend vcga on CPU, Accelerate raises."""
+    """Why the helper exists: asked for backend vcga on CPU, Accelerate raises. In a rank forked
+    from the rank server: Accelerate's state is per process."""
     pytest.importorskip("accelerate")
-    code = ("from accelerate import Accelerator\nfrom accelerate.utils import InitProcessGroupKwargs\n"
-            "try:\n    Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend='vcga')])\n"
-            "except ValueError as e:\n    print('ValueError:', e)\n")
-    r = _run([sys.executable, "-c", code], {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, timeout=120)
-    assert "ValueError: Your assigned backend vcga is not available, please use gloo" in r.stdout
+    from vcga.testing import run_world
+
+    got = run_world(_accelerate_alone, 1)[0]
+    assert "ValueError: Your assigned backend vcga is not available, please use gloo" in got, got
 
 
 def test_ray_train_torch_config_backend_vcga(tmp_path):
