@@ -25,7 +25,7 @@ import torch
 from vcga.testing import run_world
 
 MiB = 1 << 20
-# Ranks fork from a server that imported these once (tests/pg_world.py): a world starts in well
+# Ranks fork from a server that imported these once (vcga.testing.run_world): a world starts in well
 # under a second instead of each rank importing torch anew.
 PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
            "vcga.checkpoint.api", "vcga.process_group", "test_checkpoint_world"]
