@@ -34,11 +34,9 @@ def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
-#: What the rank processes of many tests import after they start, imported once instead by the
-#: server they fork from (vcga.spawn.get_context, docs/testing.md): DDP's constructor imports
-#: torch._dynamo (about 1 CPU-s in each rank that builds a DDP model), the compressors' fused host
-#: loops numba, the checkpoint worlds torch.distributed.checkpoint.
-RANK_PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "numba")
+#: What the rank processes of many tests would each import or prepare after they start, done once by
+#: the server they fork from (vcga.spawn.get_context, docs/testing.md): tests/rank_preload.py.
+RANK_PRELOAD = ("rank_preload",)
 
 
 @pytest.fixture(autouse=True, scope="session")

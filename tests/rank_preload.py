@@ -1,0 +1,35 @@
+"""Imported once by each test worker's rank server (conftest.RANK_PRELOAD; vcga.spawn.get_context):
+what the ranks of many tests would otherwise each do after they start.
+
+- ``torch._dynamo``: DDP's constructor imports it, about 1 CPU-s in every rank that builds a DDP
+  model; ``torch.distributed.checkpoint`` for the checkpoint worlds.
+- The compressors' fused host loops (numba), compiled -- or loaded from numba's cache -- and
+  self-checked against the torch operations once, here, instead of in every rank that compresses
+  (about 0.4 CPU-s each; with a cold cache, the four ranks of a world compiled at once). A rank
+  keeps the verdict the server reached on this machine, as a process does after its first check.
+
+The server dies on an exception other than ImportError from a preloaded module, and then no rank
+can start: so nothing here raises. Nothing here starts a thread or touches a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch._dynamo  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+
+_threads = torch.get_num_threads()
+torch.set_num_threads(1)  # the self-checks' small ops must not start an OpenMP team that forked ranks inherit dead
+try:
+    with contextlib.suppress(Exception):  # no numba, or one that cannot compile here: each rank checks for itself
+        from vcga.compress import fused
+        from vcga.plugins import compressors
+        from vcga.plugins.compressors import qsgd
+
+        fused.kernels()
+        compressors._select_loop()
+        qsgd._loops()
+finally:
+    torch.set_num_threads(_threads)
