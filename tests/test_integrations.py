@@ -186,10 +186,49 @@ def test_ray_train_torch_config_backend_vcga(tmp_path):
             assert c["stats"]["compressed"] >= 4 and c["stats"]["plain"] == 0, c
 
 
+def _replica_main(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    import runpy
+    import warnings
+
+    os.chdir(ROOT)
+    os.environ.update({**env, "PYTHONWARNINGS": "ignore", "RUST_LOG": "error"})
+    warnings.simplefilter("ignore")  # what PYTHONWARNINGS=ignore does at an interpreter's start
+    with open(os.devnull, "wb") as null, open(log, "wb") as err:
+        os.dup2(null.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+class _Replica:
+    """``python SCRIPT ARGV`` as a process forked from the rank server (torch already imported), with
+    ``env`` and stderr to ``log``: what the test needs of a ``subprocess.Popen``."""
+
+    def __init__(self, script: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        from vcga.spawn import get_context
+
+        self.proc = get_context().Process(target=_replica_main, args=(script, argv, env, str(log)))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            raise subprocess.TimeoutExpired(f"replica {self.pid}", timeout)
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
 def test_torchft_heals_a_dead_replica_group_on_a_mixed_vendor_world(tmp_path):
     """torchft's Manager over ProcessGroupVcga: replica 0 on sim-nccl, replica 1 on sim-hccl. Replica
     1 crashes mid-training; replica 0 trains on alone (the job is not restarted); a new replica 1
-    process joins, torchft heals it from replica 0, and both end bitwise identical."""
+    process joins, torchft heals it from replica 0, and both end bitwise identical. Each replica is
+    a process of its own, forked from the rank server (:class:`_Replica`)."""
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
@@ -198,12 +237,11 @@ def test_torchft_heals_a_dead_replica_group_on_a_mixed_vendor_world(tmp_path):
     script = str(SCRIPTS / "torchft_replica.py")
     addr = lighthouse.address()
     go = tmp_path / "go"
-    procs: list[subprocess.Popen] = []
+    procs: list[_Replica] = []
 
-    def start(role: str, replica: str, backend: str, *extra: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, script, role, replica, addr, str(tmp_path / f"{role}.json"), *extra],
-                             env=_env({"VCGA_BACKEND": backend}), cwd=ROOT, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{role}.log", "w"))
+    def start(role: str, replica: str, backend: str, *extra: str) -> _Replica:
+        p = _Replica(script, [role, replica, addr, str(tmp_path / f"{role}.json"), *extra],
+                     {"VCGA_BACKEND": backend}, tmp_path / f"{role}.log")
         procs.append(p)
         return p
 
