@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vcga.spawn import add_preload
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
@@ -34,18 +36,10 @@ def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
-#: What the rank processes of many tests would each import or prepare after they start, done once by
-#: the server they fork from (vcga.spawn.get_context, docs/testing.md): tests/rank_preload.py.
-RANK_PRELOAD = ("rank_preload",)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def rank_server() -> None:
-    """Start this worker's rank server with :data:`RANK_PRELOAD` before the first test that needs
-    it (a later call that asks for fewer modules keeps them: vcga.spawn.get_context)."""
-    from vcga.spawn import get_context
-
-    get_context(RANK_PRELOAD)
+# What the rank processes of many tests would each import or prepare after they start, done once
+# by the rank server they fork from (tests/rank_preload.py; docs/testing.md). Nothing starts here:
+# the first test that starts ranks starts the server.
+add_preload(["rank_preload"])
 
 
 #: The modules that take longest in a two-worker run, longest first (wall seconds measured with

@@ -1,4 +1,4 @@
-"""Imported once by each test worker's rank server (conftest.RANK_PRELOAD; vcga.spawn.get_context):
+"""Imported once by each test worker's rank server (tests/conftest.py: vcga.spawn.add_preload):
 what the ranks of many tests would otherwise each do after they start.
 
 - ``torch._dynamo``: DDP's constructor imports it, about 1 CPU-s in every rank that builds a DDP

@@ -199,9 +199,27 @@ def _modules(names, queue) -> None:
 def test_preload_asks_the_server_for_more_modules() -> None:
     from vcga.spawn import get_context
 
-    names = ["torch.distributed.checkpoint"]
-    get_context()
+    names = ["email.mime.text"]  # nothing the server imports brings it (the suite's server imports a lot)
+    assert _one(get_context(), _modules, names) == [False]
     assert _one(get_context(names), _modules, names) == [True]
+
+
+def test_add_preload_reaches_every_later_server_and_starts_none(monkeypatch) -> None:
+    from vcga import spawn
+
+    monkeypatch.setattr(spawn, "_always", set(spawn._always))  # the session's own list stays as it was
+    names = ["xml.dom.minidom"]
+    assert _one(spawn.get_context(), _modules, names) == [False]
+    server = spawn._server.get("pid"), _forkserver_pid()
+    spawn.add_preload(names)
+    assert (spawn._server.get("pid"), _forkserver_pid()) == server  # nothing started or stopped
+    assert _one(spawn.get_context(), _modules, names) == [True]  # get_context() alone: the server has it now
+
+
+def _forkserver_pid():
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
 
 
 _EXTENSION_SCRIPT = r'''

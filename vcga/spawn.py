@@ -44,8 +44,8 @@ from typing import Any
 
 from vcga.errors import VcgaConfigError
 
-__all__ = ["run_ranks", "run_world", "stream_ranks", "RanksFailed", "get_context", "free_port", "START_METHOD_ENV",
-           "IMPORT_ENV_PREFIXES"]
+__all__ = ["run_ranks", "run_world", "stream_ranks", "RanksFailed", "get_context", "add_preload", "free_port",
+           "START_METHOD_ENV", "IMPORT_ENV_PREFIXES"]
 
 #: The environment variable that chooses how rank processes start: ``forkserver`` (the default
 #: where the platform has it) or ``spawn``.
@@ -61,6 +61,7 @@ _PRELOAD = "vcga._preload"
 
 _lock = threading.Lock()
 _server: dict[str, Any] = {}  # pid: the process that started it; env, preload: what it imported under
+_always: set[str] = set()  # what add_preload() asked every server of this process to import
 
 
 class RanksFailed(RuntimeError):
@@ -166,6 +167,15 @@ class _ForkServerContext(mp_context.ForkServerContext):
 _FORKSERVER = _ForkServerContext()
 
 
+def add_preload(modules: Sequence[str]) -> None:
+    """Have every rank server of this process import ``modules`` too (what many of its ranks would
+    each import after they start). Starts nothing: a running server takes them when
+    :func:`get_context` next finds none of its ranks running. A module that fails to import with
+    ImportError is left to the ranks; any other error in one would stop the server."""
+    with _lock:
+        _always.update(modules)
+
+
 def get_context(preload: Sequence[str] = ()) -> mp_context.ForkServerContext | mp_context.SpawnContext:
     """The multiprocessing context for rank processes: a forkserver with torch imported where the
     platform has one (see the module's docstring), else ``spawn``.
@@ -189,7 +199,7 @@ def get_context(preload: Sequence[str] = ()) -> mp_context.ForkServerContext | m
     env = _import_env()
     with _lock:
         ours = _server.get("pid") == os.getpid()  # a forked child has no server of its own yet
-        modules = (_server["preload"] if ours else set()) | set(preload)
+        modules = (_server["preload"] if ours else set()) | set(preload) | _always
         running = ours and forkserver._forkserver._forkserver_pid is not None  # type: ignore[attr-defined]
         if running and (_server["env"] != env or modules != _server["preload"]):
             if _ranks_alive():
