@@ -155,8 +155,10 @@ def run_vcga(*args: str, env: dict | None = None, timeout: float = 120) -> subpr
 def _modules_under(paths: list[str]) -> dict:
     """The imported modules whose file lies under one of ``paths`` (plugins a test puts there)."""
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in paths)
+    if not roots:
+        return {}
     return {name: m for name, m in list(sys.modules.items())
-            if roots and isinstance(getattr(m, "__file__", None), str) and os.path.realpath(m.__file__).startswith(roots)}
+            if isinstance(getattr(m, "__file__", None), str) and os.path.realpath(m.__file__).startswith(roots)}
 
 
 def run_vcga_process(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

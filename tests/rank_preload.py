@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch._dynamo  # noqa: F401
-import torch.distributed.checkpoint  # noqa: F401
+import torch._dynamo
+import torch.distributed.checkpoint
 
 _threads = torch.get_num_threads()
 torch.set_num_threads(1)  # the self-checks' small ops must not start an OpenMP team that forked ranks inherit dead

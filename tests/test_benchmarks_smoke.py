@@ -44,7 +44,7 @@ def _run(args: list[str], capfd: pytest.CaptureFixture[str]) -> subprocess.Compl
         module = importlib.import_module(Path(script).stem)
         with warnings.catch_warnings():
             warnings.simplefilter("default")  # pytest would record them instead of printing them
-            warnings.showwarning = lambda msg, cat, fn, ln, *_: print(  # noqa: ARG005
+            warnings.showwarning = lambda msg, cat, fn, ln, *_: print(
                 warnings.formatwarning(msg, cat, fn, ln), file=sys.stderr, end="")
             try:
                 code = module.main() or 0
@@ -72,7 +72,8 @@ def test_collectives_benchmark_runs_at_a_toy_size(tmp_path: Path, capfd: pytest.
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
-def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path, collective: str, capfd: pytest.CaptureFixture[str]) -> None:
+def test_hybrid_benchmark_runs_at_a_toy_size(tmp_path: Path, collective: str,
+                                             capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.json"
     r = _run(["benchmarks/hybrid.py", "--min-bytes", "4096", "--max-bytes", "4096", "--reps", "1",
               "--collective", collective, "--json", str(out)], capfd)

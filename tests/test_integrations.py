@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, VENV_BIN
-
-from vcga.testing import free_port
+from tests.conftest import ROOT
 
 SCRIPTS = ROOT / "tests" / "integrations"
 MIXED = {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}
@@ -106,12 +104,17 @@ def test_vcga_lightning_strategy_refuses_compression_beside_a_hook_of_its_own():
 
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
 def test_accelerate_helper_runs_vcga_and_says_so(tmp_path, vendors):
-    """vcga.integrations.accelerate.accelerator(cpu=True) under torchrun: DDP over vcga, and
+    """vcga.integrations.accelerate.accelerator(cpu=True) in a 2-process job: DDP over vcga, and
     Accelerate reports backend vcga (it would say gloo: it forces gloo on CPU); with
-    ``compression=``, DDP reduces through vcga's hook (Accelerate's comm_hook takes torch's only)."""
+    ``compression=``, DDP reduces through vcga's hook (Accelerate's comm_hook takes torch's only).
+    Accelerate reads the job from the environment torchrun gives its workers; the ranks get that
+    environment forked from the rank server (tests/script_world.py) instead of from torchrun."""
     pytest.importorskip("accelerate")
-    _run([str(VENV_BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
-          str(SCRIPTS / "accelerate_run.py"), str(tmp_path), "helper"], vendors)
+    from script_world import run_script
+
+    codes = run_script(SCRIPTS / "accelerate_run.py", 2, [str(tmp_path), "helper"],
+                       env={**vendors, "PYTHONWARNINGS": "ignore", "RUST_LOG": "error"}, timeout=240)
+    assert codes == [0, 0], codes
     ranks = [_read(tmp_path / f"{r}.json") for r in (0, 1)]
     assert ranks[0]["sha256"] == ranks[1]["sha256"]
     for x in ranks:

@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 
-
 _WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BACKEND", "VCGA_BACKEND")
 
 
@@ -33,7 +32,7 @@ def _init_rank(rank: int, world_size: int, init_method: str, code: str, drop: li
         os.environ.pop(k, None)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(textwrap.dedent(code), "<test>", "exec"), {})  # noqa: S102 - the test's own code
+        exec(compile(textwrap.dedent(code), "<test>", "exec"), {})  # the test's own code
     return out.getvalue().strip()
 
 
