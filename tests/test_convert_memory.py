@@ -1,5 +1,8 @@
 """Conversion streams: peak resident memory grows by at most 2 x the largest tensor + 150 MiB, on a
-checkpoint much larger than that bound (so a converter that held the checkpoint would fail)."""
+checkpoint much larger than that bound (so a converter that held the checkpoint would fail).
+
+The conversion runs in a fresh interpreter (its peak is what is measured); the source is written
+by a process forked from the rank server (:func:`_make`), where torch is already imported."""
 
 from __future__ import annotations
 
@@ -46,6 +49,18 @@ with spec.open_writer(path) as w:
         w.write(TensorEntry(f"layer{i}.weight", "float32", (size // 4,), data))
 """
 
+def _make_rank(rank: int, world_size: int, init_method: str, code: str, argv: list[str]) -> None:
+    sys.argv = ["-c", *argv]
+    exec(compile(code, "<make>", "exec"), {"__name__": "__main__"})  # the test's own code
+
+
+def _make(code: str, *argv: str) -> None:
+    """``python -c CODE ARGV``, in a process forked from the rank server."""
+    from vcga.testing import run_world
+
+    run_world(_make_rank, 1, code, list(argv), timeout=300)
+
+
 PAIRS = [("safetensors", ".safetensors", ".h5"), ("hdf5", ".h5", ".pt"), ("torch", ".pt", ".safetensors"),
          ("vendor-bin", ".vbin", ".h5")]
 
@@ -64,7 +79,7 @@ def test_peak_rss_is_bounded_by_the_largest_tensor(tmp_path, fmt, src_ext, dst_e
 
 def _measure(work, fmt, src_ext, dst_ext):
     src, dst = work / f"src{src_ext}", work / f"dst{dst_ext}"
-    subprocess.run([sys.executable, "-c", MAKE, str(src), fmt, str(COUNT), str(TENSOR)], check=True, timeout=300)
+    _make(MAKE, str(src), fmt, str(COUNT), str(TENSOR))
     r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
@@ -96,8 +111,7 @@ def test_dcp_directories_convert_with_bounded_memory(tmp_path, layout):
     work = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
     try:
         root = work / "ckpt"
-        subprocess.run([sys.executable, "-c", MAKE_DCP, str(root), layout, str(COUNT), str(TENSOR)], check=True,
-                       timeout=300)
+        _make(MAKE_DCP, str(root), layout, str(COUNT), str(TENSOR))
         src = root if layout == "torch" else root / "step-1"
         r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(work / "dst.safetensors")],
                            capture_output=True, text=True, timeout=300)
