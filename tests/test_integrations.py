@@ -1,8 +1,10 @@
 """VCGA inside the frameworks, each with the real package on CPU, 2 processes (docs/integrations.md).
 
-Each test runs a script from tests/integrations/ as its framework expects to be launched, and
-asserts that the job ran on backend vcga (single vendor: transport gloo; mixed: the bridge between
-sim-nccl and sim-hccl) and that every rank ends with bitwise identical weights.
+Each test runs a script from tests/integrations/ as its framework expects to be launched (a job
+launched by torchrun gets torchrun's environment on ranks forked from the rank server,
+tests/script_world.py), and asserts that the job ran on backend vcga (single vendor: transport
+gloo; mixed: the bridge between sim-nccl and sim-hccl) and that every rank ends with bitwise
+identical weights.
 """
 
 from __future__ import annotations
