@@ -9,6 +9,15 @@ import pytest
 from vcga.spawn import RanksFailed, run_ranks
 
 
+@pytest.fixture(autouse=True)
+def library_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server as the library starts it: without what the suite asks every server to import
+    (tests/conftest.py), which the restarts these tests provoke would otherwise import each time."""
+    from vcga import spawn
+
+    monkeypatch.setattr(spawn, "_always", set())
+
+
 def _reports(rank: int, world: int, port: int, salt: int, queue) -> None:
     if rank == 0:
         queue.put((world, salt, isinstance(port, int) and port > 0))
@@ -207,7 +216,7 @@ def test_preload_asks_the_server_for_more_modules() -> None:
 def test_add_preload_reaches_every_later_server_and_starts_none(monkeypatch) -> None:
     from vcga import spawn
 
-    monkeypatch.setattr(spawn, "_always", set(spawn._always))  # the session's own list stays as it was
+    # (library_server: the session's own list is set aside, and comes back after)
     names = ["xml.dom.minidom"]
     assert _one(spawn.get_context(), _modules, names) == [False]
     server = spawn._server.get("pid"), _forkserver_pid()
