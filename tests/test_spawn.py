@@ -29,6 +29,28 @@ def _rank_one_dies(rank: int, world: int, port: int, queue) -> None:
     # rank 0 reports nothing: only rank 1's exit can end the wait before the timeout
 
 
+def _world_rank(rank: int, world: int, init_method: str, fail_on: int) -> tuple:
+    if rank == fail_on:
+        raise ValueError(f"rank {rank} was told to fail")
+    return rank, world, init_method.startswith("tcp://127.0.0.1:"), os.environ.get("VCGA_TIMEOUT"), os.getpid()
+
+
+def test_run_world_returns_every_ranks_value_in_rank_order_or_each_failure_with_its_traceback() -> None:
+    from vcga.spawn import run_world
+    from vcga.testing import WORLD_ENV, WorldFailed
+    from vcga.testing import run_world as test_world
+
+    got = run_world(_world_rank, 3, -1, env={"VCGA_TIMEOUT": "7"}, timeout=120)
+    assert [g[:4] for g in got] == [(r, 3, True, "7") for r in range(3)] and len({g[4] for g in got}) == 3
+    assert [g[3] for g in test_world(_world_rank, 2, -1)] == [WORLD_ENV["VCGA_TIMEOUT"]] * 2  # the test defaults
+    with pytest.raises(RanksFailed, match=r"ranks \[1\] failed") as info:
+        run_world(_world_rank, 2, 1, timeout=120)
+    assert "ValueError: rank 1 was told to fail" in str(info.value) and "Traceback" in str(info.value)
+    with pytest.raises(WorldFailed, match="--- rank 0:\nValueError: rank 0 was told to fail"):
+        test_world(_world_rank, 2, 0)
+    assert issubclass(WorldFailed, AssertionError)
+
+
 def test_returns_what_rank_0_puts() -> None:
     assert run_ranks(_reports, 2, 7, timeout=120) == (2, 7, True)
 
