@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from balance_cases import SEED, B, N
-from pg_world import run_world
+
+from vcga.testing import run_world
 
 PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
            "vcga.checkpoint.api", "vcga.process_group", "vcga.compress.hook", "vcga.balance.balancer",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pg_world import run_world
+from vcga.testing import run_world
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_vendors.py"
 
