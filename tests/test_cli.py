@@ -1,4 +1,5 @@
-"""The `vcga` command as a user runs it: --help without torch, info and its JSON, verify."""
+"""The `vcga` command as a user runs it: --help without torch, info and its JSON, verify. The checks of
+what a command imports (`python -X importtime`) are all here."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def test_info_plan_does_not_import_torch():
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
     assert "vcga.bridge.plan" in imported  # the importtime output is what we think it is
     assert not {m for m in imported if m.split(".")[0] == "torch"}
+
+
+def test_bench_help_does_not_import_torch():
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "vcga", "bench", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--stepfactor" in r.stdout and "--warmup_iters" in r.stdout
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "vcga.bench.runner" in imported  # the command was loaded (its options are in the help) ...
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy", "matplotlib")}  # ... without torch
 
 
 def test_console_script_and_module_agree():
