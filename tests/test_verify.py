@@ -95,6 +95,24 @@ def test_exact_data_gives_the_same_bits_in_every_order(dtype, op):
         assert data.same_bits(acc, want), (order, acc[:5], want[:5])
 
 
+def test_exact_reduce_on_bool_is_the_logical_reduction_for_every_op():
+    """bool has no arithmetic: SUM/MAX/BOR are "any", PRODUCT/MIN/BAND "all", BXOR odd parity --
+    checked on every combination of three ranks' values; ops without a meaning on bool refuse."""
+    from vcga.conformance import data
+
+    combos = list(itertools.product([False, True], repeat=3))
+    xs = [torch.tensor([c[r] for c in combos]) for r in range(3)]
+    want = {"any": [any(c) for c in combos], "all": [all(c) for c in combos], "odd": [sum(c) % 2 == 1 for c in combos]}
+    meaning = {ReduceOp.SUM: "any", ReduceOp.MAX: "any", ReduceOp.BOR: "any", ReduceOp.PRODUCT: "all",
+               ReduceOp.MIN: "all", ReduceOp.BAND: "all", ReduceOp.BXOR: "odd"}
+    assert set(data.ops_for("bool")) == set(meaning)
+    for op, m in meaning.items():
+        out = data.exact_reduce(op, xs, "bool")
+        assert out.dtype == torch.bool and out.tolist() == want[m], op
+    with pytest.raises(ValueError, match="no defined result on bool"):
+        data.exact_reduce(ReduceOp.AVG, xs, "bool")
+
+
 def test_random_reference_bound_holds_for_every_order_and_is_tight():
     """A float16 sum in any order stays within the bound, and the bound is not vacuous: at two
     ranks it is half an ulp of the sum's magnitude, so a result two ulps off fails."""
