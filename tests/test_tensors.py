@@ -95,6 +95,21 @@ def test_lazy_conjugate_and_negative_views_are_materialised():
     assert tensors.to_numpy(e).view(np.uint32).tolist() == [0xBF800000, 0x00000000]
 
 
+@pytest.mark.parametrize("dtype,bits", [(torch.complex64, torch.int32), (torch.complex128, torch.int64)])
+def test_strided_complex_tensors_are_packed_bit_exact(dtype, bits):
+    """A non-contiguous complex tensor (a transpose) is packed in C order through same-width
+    integers: a NaN payload in a real or imaginary part keeps its bits."""
+    z = torch.complex(torch.arange(12.0), -torch.arange(12.0)).to(dtype).reshape(3, 4)
+    parts = torch.view_as_real(z).view(bits)
+    parts[1, 2, 0] = 0x7FA00001 if bits == torch.int32 else 0x7FF4000000000001  # a signalling NaN
+    parts[2, 3, 1] = -1  # a quiet NaN with every payload bit set
+    t = z.t()
+    assert not t.is_contiguous()
+    got = tensors.to_numpy(tensors.from_torch("z", t))
+    assert got.shape == (4, 3) and got.dtype == np.dtype(str(dtype).split(".")[1])
+    assert got.tobytes() == np.ascontiguousarray(z.numpy().T).tobytes()  # numpy copies bytes
+
+
 def test_big_endian_numpy_arrays_become_little_endian():
     a = np.array([1.5, -0.0, np.nan], dtype=">f8")
     e = tensors.from_numpy("be", a)
