@@ -41,7 +41,9 @@ Usage (as root)::
     python benchmarks/multinode.py --rates 1gbit --markdown --reps 7
     python benchmarks/multinode.py --json out.json          # every figure, also each group's calibration
     python benchmarks/multinode.py --rates 1gbit --figures links.json
-    vcga info --plan --vendors nccl:2,hccl:2 --nodes 2 --figures links.json
+    vcga info --plan --vendors nccl:2,hccl:2 --nodes 2 --figures links.json [--observed]
+    python benchmarks/multinode.py --rates 1gbit --sizes 64 --reps 30 --skip 10 --ddp-steps 0 --bucket-ms 8
+        # issue 41's figure: auto against each algorithm forced behind an 8 ms token bucket, calls 11-30
 """
 
 from __future__ import annotations
@@ -142,30 +144,42 @@ def rank_main(args: argparse.Namespace) -> None:
         x = torch.ones(mib * MIB // 4)
         times: dict[str, list[float]] = {v: [] for v in variants}
         sent: dict[str, list[float]] = {v: [] for v in variants}
-        for rep in range(args.reps + 1):
+        ran: list[str] = []  # what the auto group ran, call by call
+        reducer = dist.group.WORLD.transport.group.reducer
+        for rep in range(args.reps):
             for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
                 dist.barrier(group=flat)
                 b0 = _tx_bytes() if local0 else 0
+                before = dict(reducer.counts)
                 t0 = time.perf_counter()
                 dist.all_reduce(x, group=groups[v])
                 times[v].append(time.perf_counter() - t0)
                 dist.barrier(group=flat)
+                if v == "auto":
+                    ran.append(next((a for a in ALGORITHMS if reducer.counts[a] > before[a]), "?"))
                 sent[v].append(float(_tx_bytes() - b0) if local0 else 0.0)
                 x.fill_(1.0)
         med, wire = {}, {}
         for v in variants:
-            med[v] = statistics.median(slowest(times[v][1:]))  # the first repetition warms up
-            wire[v] = statistics.median(slowest(sent[v][1:]))  # the node that sent most
-        chosen = dist.group.WORLD.transport.group.reducer.algorithm(x, _sum())
-        segs = dist.group.WORLD.transport.group.reducer.segment_count(mib * MIB) if chosen == "bandwidth" else 1
+            med[v] = statistics.median(slowest(times[v])[args.skip:])  # the first calls warm up (and verify)
+            wire[v] = statistics.median(slowest(sent[v])[args.skip:])  # the node that sent most
+        chosen = reducer.algorithm(x, _sum())
+        segs = reducer.segment_count(mib * MIB) if chosen == "bandwidth" else 1
         rows.append({"bytes": mib * MIB, "median_s": med, "auto_chose": chosen, "segments": segs,
-                     "node_sent_bytes": wire})
+                     "node_sent_bytes": wire, "auto_ran": ran, "calls": args.reps, "skipped": args.skip})
     out["all_reduce"] = rows
 
     # 2. DDP steps
     out["ddp"] = {}
-    tasks = {"mlp": (*mlp_task(args.batch), {"bucket_cap_mb": 4}),
-             "train_mixed": (tm.TinyTransformer, tm.batch, tm.loss_of, {})}
+    reducer = dist.group.WORLD.transport.group.reducer
+    out["plan"] = getattr(reducer, "verification", None)
+    # rank 0's figures now: with what the online check observed (the corrected figures)
+    out["figures_now"] = reducer.figures.to_json() if reducer.figures is not None else None
+    if args.ddp_steps <= 0:
+        tasks = {}
+    else:
+        tasks = {"mlp": (*mlp_task(args.batch), {"bucket_cap_mb": 4}),
+                 "train_mixed": (tm.TinyTransformer, tm.batch, tm.loss_of, {})}
     for name, (make_model, make_batch, loss, ddp_kw) in tasks.items():
         steps = args.ddp_steps
         kw = {"make_model": make_model, "make_batch": make_batch, "loss": loss}
@@ -279,10 +293,11 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     # Every group measures its links in this run (not a cache entry from an earlier one): the choice
     # shown beside the forced algorithms is then the one this run's figures make.
     env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VCGA_BRIDGE_CALIBRATION="measure")
-    argv = [str(Path(__file__).resolve()), "--reps", str(args.reps), "--ddp-steps", str(args.ddp_steps),
+    argv = [str(Path(__file__).resolve()), "--reps", str(args.reps), "--skip", str(args.skip),
+            "--ddp-steps", str(args.ddp_steps),
             "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes)),
             "--ddp-segments", ",".join(map(str, args.ddp_segments))]
-    with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate) as cluster:
+    with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate, bucket_s=args.bucket_ms / 1e3) as cluster:
         launch = cluster.torchrun([*argv, "--as-rank", tmp], 2, env=env,
                                   node_env=[{"VCGA_BACKEND": "sim-nccl"}, {"VCGA_BACKEND": "sim-hccl"}])
         results = launch.wait(timeout=args.timeout)
@@ -290,7 +305,7 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("benchmark failed:\n" + "\n".join(f"--- node {r.node} (exit {r.returncode})\n"
                                                                f"{r.output[-3000:]}" for r in results))
         out = json.loads(Path(tmp, "result.json").read_text())
-    out["rate"], out["rate_bps"] = rate, parse_rate(rate)
+    out["rate"], out["rate_bps"], out["bucket_ms"] = rate, parse_rate(rate), args.bucket_ms
     out["cores"] = len(os.sched_getaffinity(0))  # the nodes' ranks all run on this machine's cores
     return out
 
@@ -318,8 +333,10 @@ def report(res: dict[str, Any], markdown: bool) -> str:
     rate = res["rate_bps"] / 8  # bytes/s each way
     link = res.get("link") or {}
     cores = res.get("cores", 0)
-    lines = [f"link {res['rate']} (both ends tbf, mtu {link.get('mtu', '?')}, tcp mss {link.get('mss', '?')}), "
-             f"2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians"]
+    first = res["all_reduce"][0] if res["all_reduce"] else {}
+    lines = [f"link {res['rate']} (both ends tbf, bucket {res.get('bucket_ms', 1):g} ms, mtu {link.get('mtu', '?')}, "
+             f"tcp mss {link.get('mss', '?')}), 2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians of calls "
+             f"{first.get('skipped', 1) + 1}-{first.get('calls', '?')}"]
     head = ["size", "link bound ms", "framed bound ms", "bridge auto ms", "/bound", "/framed", "auto chose",
             "node sent / size (interface)", "auto in order ms", "/framed", "leader ms", "bandwidth ms",
             "replicated ms", "flat gloo ms", "/bound"]
@@ -336,6 +353,10 @@ def report(res: dict[str, Any], markdown: bool) -> str:
                      *(f"{m[a] * 1e3:.0f}" for a in ALGORITHMS),
                      f"{m['flat'] * 1e3:.0f}", f"{m['flat'] / bound:.2f}"])
     lines.append(table(head, rows, markdown))
+    lines.append("\n".join(f"auto ran, call by call ({r['bytes'] >> 20} MiB): " + " ".join(a[0] for a in r["auto_ran"])
+                           for r in res["all_reduce"] if r.get("auto_ran")) + "  (l leader, b bandwidth, r replicated)")
+    if not res["ddp"]:
+        return "\n\n".join(lines)
     head = ["model", "grad MB", "compute ms", "grad/link ms", "bridge async ms", "/bound", "fwd+grad/link ms",
             "/that", "CPU ms/step: compute", "async", "sync", "flat gloo", "equal-work bound ms", "async /equal-work",
             "async in order ms", "/bound", "CPU ms/step", "/its equal-work", "in stage 2 at once",
@@ -373,8 +394,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1gbit,4gbit", help="link rates, tc notation, comma-separated")
     ap.add_argument("--sizes", default="1,4,16,64", help="all_reduce sizes in MiB, comma-separated")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ddp-steps", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=6, help="all_reduce calls of each variant per size")
+    ap.add_argument("--skip", type=int, default=1, help="the first calls of each variant left out of the medians")
+    ap.add_argument("--bucket-ms", type=float, default=1.0,
+                    help="tbf's bucket, in ms at the link's rate (1: the harness's default; 8: tc's burst 1mb at 1 Gbit/s)")
+    ap.add_argument("--ddp-steps", type=int, default=12, help="0: all_reduce only")
     ap.add_argument("--batch", type=int, default=128, help="MLP batch per rank")
     ap.add_argument("--ddp-segments", default="", help="also the MLP's DDP steps (async bridge) with every bucket "
                                                       "cut in each of these numbers of pipeline segments, e.g. 1,16")
@@ -395,8 +419,11 @@ def main() -> None:
         print(report(res, args.markdown), end="\n\n", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.figures:
-        Path(args.figures).write_text(json.dumps(results[0]["calibration"], indent=1))
+    if args.figures:  # the calibration, its figures with what the auto group observed (vcga info --plan --observed)
+        cal = results[0]["calibration"]
+        if cal is not None and results[0].get("figures_now"):
+            cal = {**cal, "figures": results[0]["figures_now"]}
+        Path(args.figures).write_text(json.dumps(cal, indent=1))
     wrong = [f"{res['rate']} {name}: {what}" for res in results for name, d in res["ddp"].items()
              for what, ok in (("async and sync bridge parameters differ", d["async_vs_sync_bitwise"]),
                               ("async in order and sync bridge parameters differ", d.get("inorder_vs_sync_bitwise", True)),

@@ -197,3 +197,34 @@ def test_parse_rate():
     for bad in ("fast", "0gbit", -1, "1gb"):
         with pytest.raises(ValueError):
             parse_rate(bad)
+
+
+PLAN_RANK = str(ROOT / "tests" / "multinode_plan_rank.py")
+
+
+def test_the_bridge_checks_its_choice_against_the_calls_behind_a_burst_bucket(tmp_path):
+    """Two nodes at 1 Gbit/s with an 8 ms token bucket (tc's ``burst 1mb``), 2 ranks each: a group
+    whose figures mislead it into the leader algorithm for 32 MiB (its leaders' link four times too
+    fast, as a measurement inside the bucket's burst reports) sees leader take far longer than
+    predicted, tries bandwidth and keeps it -- every rank switching at the same call -- while the
+    same group with ``bridge_verify: false`` stays on leader. Every sum is exact either way."""
+    calls = 12
+    with make_cluster(nodes=2, rate="1gbit", bucket_s=0.008) as cluster:
+        env = {"VCGA_BRIDGE_CALIBRATION": "measure", "VCGA_BRIDGE_FIGURES_CACHE": str(tmp_path / "cache"),
+               "OMP_NUM_THREADS": "1"}
+        launch = cluster.torchrun([PLAN_RANK, str(tmp_path), str(calls), "32"], NPROC, env={},
+                                  node_env=[{**rank_env("sim-nccl"), **env}, {**rank_env("sim-hccl"), **env}])
+        results = launch.wait(timeout=600)
+        assert all(r.returncode == 0 for r in results), "\n".join(r.output[-3000:] for r in results)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["predicted"] == "leader"  # the misleading figures' choice
+    checked = [r["checked"] for r in ranks]
+    assert all(c["ran"] == checked[0]["ran"] for c in checked)  # every rank ran the same algorithm at every call
+    assert checked[0]["ran"][0] == "leader" and checked[0]["final"] == "bandwidth", checked[0]
+    assert all(c["final"] == "bandwidth" and c["sums_right"] for c in checked)
+    unchecked = [r["unchecked"] for r in ranks]
+    assert all(set(u["ran"]) == {"leader"} and u["final"] == "leader" and u["sums_right"] for u in unchecked)
+    assert unchecked[0]["verification"] is None
+    cls = checked[0]["verification"]["classes"][str(25)]  # 32 MiB = 2^25
+    assert cls["observed_s"]["leader"] > cls["observed_s"]["bandwidth"], cls
+    print(f"ranks' CPU: {sum(r['cpu_s'] for r in ranks):.1f} s; checked ran {''.join(a[0] for a in checked[0]['ran'])}")

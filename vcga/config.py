@@ -74,6 +74,11 @@ class Config:
     #: this topology, measured at creation (and stored) when there is none; "measure": measured at
     #: every creation (the cache entry refreshed); "off": never measured (the plan's default rule).
     bridge_calibration: str = "cached"
+    #: Mixed-vendor, ``bridge_algorithm: auto``: check the choice against the time the all_reduces
+    #: really take and choose again where they depart from the prediction (docs/bridge.md, "Checked
+    #: online"). False keeps the figures' choice (a switch changes the order of reduction: a job that
+    #: needs run-to-run reproducible sums pins ``bridge_algorithm`` or sets this false).
+    bridge_verify: bool = True
     #: Mixed-vendor: the directory of the link-figure cache, or None for the folder ``bridge`` of
     #: VCGA's user cache (``$VCGA_CACHE_DIR``, else ``$XDG_CACHE_HOME/vcga``, else ``~/.cache/vcga``).
     #: Only rank 0's is read and written.
@@ -112,6 +117,7 @@ ENV: Mapping[str, str] = {
     "bridge_async": "VCGA_BRIDGE_ASYNC",
     "bridge_pipeline": "VCGA_BRIDGE_PIPELINE",
     "bridge_calibration": "VCGA_BRIDGE_CALIBRATION",
+    "bridge_verify": "VCGA_BRIDGE_VERIFY",
     "bridge_figures_cache": "VCGA_BRIDGE_FIGURES_CACHE",
     "network_interface": "VCGA_NETWORK_INTERFACE",
     "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
@@ -138,6 +144,7 @@ _ALLOWED = {
     "bridge_pipeline": "one of auto, on, off (env also 1/0, true/false, yes/no; see docs/bridge.md, "
     "'Pipelining across collectives')",
     "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
+    "bridge_verify": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_figures_cache": "a directory path, or null for VCGA's user cache (~/.cache/vcga/bridge)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
     "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
@@ -210,7 +217,7 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if len(set(out)) != len(out):
             raise VcgaConfigError(key, v, "a list of distinct device indices", src)
         return tuple(out)
-    if key in ("deterministic", "debug", "bridge_shm", "bridge_async"):
+    if key in ("deterministic", "debug", "bridge_shm", "bridge_async", "bridge_verify"):
         return _bool(key, v, src)
     if key == "sim_vendors":
         if v is None or (isinstance(v, str) and not v.strip()):

@@ -20,7 +20,19 @@ import torch.distributed as dist
 
 from vcga import dtypes as _dtypes
 from vcga.bridge.comms import Communicators
-from vcga.bridge.cost import BRIDGE_KINDS, GROUP_KINDS, SIZES, LinkFigures, choices, choose, fit, segments
+from vcga.bridge.cost import (
+    BRIDGE_KINDS,
+    GROUP_KINDS,
+    LARGE_SIZE,
+    SIZES,
+    LinkFigures,
+    choices,
+    choose,
+    fit,
+    fit_past_knee,
+    predict,
+    segments,
+)
 from vcga.bridge.host import as_bytes, combine_rows, combiner, on_host, put_back
 from vcga.bridge.plan import (
     ALGORITHMS,
@@ -35,6 +47,7 @@ from vcga.bridge.plan import (
     group_route,
     size_name,
 )
+from vcga.bridge.verify import VERIFY_MIN_BYTES, PlanCheck
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Steps
 
@@ -50,6 +63,10 @@ def _run(steps: Steps) -> None:
     for f in steps.finish:
         f()
 
+
+#: The dtypes whose all_reduces are checked online (:mod:`vcga.bridge.verify`): SUM in them carries
+#: a watched call's report (seconds, a decision code) exactly.
+_CHECKED_DTYPES = (torch.float32, torch.float64)
 
 #: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
 _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -97,6 +114,12 @@ class AllReducer:
         self.calibration: dict[str, Any] | None = None
         #: choose by the per-all_reduce cost of a pipelined stream (the group pipelines across collectives)
         self.stream_choice = False
+        #: config ``bridge_verify``: check "auto"'s choice online (:mod:`vcga.bridge.verify`); set at creation
+        self.verify = True
+        #: the online check of the choice (None: no figures, a pinned algorithm, or verify off)
+        self.check: PlanCheck | None = None
+        #: rank 0: (cache directory, topology) where corrected figures are stored, or None
+        self.cache_entry: tuple[Any, Any] | None = None
         self._debug = log.isEnabledFor(logging.DEBUG)
 
     def pipeline_across_collectives(self, on: bool) -> None:
@@ -146,30 +169,85 @@ class AllReducer:
         return r
 
     def algorithm(self, t: torch.Tensor, op: ReduceOp) -> str:
-        """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same)."""
+        """The all_reduce algorithm for ``t`` and ``op`` (every rank decides the same): the online
+        check's current one where it applies (:meth:`checked`: read in the group's issue order, it
+        is what the next such call runs), else the figures' choice."""
+        if self.checked(t, op):
+            assert self.check is not None
+            return self.check.algorithm(t.numel() * t.element_size())
         alg = self.auto_choice(t.numel() * t.element_size())
         if alg != "leader" and any(r != "library" for r in self.routes(t.dtype, op)):
             alg = "leader"  # a vendor group reducing on its host has no reduce-scatter to offer
         return alg
 
+    def checked(self, t: torch.Tensor, op: ReduceOp) -> bool:
+        """Whether an all_reduce of ``t`` is checked online (:meth:`checks`)."""
+        return self.checks(t.numel() * t.element_size(), t.dtype, op)
+
+    def checks(self, nbytes: int, dtype: torch.dtype, op: ReduceOp) -> bool:
+        """Whether an all_reduce of ``nbytes`` in ``dtype`` is checked online: a check runs, SUM in
+        float32/64 on equal groups whose every route is the library's, from :data:`VERIFY_MIN_BYTES`
+        (the same on every rank)."""
+        return (self.check is not None and op is ReduceOp.SUM and dtype in _CHECKED_DTYPES
+                and nbytes >= VERIFY_MIN_BYTES and self.plan.equal_groups
+                and all(r == "library" for r in self.routes(dtype, op)))
+
     def all_reduce(self, t: torch.Tensor, op: ReduceOp, algorithm: str | None = None) -> str:
         """All-reduce ``t`` (contiguous) in place; returns the algorithm used."""
-        alg = algorithm or self.algorithm(t, op)
+        return self.run_call(t, op, algorithm)[0]
+
+    def run_call(self, t: torch.Tensor, op: ReduceOp, algorithm: str | None = None,
+                 pipelined: bool = False) -> tuple[str, Callable[[], None] | None]:
+        """One all_reduce call, in the group's issue order: the algorithm (checked online where it
+        applies, :meth:`checked`) and, where ``pipelined`` and it runs the bandwidth algorithm unwatched,
+        its first stage only -- then the second stage is returned (:meth:`bandwidth_started`), else
+        None (the call is done)."""
+        watched = False
+        if algorithm is None and self.checked(t, op):
+            assert self.check is not None
+            alg, watched = self.check.begin(t.numel() * t.element_size())
+        else:
+            alg = algorithm or self.algorithm(t, op)
         if alg != "leader" and (not self.plan.equal_groups or any(r != "library" for r in self.routes(t.dtype, op))):
             alg = "leader"
         if self._debug:
-            log.debug("bridge all_reduce %s %s x%d (%d B): %s", op.value, t.dtype, t.numel(),
-                      t.numel() * t.element_size(), alg)
+            log.debug("bridge all_reduce %s %s x%d (%d B): %s%s", op.value, t.dtype, t.numel(),
+                      t.numel() * t.element_size(), alg, " (watched)" if watched else "")
         self.counts[alg] += 1
         if t.numel() == 0:
-            return alg
+            return alg, None
+        if watched:
+            self._run_watched(t, op, alg)
+            return alg, None
+        if pipelined and alg == "bandwidth":
+            return alg, self.bandwidth_started(t, op)
+        self._run_algorithm(t, op, alg)
+        return alg, None
+
+    def _run_algorithm(self, t: torch.Tensor, op: ReduceOp, alg: str) -> None:
         if alg == "bandwidth":
             self._all_reduce_bandwidth(t, op)
         elif alg == "replicated":
             self._all_reduce_replicated(t, op)
         else:
             self._all_reduce_leader(t, op)
-        return alg
+
+    def _run_watched(self, t: torch.Tensor, op: ReduceOp, alg: str) -> None:
+        """A watched call (:mod:`vcga.bridge.verify`): ``t`` and the check's report travel in one
+        buffer, ``t``'s elements first; this rank times the algorithm alone (not the copies)."""
+        check = self.check
+        assert check is not None
+        flat = t.view(-1)
+        n = flat.numel()
+        report = check.outgoing()
+        buf = torch.empty(n + len(report), dtype=t.dtype, device=t.device)
+        buf[:n].copy_(flat)
+        buf[n:].copy_(torch.tensor(report, dtype=torch.float64))
+        t0 = time.perf_counter()
+        self._run_algorithm(buf, op, alg)
+        seconds = time.perf_counter() - t0
+        flat.copy_(buf[:n])
+        check.incoming(buf[n:].tolist(), n * t.element_size(), alg, seconds)
 
     def _all_reduce_leader(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce to the leader in the vendor group, reduce among leaders on the host, broadcast back."""
@@ -331,7 +409,9 @@ class AllReducer:
 
         Every rank times each step at the two sizes of :data:`~vcga.bridge.cost.SIZES` (fp32 SUM,
         best of ``reps``, the kinds interleaved, each after a barrier over the whole group;
-        "all_sets" until a barrier after it, less an empty step's time):
+        "all_sets" until a barrier after it, less an empty step's time), and the host steps also at
+        :data:`~vcga.bridge.cost.LARGE_SIZE` (best of ``reps - 1``), past the burst of a token
+        bucket (:func:`~vcga.bridge.cost.fit_past_knee`):
 
         - in its vendor group: reduce to the leader + broadcast ("reduce_bcast"), all-reduce,
           and reduce-scatter + all-gather through the library's collectives ("rsag_collective")
@@ -382,15 +462,24 @@ class AllReducer:
         # rank measures it whole.) The closing barrier's own cost, an empty step's, is taken off.
         closing = [kind == "all_sets" for kind in kinds]
         took = torch.zeros(reps, len(kinds), len(SIZES), dtype=torch.float64)
+        # The host steps between vendor groups also at LARGE_SIZE (fewer repetitions: the link is
+        # the slow part there), past the burst a token bucket lets through (fit_past_knee).
+        large_reps = max(1, reps - 1)
+        x_large = torch.ones(LARGE_SIZE // 4, dtype=torch.float32, device=device)
+        took_large = torch.zeros(reps, len(BRIDGE_KINDS), dtype=torch.float64)
         empty = float("inf")
         for r in range(reps):
             empty = min(empty, timed(lambda: None, True))
             for j, n in enumerate(SIZES):
                 for i, kind in enumerate(kinds):
                     took[r, i, j] = timed(lambda: steps[kind](xs[n]), closing[i])  # noqa: B023 - called at once
+            for i, kind in enumerate(BRIDGE_KINDS):
+                took_large[r, i] = (timed(lambda: steps[kind](x_large), kind == "all_sets")  # noqa: B023
+                                    if r < large_reps else float("inf"))
         # The fastest empty step of all repetitions, taken off once they are all done: a first empty
         # step slowed by the machine, taken off its own repetition, could leave nothing of a 2 MiB step.
         took[:, closing] = (took[:, closing] - empty).clamp_(min=0.0)
+        took_large[:large_reps, BRIDGE_KINDS.index("all_sets")] -= empty
         # Per repetition, rows 0..G-1: each vendor group's in-group steps (each rank fills its
         # group's row); row G: the host steps, and whether this rank's set reduces through shared
         # memory (0 if not: a MAX of "not shm" over the group says whether any set goes through gloo).
@@ -398,25 +487,29 @@ class AllReducer:
         # slowest rank in that repetition (the best of each rank on its own could combine
         # repetitions where the shard-peer sets happened not to share the link).
         g_n, k_n = len(groups), len(GROUP_KINDS)
-        table = torch.zeros(reps, g_n + 1, len(kinds) + 1, len(SIZES), dtype=torch.float64)
+        table = torch.zeros(reps, g_n + 2, len(kinds) + 1, len(SIZES), dtype=torch.float64)
         table[:, self.vgroup.index, :k_n] = took[:, :k_n]
         table[:, g_n, k_n:len(kinds)] = took[:, k_n:]
         table[:, g_n, len(kinds)] = 0.0 if self.comms.shm is not None else 1.0
+        table[:, g_n + 1, :len(BRIDGE_KINDS), 0] = took_large  # row G+1: the host steps at LARGE_SIZE
         o = dist.AllreduceOptions()
         o.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.comms.world.allreduce([table], o).wait()
         table = table.amin(dim=0)
         t = table.tolist()
+        large = {kind: max(t[g_n + 1][i][0], 0.0) for i, kind in enumerate(BRIDGE_KINDS)}
         fig = LinkFigures(
             groups=[{kind: fit(SIZES, t[g][i]) for i, kind in enumerate(GROUP_KINDS)} for g in range(g_n)],
-            bridge={kind: fit(SIZES, t[g_n][k_n + i]) for i, kind in enumerate(BRIDGE_KINDS)},
+            bridge={kind: fit_past_knee((*SIZES, LARGE_SIZE), (*t[g_n][k_n + i], large[kind]))
+                    for i, kind in enumerate(BRIDGE_KINDS)},
             classes=dict(self.link_classes),
             exchange="gloo" if t[g_n][len(kinds)][0] > 0 else "shared memory",
             group_size=self.vgroup.size, equal_groups=True, min_segment_bytes=MODEL_MIN_SEGMENT_BYTES,
             max_segments=MODEL_MAX_SEGMENTS,
             seconds={"groups": {g.backend: {kind: t[i][j] for j, kind in enumerate(GROUP_KINDS)}
                                 for i, g in enumerate(groups)},
-                     "bridge": {kind: t[g_n][k_n + j] for j, kind in enumerate(BRIDGE_KINDS)}})
+                     "bridge": {kind: [*t[g_n][k_n + j], large[kind]] for j, kind in enumerate(BRIDGE_KINDS)},
+                     "bridge_sizes": [*SIZES, LARGE_SIZE]})
         self.apply_figures(fig)
         return fig
 
@@ -432,7 +525,39 @@ class AllReducer:
         self.calibration = {"figures": fig.to_json(), "classes": fig.classes, "exchange": fig.exchange,
                             "group_methods": {g.backend: fig.group_method(i) for i, g in enumerate(self.plan.groups)},
                             "choice": table}
+        self.check = None
+        if self.verify and self.plan.algorithm == "auto" and self.plan.equal_groups:
+            self.check = PlanCheck(lambda n: predict(fig, n), lambda n: choose(fig, n, self.stream_choice)[0],
+                                   self._stream_credit, self.rank, self.plan.size, observed=fig.observed,
+                                   on_settle=self._settled)
         log.debug("vcga bridge link figures (rank %d): %s", self.rank, json.dumps(self.calibration))
+
+    def _stream_credit(self, nbytes: int) -> dict[str, float]:
+        """Per algorithm, what one all_reduce of a pipelined stream costs against one alone (the
+        figures' prediction; 1 where the group does not pipeline): a watched call runs alone."""
+        if not self.stream_choice or self.figures is None:
+            return {}
+        alone, streamed = predict(self.figures, nbytes), predict(self.figures, nbytes, True)
+        return {a: streamed[a] / alone[a] for a in alone if alone[a] > 0}
+
+    def _settled(self, check: PlanCheck) -> None:
+        """Rank 0, a class settled: the corrected figures into the cache (describe()'s record of the
+        check is :attr:`verification`; its calibration stays what every rank applied)."""
+        if self.figures is None:
+            return
+        self.figures.observed = {k: dict(v) for k, v in check.observed.items()}
+        if self.cache_entry is not None:
+            from vcga.bridge import figcache
+
+            figcache.store(*self.cache_entry, self.figures)
+
+    @property
+    def verification(self) -> dict[str, Any] | None:
+        """The online check per size class (predicted against observed; rank 0 judges, every rank
+        knows the current choice), or None where nothing is checked."""
+        if self.check is None:
+            return None
+        return {"classes": self.check.describe(), "log": list(self.check.log[-32:])}
 
     def segment_count(self, nbytes: int) -> int:
         """Pipeline segments of a bandwidth all_reduce of ``nbytes``: what the figures predict fastest
@@ -450,8 +575,8 @@ class AllReducer:
         return m
 
     def auto_choice(self, nbytes: int) -> str:
-        """What "auto" runs for ``nbytes`` on equal groups: the figures' cheapest prediction, or
-        without figures the plan's size rule."""
+        """What "auto" predicts for ``nbytes`` on equal groups: the figures' cheapest prediction, or
+        without figures the plan's size rule (before any online check: :meth:`algorithm`)."""
         if self.figures is None or self.plan.algorithm != "auto":
             return self.plan.all_reduce_algorithm(nbytes, self.auto_large)
         alg = self._choices.get(nbytes)

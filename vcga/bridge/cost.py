@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AlphaBeta", "LinkFigures", "fit", "predict", "choose", "choices", "segments", "segment_cost",
-           "bandwidth_time", "FIGURES_VERSION", "SIZES", "GROUP_KINDS", "BRIDGE_KINDS"]
+__all__ = ["AlphaBeta", "LinkFigures", "fit", "fit_past_knee", "LARGE_SIZE", "predict", "choose", "choices",
+           "segments", "segment_cost", "bandwidth_time", "FIGURES_VERSION", "SIZES", "GROUP_KINDS", "BRIDGE_KINDS"]
 
 #: Bumped when the figures' meaning changes (a cache keyed on it drops older entries).
 FIGURES_VERSION = 1
@@ -67,13 +67,24 @@ BRIDGE_KINDS = ("leaders", "all_sets")
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """``time(bytes) = alpha_s + bytes / beta_Bps``."""
+    """``time(bytes) = alpha_s + bytes / beta_Bps``; past a burst knee (``knee_bytes`` > 0), the
+    bytes beyond it at ``sustained_Bps``: a token bucket lets the first bytes through at a burst
+    rate, the rest at the link's rate (:func:`fit_past_knee`)."""
 
     alpha_s: float
     beta_Bps: float  # noqa: N815 - B is bytes (bps would be bits); a public field and JSON key
+    knee_bytes: float = 0.0
+    sustained_Bps: float = 0.0  # noqa: N815 - B/s, as beta_Bps
 
     def time(self, nbytes: float) -> float:
+        if self.knee_bytes and nbytes > self.knee_bytes:
+            return self.alpha_s + self.knee_bytes / self.beta_Bps + (nbytes - self.knee_bytes) / self.sustained_Bps
         return self.alpha_s + nbytes / self.beta_Bps
+
+    def pair(self) -> list[float]:
+        """As JSON: ``[α, β]``, or ``[α, β, knee, sustained]`` past a knee."""
+        return [self.alpha_s, self.beta_Bps, self.knee_bytes, self.sustained_Bps] if self.knee_bytes else \
+            [self.alpha_s, self.beta_Bps]
 
 
 def fit(sizes: Sequence[int], seconds: Sequence[float]) -> AlphaBeta:
@@ -84,6 +95,33 @@ def fit(sizes: Sequence[int], seconds: Sequence[float]) -> AlphaBeta:
         return AlphaBeta(max(t1, t2, 0.0), float("inf"))
     beta = (s2 - s1) / (t2 - t1)
     return AlphaBeta(max(0.0, t1 - s1 / beta), beta)
+
+
+#: The size the host steps between vendor groups are also timed at (:data:`BRIDGE_KINDS`), past the
+#: burst a token bucket of a few MiB lets through (:func:`fit_past_knee`).
+LARGE_SIZE = 8 << 20
+#: A knee: the rate from the larger timed size to :data:`LARGE_SIZE` below the rate of the smaller
+#: pair by this factor.
+KNEE_FACTOR = 1.25
+
+
+def fit_past_knee(sizes: Sequence[int], seconds: Sequence[float]) -> AlphaBeta:
+    """The α–β line through the first two of three timed sizes, and past the second a *sustained*
+    rate, where the third shows one: a link shaped by a token bucket (tc tbf's ``burst``, a switch
+    buffer, a cloud rate limit with a burst allowance) lets a message that fits in the bucket through
+    at the burst rate, and only what exceeds it at the link's rate. Measured at the first two sizes
+    alone, 2 MiB through a 1 MB bucket at 1 Gbit/s looked twice as fast as the link. Where the rate
+    from the second size to the third is below the first line's β by :data:`KNEE_FACTOR`, the time
+    past the second size follows that lower rate (``knee_bytes`` = the second size); otherwise the
+    first line holds."""
+    (s1, s2, s3), (t1, t2, t3) = sizes, seconds
+    ab = fit((s1, s2), (t1, t2))
+    if t3 <= t2:
+        return ab
+    sustained = (s3 - s2) / (t3 - t2)
+    if sustained * KNEE_FACTOR >= ab.beta_Bps:
+        return ab
+    return AlphaBeta(ab.alpha_s, ab.beta_Bps, float(s2), sustained)
 
 
 def bandwidth_time(fig: LinkFigures, nbytes: int, m: int, stream: bool = False) -> float:
@@ -160,6 +198,10 @@ class LinkFigures:
     #: the raw seconds behind the fits (slowest rank), for the record
     seconds: dict[str, Any] = field(default_factory=dict)
     version: int = FIGURES_VERSION
+    #: what the group observed its all_reduces take, per size class (:mod:`vcga.bridge.verify`):
+    #: ``{class: {"chosen", "bytes", "seconds": {algorithm: s}, "predicted": {algorithm: s}}}`` --
+    #: the corrected figures a cache entry carries to the next start
+    observed: dict[str, Any] = field(default_factory=dict)
 
     def group_method(self, g: int) -> str:
         """Vendor group ``g``'s in-group method for the bandwidth algorithm: the cheaper at the
@@ -170,8 +212,8 @@ class LinkFigures:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["groups"] = [{k: [v.alpha_s, v.beta_Bps] for k, v in g.items()} for g in self.groups]
-        d["bridge"] = {k: [v.alpha_s, v.beta_Bps] for k, v in self.bridge.items()}
+        d["groups"] = [{k: v.pair() for k, v in g.items()} for g in self.groups]
+        d["bridge"] = {k: v.pair() for k, v in self.bridge.items()}
         return d
 
     @classmethod

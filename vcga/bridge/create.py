@@ -59,6 +59,7 @@ class BridgeTransport(Transport):
             for g in d["plan"]["groups"]:
                 g["nodes"] = [names[n] if isinstance(n, int) and n < len(names) else n for n in g["nodes"]]
         d["calibration"] = self.group.reducer.calibration
+        d["verification"] = self.group.reducer.verification
         d["shard_exchange"] = self.group.shard_exchange
         d["pipeline"] = self.group.pipelined
         return d
@@ -116,7 +117,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
                             apply_env: Callable[[Backend], None] | None = None,
                             shared_memory: bool = True, async_ops: bool = True, clock: StartupClock | None = None,
                             layout: Layout | None = None, calibration: str = "cached",
-                            figures_cache: str | None = None, pipeline: str = "auto") -> BridgeTransport:
+                            figures_cache: str | None = None, pipeline: str = "auto",
+                            verify: bool = True) -> BridgeTransport:
     """Build the mixed-vendor transport (called by :func:`vcga.pg.transport.make_transport`).
 
     :param store: the group's store; :param rank: / :param size: this rank and the group size.
@@ -134,6 +136,8 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     :param calibration: / :param figures_cache: config ``bridge_calibration`` and
         ``bridge_figures_cache``: where the α–β link figures come from (:func:`_calibrate`).
     :param pipeline: config ``bridge_pipeline`` (:func:`pipelines`).
+    :param verify: config ``bridge_verify``: "auto" checks its choice against the observed times of
+        the all_reduces it runs (:mod:`vcga.bridge.verify`).
     :raises VcgaBackendUnavailable: on every rank, naming each rank whose native group failed.
     :raises VcgaTimeoutError: naming the ranks that never arrived.
     """
@@ -198,6 +202,7 @@ def create_bridge_transport(store: Any, rank: int, size: int, backend: Backend, 
     if piped and native2 is not None:
         group.set_lane_b(Dispatcher(NativeTransport(backend, native2), local, me.size), shard2)
     group.reducer.link_classes = link_classes(plan, peers)
+    group.reducer.verify = verify
     log.debug("vcga bridge (rank %d): shard peers reduce through %s", gr[rank], group.shard_exchange)
     if calibrate:
         with clock.phase("calibration"):
@@ -262,6 +267,8 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
     from vcga.bridge import figcache
 
     rank = group.rank
+    if rank == 0 and directory is not None and topo is not None:
+        group.reducer.cache_entry = (directory, topo)  # where corrected figures go (rank 0 writes them)
     if "figures" in decided:
         group.reducer.apply_figures(LinkFigures.from_json(decided["figures"]))
         assert group.reducer.calibration is not None

@@ -89,6 +89,8 @@ def _check(fig: LinkFigures, groups: int) -> None:
     for ab in [*(v for g in fig.groups for v in g.values()), *fig.bridge.values()]:
         if not (math.isfinite(ab.alpha_s) and ab.alpha_s >= 0 and ab.beta_Bps > 0):
             raise ValueError(f"implausible figure α={ab.alpha_s!r} s, β={ab.beta_Bps!r} B/s")
+        if ab.knee_bytes and not (ab.knee_bytes > 0 and ab.sustained_Bps > 0):
+            raise ValueError(f"implausible knee {ab.knee_bytes!r} B, sustained {ab.sustained_Bps!r} B/s")
 
 
 def load(directory: Path, topo: Mapping[str, Any]) -> LinkFigures | None:

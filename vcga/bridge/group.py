@@ -90,7 +90,7 @@ def _allreduce_two_stage(self: BridgeGroup, tensors: list[torch.Tensor], opts: A
                          ) -> tuple[list[tuple[int, int]], Callable[[], Any]] | None:
     (t,) = tensors
     op = _op_of(opts)
-    if not self.pipelinable(t, op):
+    if not self.pipelinable(t, op, issue=True):
         return None
     start = t.data_ptr()
     return [(start, start + t.numel() * t.element_size())], functools.partial(self._allreduce_started, tensors, op)
@@ -201,12 +201,19 @@ class BridgeGroup:
         """Whether consecutive bandwidth all_reduces run pipelined (:meth:`pipelinable`)."""
         return self.comms.two_lanes and self.queue is not None
 
-    def pipelinable(self, t: torch.Tensor, op: ReduceOp) -> bool:
+    def pipelinable(self, t: torch.Tensor, op: ReduceOp, issue: bool = False) -> bool:
         """Whether an all_reduce of ``t`` runs in two stages (docs/bridge.md, 'Pipelining across
         collectives'): the group pipelines and ``t`` goes the bandwidth way. The same on every rank
         (the algorithm is), so each lane's communicators see the same operations in the same order
-        everywhere."""
-        return self.pipelined and t.numel() > 0 and self.reducer.algorithm(t, op) == "bandwidth"
+        everywhere. ``issue``: asked when the call is issued, ahead of the calls still queued; a call
+        the online check covers (:meth:`~vcga.bridge.allreduce.AllReducer.checked`) may then run in
+        two stages -- its algorithm, and whether it is watched (then it runs alone), are known only
+        when it runs, in issue order, where the decisions of the calls before it have been applied."""
+        if not self.pipelined or t.numel() == 0:
+            return False
+        if issue and self.reducer.checked(t, op):
+            return True
+        return self.reducer.algorithm(t, op) == "bandwidth"
 
     @property
     def shard_exchange(self) -> str | None:
@@ -221,18 +228,16 @@ class BridgeGroup:
         self.reducer.all_reduce(t, _op_of(opts))
         return PyWork(result=tensors)
 
-    def _allreduce_started(self, tensors: list[torch.Tensor], op: ReduceOp) -> Continuation:
+    def _allreduce_started(self, tensors: list[torch.Tensor], op: ReduceOp) -> Continuation | PyWork:
         """The first stage of a pipelined all_reduce (the queue runs the second on its second
         thread): reduce-scatter every segment and start its exchange, on this thread's lane; the
         second waits for the exchanges and all-gathers on lane 1 (docs/bridge.md, 'Pipelining
-        across collectives')."""
+        across collectives'). A call the online check runs another way, or watches, runs whole here."""
         (t,) = tensors
-        self.reducer.counts["bandwidth"] += 1
+        _, finish = self.reducer.run_call(t, op, pipelined=True)
+        if finish is None:
+            return PyWork(result=tensors)
         self.pipelined_all_reduces += 1
-        if self.reducer._debug:
-            log.debug("bridge all_reduce %s %s x%d (%d B): bandwidth, pipelined", op.value, t.dtype,
-                      t.numel(), t.numel() * t.element_size())
-        finish = self.reducer.bandwidth_started(t, op)
 
         def complete() -> PyWork:
             with self.comms.on_lane_b():
@@ -271,6 +276,13 @@ class BridgeGroup:
         self._reduce_scatter(output, list(input.reshape(self.size, -1).unbind(0)), op)
         return PyWork(result=[output])
 
+    def _reduce_scatter_choice(self, out: torch.Tensor, nbytes: int, op: ReduceOp) -> str:
+        """The all_reduce algorithm a reduce_scatter of ``nbytes`` follows: the online check's
+        current choice for an all_reduce of that size where it applies, else the figures'."""
+        if self.reducer.check is not None and self.reducer.checks(nbytes, out.dtype, op):
+            return self.reducer.check.algorithm(nbytes)
+        return self.reducer.auto_choice(nbytes)
+
     def _reduce_scatter(self, out: torch.Tensor, chunks: list[torch.Tensor], op: ReduceOp) -> None:
         """Reduce ``chunks[r]`` of every rank into ``out`` of rank r (chunks: equal, flat).
 
@@ -282,7 +294,7 @@ class BridgeGroup:
         nbytes = sum(c.numel() for c in chunks) * out.element_size()
         if (not self.hierarchical_reduce_scatter or not self.plan.equal_groups
                 or any(r != "library" for r in self.reducer.routes(out.dtype, op))
-                or self.reducer.auto_choice(nbytes) == "leader" or out.numel() == 0):
+                or self._reduce_scatter_choice(out, nbytes, op) == "leader" or out.numel() == 0):
             buf = torch.cat(chunks)
             self.reducer.all_reduce(buf, op)
             out.copy_(buf.view(self.size, -1)[self.rank].view(out.shape))

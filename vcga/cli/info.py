@@ -332,6 +332,69 @@ def _calibrate(pdata: dict[str, Any], vendors: str | None, backends: str | None,
     return {"file": f"measured now, cached in {got['cache']}", "figures": cal["figures"], "choice": cal["choice"]}
 
 
+def _observed(pdata: dict[str, Any], figures: str | None) -> list[dict[str, Any]]:
+    """--observed: per set of figures (the --figures file, else each cache entry with observations),
+    per size class the observed all_reduce times against the predicted ones (docs/bridge.md,
+    "Checked online")."""
+    from pathlib import Path
+
+    from vcga.bridge import figcache
+    from vcga.bridge.cost import LinkFigures, predict
+    from vcga.config import load_config
+
+    if not pdata["bridge"]:
+        raise click.UsageError("--observed needs a mixed-vendor layout (one backend has no bridge to choose for)")
+    sources: list[tuple[str, Any]] = []
+    if figures is not None:
+        data = json.loads(Path(figures).read_text())
+        data = data.get("calibration", data) if isinstance(data, dict) else data
+        sources.append((figures, data.get("figures", data)))
+    else:
+        directory = figcache.cache_dir(load_config().bridge_figures_cache)
+        for path in figcache.entries(directory):
+            try:
+                entry = json.loads(path.read_text())
+                groups = ",".join(f"{g[0]}:{g[4]}" for g in entry["topology"]["groups"])
+                sources.append((f"{path} ({groups}, measured {entry.get('measured_at', '?')})", entry["figures"]))
+            except (OSError, ValueError, KeyError, TypeError, IndexError):
+                continue  # not an entry this version reads (figcache.load says why when a group starts)
+    out = []
+    for name, raw in sources:
+        try:
+            fig = LinkFigures.from_json(raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise click.BadParameter(f"{name}: not bridge link figures ({type(e).__name__}: {e})",
+                                     param_hint="--figures") from None
+        rows = []
+        for cls, got in sorted(fig.observed.items(), key=lambda kv: int(kv[0])):
+            nbytes = int(got.get("bytes", 1 << int(cls)))
+            rows.append({"bytes": nbytes, "chosen": got.get("chosen"), "predicted_s": predict(fig, nbytes),
+                         "observed_s": dict(got.get("seconds", {}))})
+        out.append({"source": name, "classes": rows})
+    return out
+
+
+def _render_observed(data: list[dict[str, Any]]) -> list[str]:
+    from vcga.bridge.plan import size_name
+
+    lines = ["", "all_reduce times observed against predicted (ms; per size class, the least of the last calls "
+                 "of each algorithm, late ranks' waits left out)"]
+    if not data:
+        lines.append("  nothing observed yet (no cache entry with observations; --figures FILE reads a saved one)")
+    for src in data:
+        lines.append(f"  {src['source']}")
+        if not src["classes"]:
+            lines.append("    no size class settled yet")
+        for row in src["classes"]:
+            cells = []
+            for alg, pred in row["predicted_s"].items():
+                obs = row["observed_s"].get(alg)
+                cells.append(f"{alg} {pred * 1e3:.1f} / " + (f"{obs * 1e3:.1f}" if obs is not None else "–"))
+            lines.append(f"    {size_name(row['bytes']):>7}  chose {row['chosen']:<10}  predicted / observed: "
+                         + ", ".join(cells))
+    return lines
+
+
 def _ranks(rs: list[int]) -> str:
     if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
         return f"{rs[0]}-{rs[-1]}"
@@ -393,6 +456,8 @@ def render_plan(data: dict[str, Any]) -> str:
     for name in ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "send_recv", "barrier"):
         lines.append(f"  {name}: {p['collectives'][name]}")
     lines.extend(_render_links(data))
+    if "observed" in data:
+        lines.extend(_render_observed(data["observed"]))
     if "compression" in data:
         from vcga.compress.plan import render
 
@@ -413,8 +478,11 @@ def _render_links(data: dict[str, Any]) -> list[str]:
     fig = f["figures"]
 
     def ab(pair: list[float]) -> str:
-        alpha, beta = pair
-        return f"α {alpha * 1e6:.0f} µs β " + ("inf" if beta == float("inf") else f"{beta / 1e6:.0f} MB/s")
+        alpha, beta = pair[:2]
+        out = f"α {alpha * 1e6:.0f} µs β " + ("inf" if beta == float("inf") else f"{beta / 1e6:.0f} MB/s")
+        if len(pair) == 4 and pair[2]:  # a burst knee (a token bucket): the sustained rate past it
+            out += f", past {pair[2] / (1 << 20):.0f} MiB {pair[3] / 1e6:.0f} MB/s"
+        return out
 
     lines.append(f"α–β figures ({f['file']}; time = α + bytes/β per step; shard peers exchange through "
                  f"{fig['exchange']})")
@@ -447,6 +515,9 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 @click.option("--nodes", type=int, help="With --plan: split the ranks into this many equal consecutive nodes.")
 @click.option("--figures", metavar="FILE", help="With --plan: measured α–β link figures (JSON): show them and "
               "the algorithm they choose per size.")
+@click.option("--observed", is_flag=True, help="With --plan: the all_reduce times groups of this layout observed "
+              "against what their figures predicted, per size class, and the algorithm each settled on (from "
+              "--figures FILE, else every entry of the link-figure cache).")
 @click.option("--algorithm", type=click.Choice(["auto", "leader", "bandwidth", "replicated"]),
               help="With --plan: bridge_algorithm (default: the configured one).")
 @click.option("--recheck-plugins", is_flag=True,
@@ -462,7 +533,7 @@ def _render_links(data: dict[str, Any]) -> list[str]:
 @click.option("--global-batch", type=click.IntRange(min=1), help="With --weights: samples per optimizer step.")
 def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors: str | None, backends: str | None,
          nodes: int | None, algorithm: str | None, figures: str | None, recheck_plugins: bool, calibrate: bool,
-         compression: str | None, weights: str | None, global_batch: int | None) -> None:
+         compression: str | None, weights: str | None, global_batch: int | None, observed: bool) -> None:
     """Show every plugin, backend, availability with the reason, devices and capabilities.
 
     With --plan: the plan every rank of a mixed-vendor layout computes (docs/bridge.md).
@@ -476,14 +547,16 @@ def info(as_json: bool, cells: bool, only: tuple[str, ...], plan: bool, vendors:
             pdata = collect_plan(vendors, backends, nodes, algorithm, figures, compression, weights, global_batch)
             if calibrate:
                 pdata["figures"] = _calibrate(pdata, vendors, backends, nodes, algorithm, figures)
+            if observed:
+                pdata["observed"] = _observed(pdata, figures)
         except VcgaError as e:
             raise click.ClickException(str(e)) from None
         click.echo(json.dumps(pdata, indent=2) if as_json else render_plan(pdata))
         return
     if (vendors or backends or nodes is not None or algorithm or figures or calibrate or compression or weights
-            or global_batch is not None):
+            or global_batch is not None or observed):
         raise click.UsageError("--vendors, --backends, --nodes, --algorithm, --figures, --calibrate, --compression, "
-                               "--weights and --global-batch go with --plan")
+                               "--weights, --global-batch and --observed go with --plan")
     try:
         data = collect(verbose=cells)
     except VcgaError as e:

@@ -168,7 +168,8 @@ def link_from_transport(group: Any, hop: str, *, equal: bool = True, peers: int 
     Two forms are read: ``describe()["link_classes"][hop] = {"alpha_s", "beta_Bps"}`` (β per byte
     sent), and the bridge's measured figures ``describe()["calibration"]["figures"]["bridge"]`` --
     ``"all_sets"`` (every set of shard peers reducing at once: what scope ``bridge`` does on equal
-    islands) or ``"leaders"``, each ``[α, β]`` with β per byte *reduced*; an all_reduce of N bytes
+    islands) or ``"leaders"``, each ``[α, β]`` (or ``[α, β, knee, sustained]`` past a burst knee:
+    the sustained rate is read) with β per byte *reduced*; an all_reduce of N bytes
     among P peers sends 2(P−1)/P·N, so β per byte sent is that β times 2(P−1)/P."""
     transport = getattr(group, "transport", None)
     if transport is None:
@@ -185,7 +186,9 @@ def link_from_transport(group: Any, hop: str, *, equal: bool = True, peers: int 
     bridge = ((cal or {}).get("figures") or {}).get("bridge") if isinstance(cal, dict) else None
     if isinstance(bridge, dict):
         ab = bridge.get("all_sets" if equal else "leaders") or bridge.get("leaders")
-        if isinstance(ab, (list, tuple)) and len(ab) == 2:
+        if isinstance(ab, (list, tuple)) and len(ab) in (2, 4):
             f = 2 * (peers - 1) / peers if peers > 1 else 1.0
-            return LinkCost(hop, float(ab[0]), float(ab[1]) * f, "bridge α–β")
+            # past a burst knee (a token bucket), the sustained rate: a bucket's worth is what it lets by
+            beta = float(ab[3]) if len(ab) == 4 and ab[2] else float(ab[1])
+            return LinkCost(hop, float(ab[0]), beta * f, "bridge α–β")
     return None

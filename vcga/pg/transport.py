@@ -304,4 +304,4 @@ def make_transport(store: Any, rank: int, size: int, backend: Backend, timeout: 
                                    apply_env=partial(_apply_vendor_env, config=config), shared_memory=config.bridge_shm,
                                    async_ops=config.bridge_async, clock=clock, layout=layout,
                                    calibration=config.bridge_calibration, figures_cache=config.bridge_figures_cache,
-                                   pipeline=config.bridge_pipeline)
+                                   pipeline=config.bridge_pipeline, verify=config.bridge_verify)

@@ -23,7 +23,8 @@ How (docs/multinode.md has the picture and the reasons):
 - **Links**: network *k* gives every node an interface ``eth<k>`` with address ``198.18.<k>.<i+1>/24``
   (198.18.0.0/15 is reserved for benchmarking, RFC 2544, and used only inside these namespaces).
   Two nodes: one veth pair. More: a Linux bridge in a switch namespace and a veth pair per node.
-  ``rate`` shapes every link with ``tc tbf`` at both ends (each end shapes only what it sends).
+  ``rate`` shapes every link with ``tc tbf`` at both ends (each end shapes only what it sends),
+  with a bucket of ``bucket_s`` at the rate (1 ms unless given).
 - **Cleanup** is the kernel's: killing a node's PID 1 ends every process in its PID namespace, the
   network namespace goes with its last process and takes its interfaces (and their veth peers)
   along, the mounts go with the mount namespace. :meth:`Cluster.close` (also on an exception or
@@ -55,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Cluster", "Node", "Launch", "NodeResult", "NodesUnavailable", "parse_rate"]
+__all__ = ["Cluster", "Node", "Launch", "NodeResult", "NodesUnavailable", "parse_rate", "tbf_burst", "BUCKET_S"]
 
 #: The tools the harness runs (all from iproute2 and util-linux).
 TOOLS = ("ip", "tc", "unshare", "nsenter", "setpriv")
@@ -123,14 +124,22 @@ def parse_rate(rate: str | float) -> float:
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
 
 
-def _tbf_burst(rate_bps: float) -> int:
-    """tbf's bucket: 1 ms at the rate, at least 64 KiB (one GSO segment). A real link never sends
-    faster than its rate, and what the bucket holds leaves at the veth's speed: a bucket of 8 ms at
-    1 Gbit/s (1 MB) lets half of a 2 MiB transfer through at once, so the transfer looks about twice
-    as fast as the link, which misleads any measurement of the link at such sizes (the bridge's
-    α–β figures). tbf's watchdog is an hrtimer,
-    so a bucket this small still reaches the rate."""
-    return max(64 * 1024, int(rate_bps / 8 * 0.001))
+#: tbf's bucket as time at the link's rate, by default (see :func:`tbf_burst`).
+BUCKET_S = 0.001
+
+
+def tbf_burst(rate_bps: float, bucket_s: float = BUCKET_S) -> int:
+    """tbf's bucket in bytes: ``bucket_s`` at the rate, at least 64 KiB (one GSO segment).
+
+    A real link never sends faster than its rate; what the bucket holds leaves at the veth's speed.
+    The default, 1 ms, keeps that burst small (tbf's watchdog is an hrtimer, so a bucket this small
+    still reaches the rate). A larger one stands for switch buffers, cloud rate limits with burst
+    allowances and links shared with other jobs: with 8 ms at 1 Gbit/s (tc's ``burst 1mb``) a
+    2 MiB transfer looks twice as fast as the link (measured), which is what a measurement of the
+    link at such sizes meets there (the bridge's calibration detects it, docs/bridge.md)."""
+    if not bucket_s > 0:
+        raise ValueError(f"a tbf bucket of {bucket_s!r} s: give a time > 0 (0.001 is 1 ms at the link's rate)")
+    return max(64 * 1024, int(rate_bps / 8 * bucket_s))
 
 
 class _Holder:
@@ -355,12 +364,15 @@ class Cluster:
     :param networks: how many separate networks join the nodes; network *k* is interface ``eth<k>``
         on every node (two let a test prove which interface carries the traffic).
     :param shm_size: the size of each node's own ``/dev/shm`` (tmpfs notation).
+    :param bucket_s: tbf's bucket on every shaped link, as seconds at its rate (:func:`tbf_burst`;
+        default 1 ms; 0.008 is tc's ``burst 1mb`` at 1 Gbit/s).
     :param setup_timeout: seconds allowed for each node's namespaces to come up.
     :raises NodesUnavailable: the machine cannot build nodes (what was refused, verbatim).
     """
 
     def __init__(self, nodes: int = 2, *, rate: str | float | Sequence[str | float | None] | None = None,
-                 networks: int = 1, shm_size: str = "1g", setup_timeout: float = 30.0) -> None:
+                 networks: int = 1, shm_size: str = "1g", bucket_s: float = BUCKET_S,
+                 setup_timeout: float = 30.0) -> None:
         if nodes < 2 or nodes > 250:
             raise ValueError(f"a cluster has 2..250 nodes, not {nodes}")
         if networks < 1 or networks > 200:
@@ -371,6 +383,11 @@ class Cluster:
         self.size, self.networks = nodes, networks
         #: Link rate of each network in bits/s (None: unshaped).
         self.rates: list[float | None] = [None if r is None else parse_rate(r) for r in rates]
+        #: tbf's bucket on every shaped link, in seconds at its rate (bytes: :func:`tbf_burst`).
+        self.bucket_s = bucket_s
+        for r in self.rates:
+            if r is not None:
+                tbf_burst(r, bucket_s)  # a bad bucket fails here, before anything is built
         self.run_id = f"vcga-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.nodes: list[Node] = []
         self._holders: list[_Holder] = []
@@ -445,7 +462,7 @@ class Cluster:
         if rate is not None:
             for h, dev in ends:
                 h.sh(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit",
-                      "burst", str(_tbf_burst(rate)), "latency", TBF_LATENCY])
+                      "burst", str(tbf_burst(rate, self.bucket_s)), "latency", TBF_LATENCY])
         for h, dev in ends:
             h.wait_up(dev)
 
