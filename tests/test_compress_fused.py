@@ -91,6 +91,70 @@ def test_a_loop_that_does_not_reproduce_the_bits_is_not_used(fresh_kernels, monk
     assert torch.equal(outer_sum(p, q), _outer_sum_ops(p, q, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_factored_error_feedback_and_orthonormalisation_give_the_torch_operations_bits(fresh_kernels, dtype):
+    """ErrorFeedback.update_factored (sent formed row by row inside the loop, never stored) keeps
+    exactly what update(x, outer_sum(p, q)) keeps, at every step; the compiled Gram-Schmidt gives
+    exact.orthonormalize's bits, a zero column included."""
+    pytest.importorskip("numba")
+    from vcga.compress.exact import orthonormalize as _ortho_ops
+
+    assert fused.factored() is not None
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    runs = []
+    for factored in (True, False):
+        ef, out = ErrorFeedback(), []
+        for step in range(3):  # the first step is the fresh path
+            g = _adversarial(60 * 70, 30 + step, dtype).reshape(60, 70)
+            p = _adversarial(60 * 4, 40 + step, dtype).reshape(60, 4) * 1e-3
+            q = _adversarial(70 * 4, 50 + step, dtype).reshape(70, 4) * 1e-3
+            x = ef.input(g)
+            if factored:
+                ef.update_factored(x, p, q)
+            else:
+                ef.update(x, _outer_sum_ops(p, q))
+            out += [ef.hi.clone(), ef.lo.clone()]
+        runs.append(out)
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        same = (a.view(bits) == b.view(bits)) | (torch.isnan(a) & torch.isnan(b))
+        assert bool(same.all()), f"step {i // 2}, {('hi', 'lo')[i % 2]}"
+    p = torch.cat([torch.zeros(513, 1, dtype=dtype), _adversarial(513 * 4, 7, dtype).reshape(513, 4) * 1e-5], 1)
+    got, want = fused.orthonormalize(p.clone()), _ortho_ops(p.clone())
+    assert bool(((got.view(bits) == want.view(bits)) | (torch.isnan(got) & torch.isnan(want))).all())
+    assert bool((got[:, 0] == 0).all())
+
+
+def test_a_factored_loop_that_does_not_reproduce_the_bits_is_not_used(fresh_kernels, monkeypatch, caplog):
+    """A factored error-feedback loop that forms sent in another order (the last product first)
+    fails the self-check: ErrorFeedback keeps forming sent with outer_sum and the two-pass update."""
+    pytest.importorskip("numba")
+    real = fused._compile_factored
+
+    def reordered():
+        _, ortho = real()
+
+        def ef_update_outer(x, pt, qt, hi, lo, fresh):
+            import numpy as np
+
+            with np.errstate(all="ignore"):
+                sent = np.zeros((pt.shape[1], qt.shape[1]), dtype=x.dtype)
+                for k in reversed(range(pt.shape[0])):
+                    sent += np.outer(pt[k], qt[k])
+                sent = sent.reshape(-1)
+                s = x - sent
+                bb = s - x
+                e = (x - (s - bb)) - (sent + bb)
+            hi[:] = s
+            lo[:] = e if fresh else e + lo
+
+        return ef_update_outer, ortho
+
+    monkeypatch.setattr(fused, "_compile_factored", reordered)
+    with caplog.at_level(logging.WARNING, logger="vcga.compress.fused"):
+        assert fused.factored() is None
+    assert "does not reproduce" in caplog.text and "factored error feedback" in caplog.text
+
+
 def test_vcga_fused_0_turns_the_loops_off_and_other_tensors_never_take_them(fresh_kernels, monkeypatch):
     monkeypatch.setenv("VCGA_FUSED", "0")
     assert fused.kernels() is None

@@ -173,6 +173,25 @@ class Compressor(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} has {self.rounds} rounds and must override sent()")
         return out
 
+    def sent_factors(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
+                     ctx: CompressContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional, SUM compressors whose :meth:`sent` is a sum of r outer products: ``(p, q)``
+        (``[n, r]`` and ``[m, r]``, ``x`` viewed as ``[n, m]``) with :meth:`sent` bit for bit
+        :func:`vcga.compress.exact.outer_sum` of them (k = 0, 1, ... in order). The driver then keeps
+        the residual in one pass that forms each element of ``sent`` as it goes, instead of writing
+        the whole of it and reading it back. None (the default): the driver calls :meth:`sent`.
+        Called where :meth:`sent` would be."""
+        return None
+
+    def decompress_into(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                        round: int, out: torch.Tensor) -> bool:  # noqa: A002
+        """Optional, SUM compressors: :meth:`decompress` writing the decoded sum into ``out`` (the
+        shape and dtype of ``x``, contiguous) instead of returning it -- the same bits, the same
+        changes to ``state``; True when done so, False (the default, and for a round that decodes
+        nothing yet) when the driver is to call :meth:`decompress` instead. Saves the driver a copy
+        of every decoded tensor."""
+        return False
+
     def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
         """Optional, SUM compressors: the tensors (shape, canonical dtype) of a compact form of the
         decoded sum of a tensor of ``shape`` -- what it is rebuilt from, with the same bits, by

@@ -85,7 +85,12 @@ class PowerSGD(Compressor):
                 g = torch.Generator(device="cpu")
                 g.manual_seed(ctx.seed)  # the same Q on every peer
                 q = torch.randn(m, r, generator=g, dtype=torch.float64).to(x.dtype).to(x.device)
-            q = orthonormalize(q.clone(), self.eps)  # where the shared Q lives (the host, when decoding there)
+            if q.dtype not in (torch.float32, torch.float64):
+                # in a narrow float, M Q of a warm Q (last step's summed Q: the gradients' scale)
+                # could overflow; its orthonormal columns keep the products at the gradients' scale.
+                # (P̂ does not change: Gram-Schmidt of M Q R, R upper triangular with a positive
+                # diagonal, is that of M Q -- so the wider floats skip this r-column pass.)
+                q = orthonormalize(q.clone(), self.eps)
             state["q"] = q
             return [(mat @ q.to(mat.device)).contiguous()]
         if round % 2 == 0:  # a further iteration: P = M Q̂, Q̂ the last round's orthonormalised sum
@@ -96,8 +101,7 @@ class PowerSGD(Compressor):
 
     def decompress(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
                    round: int = 0) -> torch.Tensor | None:  # noqa: A002
-        from vcga.compress.exact import orthonormalize
-        from vcga.compress.fused import outer_sum
+        from vcga.compress.fused import orthonormalize
 
         if not state.get("compressed", True):
             return payload[0]  # an uncompressed tensor: its sum, done in round 0
@@ -108,11 +112,27 @@ class PowerSGD(Compressor):
         if round + 1 < self.rounds:  # another iteration follows: it multiplies by the summed Q, orthonormalised
             state["q_hat"] = orthonormalize(q.clone(), self.eps)
             return None
+        # the decoded matrix is read once by the driver before the next call: reuse its buffer
+        return self._decoded(q, state, _buffer(state, "decoded", q, state["p"].shape[0]))
+
+    def _decoded(self, q: torch.Tensor, state: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        """The last round's decode: P̂ Qᵀ (fixed order) into ``out`` ``[n, m]``."""
+        from vcga.compress.fused import outer_sum
+
         if self.warm:
             state["q"] = q.clone()
         state["q_sum"] = q  # with P̂, the compact form of the decoded sum (decoded_form)
-        # the decoded matrix is read once by the driver before the next call: reuse its buffer
-        return outer_sum(state["p"], q, out=_buffer(state, "decoded", q, state["p"].shape[0]))
+        return outer_sum(state["p"], q, out=out)
+
+    def decompress_into(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
+                        round: int, out: torch.Tensor) -> bool:  # noqa: A002
+        if not state.get("compressed", True) or round + 1 < self.rounds or not out.is_contiguous():
+            return False
+        q = payload[0]
+        if out.device != q.device or out.dtype != q.dtype:
+            return False
+        self._decoded(q, state, out.view(state["p"].shape[0], q.shape[0]))
+        return True
 
     def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
         p = self._plan(tuple(shape))
@@ -137,14 +157,20 @@ class PowerSGD(Compressor):
 
     def sent(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
              ctx: CompressContext) -> torch.Tensor:
-        import torch
+        from vcga.compress.fused import outer_sum
 
         if self._plan(tuple(x.shape)) is None:
             return x
-        # P̂ Q_ownᵀ by the library's matmul, on this rank's device: unlike the decoded sum, what this
-        # rank sent is its own bookkeeping -- no other rank reads it, so it need not have the same
-        # bits everywhere; error feedback keeps x - sent exactly for whatever bits it has (one
-        # matmul instead of r element-wise products and additions)
+        # P̂ Q_ownᵀ in outer_sum's fixed order (sent_factors' bits), on this rank's device: error
+        # feedback keeps x - sent exactly for these bits; the driver usually forms them on the fly
+        # (sent_factors) instead of calling this
         q = state["q_own"]
         p = state["p"].to(q.device)
-        return torch.mm(p, q.t(), out=_buffer(state, "sent", q, p.shape[0])).reshape(x.shape)
+        return outer_sum(p, q, out=_buffer(state, "sent", q, p.shape[0])).reshape(x.shape)
+
+    def sent_factors(self, x: torch.Tensor, payload: list[torch.Tensor], state: dict[str, Any],
+                     ctx: CompressContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._plan(tuple(x.shape)) is None:
+            return None
+        q = state["q_own"]
+        return state["p"].to(q.device), q

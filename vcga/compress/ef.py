@@ -150,6 +150,20 @@ class ErrorFeedback:
             self.last = EFRecord(x.detach().clone(), sent.detach().clone(), self.hi.clone(), lo.clone())
             self.lo = lo if self._fresh else lo.add_(pending)
 
+    def update_factored(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+        """:meth:`update` with ``sent`` = :func:`vcga.compress.exact.outer_sum` of ``p`` ``[n, r]``
+        and ``q`` ``[m, r]`` (``x`` holds n x m elements), the same bits, without forming ``sent``
+        where the fused loop can (:func:`vcga.compress.fused.factored`): one pass instead of writing
+        a gradient-sized tensor and reading it back."""
+        assert self.hi is not None and self.lo is not None
+        xf, hf, lf = (t.reshape(-1) for t in (x, self.hi, self.lo))
+        if (not self.record and p.shape[0] * q.shape[0] == xf.numel() and fused.usable(xf, p, q, hf, lf)
+                and (k := fused.factored()) is not None):
+            k[0](xf.numpy(), p.t().contiguous().numpy(), q.t().contiguous().numpy(), hf.numpy(), lf.numpy(),
+                 self._fresh)
+            return
+        self.update(x, fused.outer_sum(p, q).reshape(x.shape))
+
     def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual between steps, exactly: ``(hi, lo)`` (None before the first step)."""
         return None if self.hi is None or self.lo is None else (self.hi, self.lo)

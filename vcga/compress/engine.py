@@ -437,6 +437,37 @@ class Reducer:
         p.part, p.cuts, p.width, p.direct = part, cuts, width, direct
         return p
 
+    def release_residuals(self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]] | None, key: Any) -> int:
+        """Add this rank's error-feedback residuals of the buffer ``key`` into ``flat`` and drop the
+        buffer's compression state: it is about to be reduced plainly (``when=auto`` turned its
+        compression off), and what compression held back goes with that sum instead of being lost.
+        Each residual sits where its tensor does in the buffer (a part's range, a parameter's
+        offset, a two-phase chunk), so the plain sum over the group adds every residual once --
+        each is held by one rank (a part's residual by that part's rank in each island, as the part
+        was the island's sum). Returns how many residuals were added."""
+        n = flat.numel()
+        k = len(self.island) if self.scope == "bridge" and len(self.layout.islands) > 1 and self.layout.equal else 1
+        _, _, cuts = self._layout_of(n, shapes, k)
+        added = 0
+        for skey, slot in list(self.exchange.slots.items()):
+            if not (isinstance(skey, tuple) and skey and skey[0] == key):
+                continue
+            tail = skey[2:]
+            start = cuts[skey[1]] if tail == (0,) else tail[1]  # a part's flat range, or a piece's offset
+            if slot.ef is not None and (res := slot.ef.residual()) is not None:
+                flat[start:start + res.numel()] += res.reshape(-1).to(flat.device, flat.dtype)
+                added += 1
+                size = res.numel()
+            else:
+                size = cuts[skey[1] + 1] - cuts[skey[1]] if tail == (0,) else 0
+            for j, (_, ef) in slot.server.items():  # a two-phase exchange: the chunk this rank served
+                if ef is not None and (res := ef.residual()) is not None and size:
+                    a = self.exchange._chunks(size)[j][0]
+                    flat[start + a:start + a + res.numel()] += res.reshape(-1).to(flat.device, flat.dtype)
+                    added += 1
+        self.exchange.forget(lambda kk: not (isinstance(kk, tuple) and kk and kk[0] == key))
+        return added
+
     def _pending(self, flat: torch.Tensor, buf: torch.Tensor, shapes: Any, offsets: Any, a: int, b: int,
                  key: Any, part: int) -> Pending:
         idx, views = self._views(buf, 0, shapes, offsets, a, b)

@@ -104,6 +104,9 @@ class Exchange:
         self.slots: dict[Any, _Slot] = {}
         self._scratch = Scratch()  # shared by the residuals: they are updated one after another
         self._metered_at_transport = False
+        #: issue the payload sums synchronously (a caller with nothing to overlap them with: no
+        #: communication thread woken and waited for per collective)
+        self.sync = False
         self._table = getattr(group, "capabilities", None) if group is not None else None
 
     # -- collectives (counted here when the transport cannot be) -----------------------------------
@@ -208,20 +211,24 @@ class Exchange:
             xs.append(slot.ef.input(t) if slot.ef is not None else t)
         got: list[list[torch.Tensor]] | None = [] if forms and self.c.combine is Combine.SUM else None
         if self.c.combine is Combine.SUM:
-            outs = self._run_sum(xs, keys, step, got)
+            outs = self._run_sum(xs, keys, step, got, into=None if self.host_decode else list(tensors))
         elif self.c.server:
             outs = self._run_two_phase(xs, keys, step)
         else:
             outs = self._run_gather(xs, keys, step)
         for t, o in zip(tensors, outs, strict=True):
-            t.copy_(o.reshape(t.shape))
+            if o is not t:  # decoded in place already (Compressor.decompress_into)
+                t.copy_(o.reshape(t.shape))
         return got
 
     def _decode_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if self.host_decode else t
 
     def _run_sum(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
-                 forms: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
+                 forms: list[list[torch.Tensor]] | None = None,
+                 into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The rounds of a SUM compressor; ``into``: the tensors the decoded sums go to, which a
+        compressor may decode into directly (:meth:`~vcga.contract.Compressor.decompress_into`)."""
         c = self.c
         out: list[torch.Tensor | None] = [None] * len(xs)
         last_payload: list[list[torch.Tensor]] = [[] for _ in xs]
@@ -237,12 +244,17 @@ class Exchange:
             if rnd == c.rounds - 1:
                 # What this rank sent is known once its last payload is (Compressor.sent): keep the
                 # residuals while the sum travels -- the error feedback's passes over every
-                # gradient then overlap the slow hop's round trip instead of following it
+                # gradient then overlap the slow hop's round trip instead of following it (where
+                # the sum is issued asynchronously, :attr:`sync`)
                 self._update_ef(xs, keys, step, last_payload)
                 ef_done = True
             summed = self._finish_sum(travelling)
             for i in pending:
-                got = c.decompress(summed[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd)
+                state, ctx = self.slot(keys[i]).state, self.ctx(keys[i], step)
+                if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i]):
+                    out[i] = into[i]
+                    continue
+                got = c.decompress(summed[i], state, ctx, rnd)
                 if got is not None:
                     out[i] = got
             pending = [i for i in pending if out[i] is None]
@@ -258,10 +270,18 @@ class Exchange:
 
     def _update_ef(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
                    last_payload: list[list[torch.Tensor]]) -> None:
+        """Each tensor's residual after this step (from the factors of what was sent where the
+        compressor has them, :meth:`~vcga.contract.Compressor.sent_factors`)."""
         for i, k in enumerate(keys):
             slot = self.slot(k)
-            if slot.ef is not None:
-                slot.ef.update(xs[i], self.c.sent(xs[i], last_payload[i], slot.state, self.ctx(k, step)))
+            if slot.ef is None:
+                continue
+            ctx = self.ctx(k, step)
+            factors = self.c.sent_factors(xs[i], last_payload[i], slot.state, ctx)
+            if factors is not None:
+                slot.ef.update_factored(xs[i], *factors)
+            else:
+                slot.ef.update(xs[i], self.c.sent(xs[i], last_payload[i], slot.state, ctx))
 
     def _start_sum(self, payloads: dict[int, list[torch.Tensor]]) -> _Travelling:
         """Start summing each payload tensor over the peers, element by element, the same bits on
@@ -272,6 +292,7 @@ class Exchange:
         that dtype natively (its result is one reduction, copied to every rank), else gathered as bytes
         and added in peer order here (floats narrower than float32 in float32, then rounded to their
         dtype once)."""
+        sync = self.sync
         by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}
         for i, pl in payloads.items():
             for j, t in enumerate(pl):
@@ -282,11 +303,12 @@ class Exchange:
             if flat.numel() == 0:
                 out.buffers.append(_InFlight(dtype, where, flat, None, False))
             elif self._sums_natively(dtype):
-                out.buffers.append(_InFlight(dtype, where, flat, self._all_reduce(flat, async_op=True), False))
+                out.buffers.append(_InFlight(dtype, where, flat, self._all_reduce(flat, async_op=not sync), False))
             else:
                 raw = _as_bytes(flat)
                 rows = torch.empty(self.peers * raw.numel(), dtype=torch.uint8, device=raw.device)
-                out.buffers.append(_InFlight(dtype, where, rows, self._all_gather(rows, raw, async_op=True), True))
+                out.buffers.append(_InFlight(dtype, where, rows, self._all_gather(rows, raw, async_op=not sync),
+                                             True))
         return out
 
     def _finish_sum(self, travelling: _Travelling) -> dict[int, list[torch.Tensor]]:

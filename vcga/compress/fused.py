@@ -34,7 +34,7 @@ import torch
 from vcga.compress.exact import outer_sum as _outer_sum_ops
 from vcga.compress.exact import two_diff_, two_sum_
 
-__all__ = ["kernels", "usable", "checked", "enabled", "outer_sum", "probe_values"]
+__all__ = ["kernels", "factored", "usable", "checked", "enabled", "outer_sum", "orthonormalize", "probe_values"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,81 @@ def _compile() -> Any:
     return ef_input, ef_update, outer_sum
 
 
+def _compile_factored() -> Any:
+    import numba
+    import numpy as np
+
+    opts = {"cache": True, "nogil": True, "boundscheck": False, "fastmath": False, "error_model": "numpy"}
+
+    @numba.njit(**opts)
+    def ef_update_outer(x: Any, pt: Any, qt: Any, hi: Any, lo: Any, fresh: bool) -> None:  # pragma: no cover
+        # row i of sent = ((pt[0,i] qt[0] + pt[1,i] qt[1]) + ...) in order k (outer_sum's bits), formed
+        # in a row buffer that stays in cache; then x - sent == h + l exactly (TwoDiff), as ef_update.
+        # Loops over a row's elements only: they vectorise.
+        r, n = pt.shape
+        m = qt.shape[1]
+        row = np.empty(m, dtype=x.dtype)
+        for i in range(n):
+            p0 = pt[0, i]
+            for j in range(m):
+                row[j] = p0 * qt[0, j]
+            for k in range(1, r):
+                pk = pt[k, i]
+                for j in range(m):
+                    prod = pk * qt[k, j]
+                    row[j] = row[j] + prod
+            base = i * m
+            for j in range(m):
+                a = x[base + j]
+                b = row[j]
+                s = a - b
+                bb = s - a
+                e = (a - (s - bb)) - (b + bb)
+                hi[base + j] = s
+                lo[base + j] = e if fresh else e + lo[base + j]
+
+    @numba.njit(**opts)
+    def orthonormalize(p: Any, eps: Any, buf: Any) -> None:  # pragma: no cover - compiled
+        # exact.orthonormalize's operations in its order: per column i, the products of column i
+        # with columns i.. summed over rows by the same pairwise tree (rows [0, h) + [h, 2h), an odd
+        # last row carried after them), the norm, the division, the projections
+        n, r = p.shape
+        zero = p.dtype.type(0)
+        one = p.dtype.type(1)
+        for i in range(r):
+            w = r - i
+            for a in range(n):
+                for j in range(w):
+                    buf[a, j] = p[a, i] * p[a, i + j]
+            rows = n
+            while rows > 1:
+                h = rows // 2
+                for a in range(h):
+                    for j in range(w):
+                        buf[a, j] = buf[a, j] + buf[h + a, j]
+                if rows % 2:
+                    for j in range(w):
+                        buf[h, j] = buf[2 * h, j]
+                    rows = h + 1
+                else:
+                    rows = h
+            if n == 0:
+                for j in range(w):
+                    buf[0, j] = zero
+            norm = np.sqrt(buf[0, 0])
+            nz = norm > zero
+            safe = norm + eps if nz else one
+            f = one if nz else zero
+            for a in range(n):
+                p[a, i] = (p[a, i] / safe) * f
+            for j in range(1, w):
+                t = buf[0, j] / safe
+                for a in range(n):
+                    p[a, i + j] = p[a, i + j] - t * p[a, i]
+
+    return ef_update_outer, orthonormalize
+
+
 def probe_values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     """``n`` values of ``dtype`` that expose a changed rounding: magnitudes 10⁻³⁰..10³⁰ of both signs
     and, in the first sixteenth, subnormals. A loop's self-check (:func:`checked`) runs it and its
@@ -140,6 +215,64 @@ def _self_check(ef_input: Any, ef_update: Any, outer: Any) -> str | None:
             if not bool(same.all()):
                 return f"outer sum rank {r} ({dtype})"
     return None
+
+
+def _self_check_factored(ef_update_outer: Any, ortho: Any) -> str | None:
+    """None when the factored error-feedback loop and the orthonormalisation give the bits of the
+    torch operations that define them on probing values, else what differed."""
+    from vcga.compress.exact import orthonormalize as _ortho_ops
+
+    for dtype in (torch.float32, torch.float64):
+        bits = torch.int64 if dtype == torch.float64 else torch.int32
+        for r, (n, m) in ((1, (31, 17)), (4, (97, 130)), (7, (40, 65))):
+            p = probe_values(dtype, n * r, 20 + r).reshape(n, r) * 1e-5
+            q = probe_values(dtype, m * r, 40 + r).reshape(m, r) * 1e-5
+            x = probe_values(dtype, n * m, 60 + r)
+            x[: n * m // 2] = _outer_sum_ops(p, q).reshape(-1)[: n * m // 2] * 1.001  # heavy cancellation
+            lo0 = probe_values(dtype, n * m, 80 + r) * 1e-8
+            for fresh in (True, False):
+                h_ref, l_ref, t = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+                two_diff_(x, _outer_sum_ops(p, q).reshape(-1), h_ref, l_ref, t)
+                if not fresh:
+                    l_ref = l_ref + lo0
+                h, lo = torch.empty_like(x), lo0.clone()
+                ef_update_outer(x.numpy(), p.t().contiguous().numpy(), q.t().contiguous().numpy(), h.numpy(),
+                                lo.numpy(), fresh)
+                if not (torch.equal(h.view(bits), h_ref.view(bits)) and torch.equal(lo.view(bits), l_ref.view(bits))):
+                    return f"factored error feedback rank {r} ({dtype})"
+            for cols in (p, torch.cat([p[:, :1] * 0, p], 1)):  # a zero column stays zero
+                want = _ortho_ops(cols.clone())
+                got = cols.clone()
+                ortho(got.numpy(), _scalar(dtype, 0.0), torch.empty(got.shape, dtype=dtype).numpy())
+                same = (got.view(bits) == want.view(bits)) | (torch.isnan(got) & torch.isnan(want))
+                if not bool(same.all()):
+                    return f"orthonormalisation rank {cols.shape[1]} ({dtype})"
+    return None
+
+
+def _scalar(dtype: torch.dtype, v: float) -> Any:
+    """``v`` as a numpy scalar of ``dtype``: what a tensor of that dtype adds a Python float as."""
+    import numpy as np
+
+    return (np.float32 if dtype == torch.float32 else np.float64)(v)
+
+
+def factored() -> tuple[Any, Any] | None:
+    """``(ef_update_outer, orthonormalize)`` compiled and checked, or None (as :func:`kernels`)."""
+    return checked("factored", lambda: _compile_factored(), lambda k: _self_check_factored(*k))
+
+
+def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """:func:`vcga.compress.exact.orthonormalize` (in place), with its bits, by one compiled loop
+    where the tensor allows it (host, float32/float64, contiguous, ``eps`` 0: what the loop was
+    checked with) and the loop passed its self-check: that function's tree per column is a few
+    small torch operations per level, each costing more than its arithmetic at PowerSGD's ranks."""
+    from vcga.compress.exact import orthonormalize as _ortho_ops
+
+    if eps == 0 and p.dim() == 2 and p.numel() and usable(p) and (k := factored()) is not None:
+        k[1](p.numpy(), _scalar(p.dtype, eps), torch.empty(p.shape, dtype=p.dtype).numpy())
+        return p
+    return _ortho_ops(p, eps)
 
 
 def enabled() -> bool:

@@ -23,12 +23,14 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from vcga.compress.auto import AutoChoice
 from vcga.compress.cost import (
     CompressCost,
     LinkCost,
@@ -94,11 +96,18 @@ class CompressionState:
         self._keys: set[Any] = set()  # bucket keys of the step in progress
         self._last_keys: set[Any] = set()
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._held: list[tuple[torch.Tensor, Pending | None, bool, torch.futures.Future]] = []  # begun, this step
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._offered: bytes | None = None  # the value state_dict() last handed out
+        #: when=auto: each bucket's mode checked against what its reductions really cost
+        self.auto: AutoChoice | None = None
+        self._step_cost: dict[Any, list[Any]] = {}  # auto key -> [compressed?, seconds] this step
+        self._pending_key: dict[int, Any] = {}  # id(Pending) -> its auto key (this step)
+        self._flush: set[Any] = set()  # auto keys gone plain: their buckets' residuals go with them next step
         if self.reducer is not None and spec.when == "auto":
             self._measure()
+            self.auto = AutoChoice()
 
     # -- the auto policy -----------------------------------------------------------------------------
 
@@ -137,7 +146,11 @@ class CompressionState:
         if self.spec.when != "auto":
             return True
         key = (n, tuple(shapes or ()), dtype)
-        got = self._decisions.get(key)
+        assert self.auto is not None
+        if self.auto.known(key):
+            return self.auto.compress(key)
+        got = self._decisions.get(key)  # a resumed job's (load_state_dict), else the cost model's
+        predicted: dict[str, float] = {}
         if got is None:
             assert self.link is not None and self.cost is not None
             k = len(r.island) if r.scope == "bridge" and r.layout.equal else 1
@@ -146,14 +159,45 @@ class CompressionState:
             if peers > 1 and math.isfinite(self.link.beta_Bps):
                 worst_c = max(r.declared_cross_sent(n, shapes, dtype, local=i) for i in range(k))
                 part = math.ceil(n / k) * itemsize
-                got = should_compress(part, sent_bytes("all_reduce", part, peers), worst_c, self._collectives(),
-                                      self.link, self.cost)
+                plain = sent_bytes("all_reduce", part, peers)
+                got = should_compress(part, plain, worst_c, self._collectives(), self.link, self.cost)
+                predicted = {"plain": self.link.time(plain, 1),
+                             "compressed": self.cost.time(part) + self.link.time(worst_c, self._collectives())}
             # Ranks outside every peer set cannot evaluate the exchange: agree (all compress or none)
             flag = torch.tensor([1 if got or peers <= 1 else 0], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.comm)
             got = bool(flag.item()) and self.link is not None and math.isfinite(self.link.beta_Bps)
-            self._decisions[key] = got
+        self._decisions[key] = got
+        self.auto.add(key, got, predicted)
         return got
+
+    def _observed(self, key: Any, compress: bool, seconds: float) -> None:
+        """A bucket of auto key ``key`` took ``seconds`` of reduction this step (summed per key)."""
+        if key is not None:
+            cost = self._step_cost.setdefault(key, [compress, 0.0])
+            cost[1] += seconds
+
+    def _check(self) -> None:
+        """The step boundary after a step, with when=auto: its costs to the policy and, on a check
+        step, the agreement: every rank's medians summed in one all_reduce, every rank the same
+        changes (module :mod:`vcga.compress.auto`)."""
+        auto = self.auto
+        if auto is None:
+            return
+        for key, (compress, seconds) in self._step_cost.items():
+            auto.observe(key, compress, seconds)
+        self._step_cost.clear()
+        self._flush.clear()
+        if not auto.due(self.step):
+            return
+        table = torch.tensor(auto.table(), dtype=torch.float64)
+        dist.all_reduce(table, group=self.comm)
+        for key, compress in auto.agree(table.tolist(), self.world, self.step):
+            self._decisions[key] = compress
+            if not compress:
+                self._flush.add(key)
+            log.info("vcga compression: when=auto switched a bucket of %s to %s at step %d", key[0],
+                     "compressed" if compress else "plain", self.step)
 
     # -- the work ------------------------------------------------------------------------------------
 
@@ -169,17 +213,28 @@ class CompressionState:
 
         r = self.reducer
         key = (index, tuple(shapes))
+        akey = None
         if r is None or self.step < self.spec.start:
             compress = False
         else:
             compress = self.decide(buffer.numel(), shapes, _dtypes.from_torch(buffer.dtype), buffer.element_size())
+            if self.auto is not None and r.crosses:
+                akey = (buffer.numel(), tuple(shapes), _dtypes.from_torch(buffer.dtype))
         self._keys.add(key)
         self.stats["compressed" if compress else "plain"] += 1
+        t0 = time.perf_counter()
         if r is None or not compress:
+            if akey in self._flush and r is not None:
+                r.release_residuals(buffer, shapes, key)  # what compression held back goes with the sum
             dist.all_reduce(buffer, group=self.comm)
+            self._observed(akey, False, time.perf_counter() - t0)
             return None
         r.step = self.step
-        return r.begin(buffer, shapes, key=key)
+        p = r.begin(buffer, shapes, key=key)
+        self._observed(akey, True, time.perf_counter() - t0)
+        if akey is not None:
+            self._pending_key[id(p)] = akey
+        return p
 
     def _end(self, items: list[tuple[torch.Tensor, Pending | None, bool]]) -> None:
         """The compressed exchange of every begun bucket in ``items`` at once, the averages, and
@@ -187,7 +242,12 @@ class CompressionState:
         pending = [p for _, p, _ in items if p is not None]
         if pending:
             assert self.reducer is not None
+            t0 = time.perf_counter()
             self.reducer.finish(pending)
+            took = time.perf_counter() - t0
+            total = sum(p.flat.numel() for p in pending) or 1
+            for p in pending:  # the step's one exchange, shared by the buckets in it by their elements
+                self._observed(self._pending_key.pop(id(p), None), True, took * p.flat.numel() / total)
         for buffer, _, last in items:
             buffer.div_(self.world)
             if last:
@@ -199,39 +259,52 @@ class CompressionState:
                     r.exchange.forget(lambda k: k[0] in keep)  # noqa: B023 - called before the loop moves on
                 self._last_keys, self._keys = self._keys, set()
                 self.step += 1
+                self._pending_key.clear()
+                self._check()
 
     def _worker(self) -> None:
-        """Buckets in the order DDP hands them over (the same on every rank): each one's exact
-        island stage at once, while backward goes on; the compressed exchange of all of a step's
-        buckets together after its last one -- two exchanges across the slow hop per step for
-        PowerSGD instead of two per bucket (on a slow hop each costs its latency and the wait for
-        the slowest peer), and one copy back inside the island."""
-        held: list[tuple[torch.Tensor, Pending | None, bool, torch.futures.Future]] = []
+        """What runs beside backward: each bucket but a step's last one, in the order DDP hands them
+        over (the same on every rank), its exact island stage at once (:meth:`_start`); the stage
+        then waits here for the step's last bucket (:meth:`submit`)."""
         while True:
             item = self._queue.get()
-            if item is _STOP:
-                return
-            buffer, shapes, index, last, fut = item
-            if self._error is not None:
-                fut.set_exception(self._error)
-                continue
             try:
-                held.append((buffer, self._start(buffer, shapes, index), last, fut))
-                if last:
-                    self._end([(b, p, la) for b, p, la, _ in held])
-                    for b, _, _, f in held:
-                        f.set_result(b)
-                    held = []
-            except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
-                self._error = _failure(e)
-                for _, _, _, f in held:
-                    f.set_exception(self._error)
-                held = []
-                if not fut.done():
+                if item is _STOP:
+                    return
+                buffer, shapes, index, fut = item
+                if self._error is not None:
                     fut.set_exception(self._error)
+                    continue
+                try:
+                    self._held.append((buffer, self._start(buffer, shapes, index), False, fut))
+                except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
+                    self._fail(e, fut)
+            finally:
+                self._queue.task_done()
+
+    def _fail(self, e: BaseException, fut: torch.futures.Future | None = None) -> None:
+        self._error = _failure(e)
+        for _, _, _, f in self._held:
+            if not f.done():
+                f.set_exception(self._error)
+        self._held = []
+        if fut is not None and not fut.done():
+            fut.set_exception(self._error)
+
+    def _drain(self) -> None:
+        """Wait until the worker has done everything handed to it (bounded by its own collectives'
+        timeouts: each of its items ends or fails)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.join()
 
     def submit(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]], index: int,
                last: bool) -> torch.futures.Future:
+        """Take one of DDP's buckets. With ``overlap``, every bucket but the step's last begins on the
+        worker thread (its island stage runs while backward goes on); the last one, once the worker
+        has begun every earlier one, is begun here and the step's compressed exchange of all of them
+        runs here too, in DDP's thread, whose backward has nothing left to compute -- each of its
+        collectives issued and waited for in this thread (no hand-over to another thread and back
+        per collective, which on a busy machine costs a scheduling delay each)."""
         fut: torch.futures.Future = torch.futures.Future()
         if not self.overlap:
             try:
@@ -242,7 +315,24 @@ class CompressionState:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._worker, name="vcga-compress", daemon=True)
             self._thread.start()
-        self._queue.put((buffer, shapes, index, last, fut))
+        if not last:
+            self._queue.put((buffer, shapes, index, fut))
+            return fut.then(_value)
+        self._drain()
+        if self._error is not None:
+            self._fail(self._error, fut)
+            return fut.then(_value)
+        held, self._held = self._held, []
+        try:
+            if self.reducer is not None:
+                self.reducer.exchange.sync = True
+            held.append((buffer, self._start(buffer, shapes, index), True, fut))
+            self._end([(b, p, la) for b, p, la, _ in held])
+            for b, _, _, f in held:
+                f.set_result(b)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP through the futures
+            self._held = held
+            self._fail(e, fut)
         return fut.then(_value)
 
     # -- checkpointing -------------------------------------------------------------------------------
@@ -368,6 +458,8 @@ class CompressionState:
             d["link"] = self.link.to_json()
         if self.cost is not None:
             d["compress_cost"] = self.cost.to_json()
+        if self.auto is not None:  # per bucket: its mode, the model's prediction, what was observed
+            d["auto"] = {"buckets": self.auto.describe(), "checks": self.auto.checks}
         return d
 
 

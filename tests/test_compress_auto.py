@@ -1,0 +1,102 @@
+"""vcga.compress.auto: when=auto judged by the costs of real steps, fed injected observations
+(pure: no ranks; the DDP worlds of tests/test_compression.py run it end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vcga.compress.auto import DRIFT, MONITOR, WINDOW, AutoChoice
+
+KEY = (1 << 20, ((1024, 1024),), "float32")
+
+
+def run(ranks: list[AutoChoice], steps: int, cost) -> list[bool]:
+    """``steps`` steps on every rank: each bucket's observed cost is ``cost(rank, compress)``; the
+    checks sum every rank's table as the hook's all_reduce does. Returns rank 0's mode per step."""
+    modes = []
+    for step in range(1, steps + 1):
+        for r, a in enumerate(ranks):
+            for key in a.buckets:
+                a.observe(key, a.compress(key), cost(r, a.compress(key)))
+        assert len({a.due(step) for a in ranks}) == 1  # every rank checks at the same boundary
+        if ranks[0].due(step):
+            summed = [sum(col) for col in zip(*(a.table() for a in ranks), strict=True)]
+            changes = [a.agree(summed, len(ranks), step) for a in ranks]
+            assert all(c == changes[0] for c in changes)  # every rank switches alike
+        modes.append(ranks[0].compress(KEY))
+    return modes
+
+
+def world(first: bool, n: int = 4) -> list[AutoChoice]:
+    ranks = [AutoChoice() for _ in range(n)]
+    for a in ranks:
+        a.add(KEY, first, {"plain": 0.030, "compressed": 0.020})
+    return ranks
+
+
+def test_a_model_that_chose_compression_where_it_loses_is_overruled_by_the_steps():
+    """Issue 41's case: the figures said compress (the link looked fast, the compressor cheap on an
+    idle core), but with four ranks on two cores a compressed bucket costs 45 ms and a plain one
+    30: after WINDOW steps of each, every rank goes plain, at the same step, and stays."""
+    ranks = world(True)
+    modes = run(ranks, 40, lambda r, c: 0.045 if c else 0.030)
+    assert modes[0] is True and modes[-1] is False
+    first_plain = modes.index(False)
+    assert first_plain < 3 * (WINDOW + 1) and True not in modes[modes.index(False, first_plain) + 1 + WINDOW + 1:]
+    d = ranks[2].describe()[0]
+    assert d["model_chose"] is True and d["compress"] is False and d["phase"] == "settled"
+    assert d["observed_s"] == {"compressed": pytest.approx(0.045), "plain": pytest.approx(0.030)}
+    assert d["predicted_s"] == {"plain": 0.030, "compressed": 0.020}
+
+
+def test_a_right_choice_is_kept_after_its_trial_and_the_margin_keeps_noise_from_flipping_it():
+    """Compression really wins (20 against 30 ms): the plain trial loses and compression comes
+    back. A plain mode 2% faster than compression is within the margin: the first mode stays."""
+    modes = run(world(True), 40, lambda r, c: 0.020 if c else 0.030)
+    assert modes[-1] is True and modes.count(False) <= WINDOW + 1
+    modes = run(world(True), 40, lambda r, c: 0.0300 if c else 0.0294)
+    assert modes[-1] is True
+
+
+def test_the_ranks_decide_from_the_mean_over_ranks():
+    """Rank 3 alone sees compression as slow (a straggler): the mean over the four ranks still
+    favours it, and every rank keeps compressing."""
+    modes = run(world(True), 40, lambda r, c: (0.060 if r == 3 else 0.015) if c else 0.030)
+    assert modes[-1] is True
+
+
+def test_a_settled_bucket_that_gets_slower_is_tried_again():
+    """Plain settles at 30 ms; later the link degrades and plain takes DRIFT x longer: the check
+    tries compression, which now wins."""
+    ranks = world(False)
+    run(ranks, 20, lambda r, c: 0.045 if c else 0.030)
+    assert ranks[0].compress(KEY) is False and ranks[0].buckets[KEY].phase == "settled"
+    modes = run(ranks, 3 * MONITOR, lambda r, c: 0.045 if c else 0.030 * DRIFT * 2)
+    assert modes[-1] is True
+
+
+def test_a_bucket_that_goes_plain_takes_its_residual_with_it():
+    """Compression off for a bucket: its error-feedback residuals are added into the buffer that
+    is reduced plainly (each at its place), and its compression state is dropped."""
+    from vcga.compress.ef import ErrorFeedback
+    from vcga.compress.engine import Reducer
+    from vcga.compress.exchange import Exchange, _Slot
+
+    red = Reducer.__new__(Reducer)  # only what release_residuals reads: a one-island layout
+    red.scope, red.island = "all", (0,)
+    red.layout = type("L", (), {"islands": [(0,)], "equal": True})()
+    red.compressor = type("C", (), {"elementwise": False})()
+    red._cut_cache = {}
+    red.exchange = Exchange.__new__(Exchange)
+    red.exchange.slots, red.exchange.peers = {}, 2
+    key = (0, ((4, 3), (5,)))
+    ef = ErrorFeedback()
+    ef.input(torch.ones(5))
+    ef.update(torch.ones(5), torch.full((5,), 0.75))  # residual 0.25 for the bias at offset 12
+    red.exchange.slots[(key, 0, 1, 12)] = _Slot(ef=ef)
+    red.exchange.slots[((1, ((2,),)), 0, 0, 0)] = _Slot()  # another bucket's: untouched
+    flat = torch.zeros(17)
+    assert red.release_residuals(flat, [(4, 3), (5,)], key) == 1
+    assert torch.equal(flat[12:], torch.full((5,), 0.25)) and not flat[:12].any()
+    assert list(red.exchange.slots) == [((1, ((2,),)), 0, 0, 0)]
