@@ -48,6 +48,9 @@ Usage::
 
     python benchmarks/compression.py converge --vendors nccl:2,hccl:2 --steps 200   # one node, sim vendors
     python benchmarks/compression.py nodes --rate 1gbit --steps 30                    # 2 namespace nodes (root)
+    python benchmarks/compression.py nodes --per-node 1 --width 640 --depth 3 --interleave --repeat 7 \
+        --variants "exact;vcga:powersgd:rank=4;torch-powersgd:4" --ratio "vcga:powersgd:rank=4/torch-powersgd:4"
+        # vcga's PowerSGD against torch's hook: step k of each variant back to back, 7 runs, median and IQR
     python benchmarks/compression.py converge --markdown                              # table for docs/benchmarks.md
     python benchmarks/compression.py converge --steps 12000 --curve 100 --target-step 2000
         # time to accuracy: the steps each variant takes to reach exact's loss at step 2000
@@ -420,82 +423,140 @@ def _local_work(spec_text: str, model: Any, rank: int, world: int) -> Any:
     return run
 
 
-def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class Variant:
+    """One variant's training on this rank: built (model, DDP, hook, optimizer), stepped one step at
+    a time (:meth:`step`), and summed up (:meth:`result`, collective: every rank in the same
+    order). ``run_variant`` steps one variant to its end; ``--interleave`` steps every variant's
+    step k before any variant's step k + 1, in rotating order (the same on every rank), so that the
+    machine's load falls on all of them alike."""
 
-    from vcga.compress import WireMeter
+    def __init__(self, variant: str, args: argparse.Namespace, rank: int, world: int) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    student, draw, loss_fn = task(args)
-    work = _local_work(variant[len("compute+"):], student, rank, world) if variant.startswith("compute+") else None
-    compute_only = variant == "compute" or work is not None
-    # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
-    # every variant's step (its loss is one rank's own training: not compared); "compute+SPEC": plus
-    # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
-    ddp = student if compute_only else DDP(student, bucket_cap_mb=args.bucket_mb)  # no buffers to sync
-    meter = WireMeter()
-    # ref-dgc and ref-ef21m apply SGD's momentum inside their hooks: their optimizer has none
-    in_hook = variant.startswith(("ref-dgc:", "ref-ef21m:"))
-    if in_hook and args.optim != "sgd":
-        raise SystemExit(f"{variant.split(':')[0]} applies SGD's momentum in its hook: use --optim sgd")
-    state, hook, closer = _hook_for("exact" if compute_only else variant, meter, args.momentum)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    opt = (torch.optim.Adam(ddp.parameters(), lr=args.lr) if args.optim == "adam"
-           else torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
-    times = []
-    per = args.batch
-    # --curve K: the held-out loss every K steps (the same batch as the final loss)
-    xe, ye = draw(*HELD_OUT, held_out=True)
-    curve: list[tuple[int, float]] = []
-    for step in range(args.steps):
-        x, y = draw(per, 1_000_003 * step + rank + 7_919 * args.seed)
+        from vcga.compress import WireMeter
+
+        self.variant, self.args, self.rank, self.world = variant, args, rank, world
+        self.student, self.draw, self.loss_fn = task(args)
+        student = self.student
+        self.work = (_local_work(variant[len("compute+"):], student, rank, world) if variant.startswith("compute+")
+                     else None)
+        self.compute_only = variant == "compute" or self.work is not None
+        # "compute": the same steps without DDP (no communication), every rank at once -- the floor of
+        # every variant's step (its loss is one rank's own training: not compared); "compute+SPEC": plus
+        # the compressor's work on this rank's share, without sending anything -- a compressed step's floor
+        self.ddp = student if self.compute_only else DDP(student, bucket_cap_mb=args.bucket_mb)  # no buffers to sync
+        self.meter = WireMeter()
+        # ref-dgc and ref-ef21m apply SGD's momentum inside their hooks: their optimizer has none
+        in_hook = variant.startswith(("ref-dgc:", "ref-ef21m:"))
+        if in_hook and args.optim != "sgd":
+            raise SystemExit(f"{variant.split(':')[0]} applies SGD's momentum in its hook: use --optim sgd")
+        self.state, hook, self.closer = _hook_for("exact" if self.compute_only else variant, self.meter, args.momentum)
+        if hook is not None:
+            self.ddp.register_comm_hook(self.state, hook)
+        self.opt = (torch.optim.Adam(self.ddp.parameters(), lr=args.lr) if args.optim == "adam"
+                    else torch.optim.SGD(self.ddp.parameters(), lr=args.lr, momentum=0.0 if in_hook else args.momentum))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, args))
+        self.times: list[float] = []
+        # --curve K: the held-out loss every K steps (the same batch as the final loss)
+        self.xe, self.ye = self.draw(*HELD_OUT, held_out=True)
+        self.curve: list[tuple[int, float]] = []
+        self.cpu = 0.0  # CPU seconds of the timed steps (every thread of this rank)
+        self.link = 0  # bytes on this node's link during the timed steps (-1: not counted)
+
+    def step(self, step: int, fenced: bool = False) -> None:
+        """One training step (``fenced``: between barriers, its link bytes and CPU its own)."""
+        import torch
+        import torch.distributed as dist
+
+        args = self.args
+        x, y = self.draw(args.batch, 1_000_003 * step + self.rank + 7_919 * args.seed)
+        timed = step >= args.warmup
         if step == args.warmup:
-            meter.reset()
+            self.meter.reset()
+        if fenced or step == args.warmup:
             dist.barrier()
-            link0 = _link_bytes()
-            cpu0 = time.process_time()
+        if fenced or step == args.warmup:
+            link0, cpu0 = _link_bytes(), time.process_time()
         t0 = time.perf_counter()
-        loss = loss_fn(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.ddp(x), y)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if work is not None:
-            work(step)
-        opt.step()
-        sched.step()
-        times.append(time.perf_counter() - t0)
-        if args.curve and (step + 1) % args.curve == 0 and not compute_only:  # untimed
+        if self.work is not None:
+            self.work(step)
+        self.opt.step()
+        self.sched.step()
+        self.times.append(time.perf_counter() - t0)
+        if fenced:
+            cpu1 = time.process_time()
+            dist.barrier()
+            link1 = _link_bytes()
+            if timed:
+                self.cpu += cpu1 - cpu0
+                self.link = -1 if link0 < 0 or self.link < 0 else self.link + link1 - link0
+        elif step == args.warmup:
+            self._link0, self._cpu0 = link0, cpu0
+        if args.curve and (step + 1) % args.curve == 0 and not self.compute_only:  # untimed
             with torch.no_grad():
-                curve.append((step + 1, float(loss_fn(student(xe), ye))))
-    cpu1 = time.process_time()  # every thread of this rank: training, hook, library, bridge
-    dist.barrier()
-    link1 = _link_bytes()
-    timed = max(args.steps - args.warmup, 1)
-    with torch.no_grad():
-        final = float(loss_fn(student(xe), ye))
-    digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in student.parameters()]).numpy().tobytes()).hexdigest()
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest)
-    # step time: the slowest rank's median
-    med = torch.tensor([statistics.median(times[args.warmup:]) if args.steps > args.warmup else 0.0], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    cross = torch.tensor([meter.total_sent("cross") / timed], dtype=torch.float64)
-    dist.all_reduce(cross)  # every rank's bytes across the hop
-    cpu = torch.tensor([(cpu1 - cpu0) / timed], dtype=torch.float64)
-    dist.all_reduce(cpu)  # CPU seconds per step, all ranks together
-    lb = torch.tensor([(link1 - link0) / timed if link0 >= 0 else -1.0], dtype=torch.float64)
-    dist.all_reduce(lb, op=dist.ReduceOp.MAX)
-    if closer is not None:
-        closer()
-    grad_bytes = sum(p.numel() * p.element_size() for p in student.parameters())
-    return {"variant": variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med), "curve": curve,
-            "cpu_s": float(cpu),
-            "grad_bytes": grad_bytes,
-            "meter_cross_bytes_per_step": float(cross) if variant.startswith("vcga:") else None,
-            # tx+rx of one node's link = bytes crossing it in both directions
-            "link_bytes_per_step": float(lb) if float(lb) >= 0 else None}
+                self.curve.append((step + 1, float(self.loss_fn(self.student(self.xe), self.ye))))
+
+    def result(self, fenced: bool = False) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        args, world, student = self.args, self.world, self.student
+        if not fenced:  # the timed steps ran back to back: their CPU and link bytes since the warm-up
+            cpu1 = time.process_time()  # every thread of this rank: training, hook, library, bridge
+            dist.barrier()
+            link1 = _link_bytes()
+            link0, cpu0 = getattr(self, "_link0", -1), getattr(self, "_cpu0", cpu1)
+            self.cpu = cpu1 - cpu0
+            self.link = link1 - link0 if link0 >= 0 else -1
+        timed = max(args.steps - args.warmup, 1)
+        with torch.no_grad():
+            final = float(self.loss_fn(student(self.xe), self.ye))
+        flat = torch.cat([p.detach().reshape(-1) for p in student.parameters()])
+        digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, digest)
+        # step time: the slowest rank's median
+        med = torch.tensor([statistics.median(self.times[args.warmup:]) if args.steps > args.warmup else 0.0],
+                           dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        cross = torch.tensor([self.meter.total_sent("cross") / timed], dtype=torch.float64)
+        dist.all_reduce(cross)  # every rank's bytes across the hop
+        cpu = torch.tensor([self.cpu / timed], dtype=torch.float64)
+        dist.all_reduce(cpu)  # CPU seconds per step, all ranks together
+        lb = torch.tensor([self.link / timed if self.link >= 0 else -1.0], dtype=torch.float64)
+        dist.all_reduce(lb, op=dist.ReduceOp.MAX)
+        described = self.state.describe() if hasattr(self.state, "describe") else None
+        if self.closer is not None:
+            self.closer()
+        grad_bytes = sum(p.numel() * p.element_size() for p in student.parameters())
+        return {"variant": self.variant, "loss": final, "identical": len(set(digests)) == 1, "step_s": float(med),
+                "curve": self.curve, "cpu_s": float(cpu), "grad_bytes": grad_bytes,
+                "meter_cross_bytes_per_step": float(cross) if self.variant.startswith("vcga:") else None,
+                # tx+rx of one node's link = bytes crossing it in both directions
+                "link_bytes_per_step": float(lb) if float(lb) >= 0 else None,
+                "auto": (described or {}).get("auto")}
+
+
+def run_variant(variant: str, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    v = Variant(variant, args, rank, world)
+    for step in range(args.steps):
+        v.step(step)
+    return v.result()
+
+
+def run_interleaved(args: argparse.Namespace, rank: int, world: int) -> list[dict[str, Any]]:
+    """Every variant built first; then step k of each, in an order that rotates with k (the same on
+    every rank), between barriers; then each one's result, in the order given."""
+    vs = [Variant(v, args, rank, world) for v in args.variants]
+    for step in range(args.steps):
+        r = step % len(vs)
+        for v in vs[r:] + vs[:r]:
+            v.step(step, fenced=True)
+    return [v.result(fenced=True) for v in vs]
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any = None) -> None:
@@ -509,7 +570,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("vcga")
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = [run_variant(v, args, rank, world) for v in args.variants]
+    results = (run_interleaved(args, rank, world) if args.interleave
+               else [run_variant(v, args, rank, world) for v in args.variants])
     dist.destroy_process_group()
     if rank == 0:
         if queue is not None:
@@ -619,6 +681,15 @@ def main() -> None:
                     help="another student initialisation and other training batches (the task and held-out batch stay)")
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every variant first, then run step k of each (rotating order, between barriers) "
+                         "before step k + 1: the machine's load falls on all alike")
+    ap.add_argument("--repeat", type=int, default=1, help="nodes mode: this many runs, a fresh cluster each")
+    ap.add_argument("--ratio", action="append", default=[], metavar="A/B[,C]",
+                    help="nodes mode: report A's step over B's (or over the faster of B and C) in every run, "
+                         "with the median and interquartile range (repeatable)")
+    ap.add_argument("--bucket-ms", type=float, default=1.0, help="nodes mode: tbf's bucket in ms at the link's rate")
+    ap.add_argument("--json", default="", help="nodes mode: every run's figures")
     args = ap.parse_args()
     args.variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if "exact" not in args.variants:
@@ -641,7 +712,55 @@ def main() -> None:
 
 
 def run_nodes(args: argparse.Namespace) -> None:
-    """2 namespace nodes x ``--per-node`` ranks, nccl ranks on node 0 and hccl ranks on node 1, link at ``--rate``."""
+    """2 namespace nodes x ``--per-node`` ranks, nccl ranks on node 0 and hccl ranks on node 1, link
+    at ``--rate``; ``--repeat`` times (a fresh cluster each), then the ``--ratio`` summary."""
+    from vcga.testing.multinode import parse_rate
+
+    title = (f"2 nodes x {args.per_node} rank{'s' if args.per_node > 1 else ''} (sim-nccl on node0, sim-hccl on "
+             f"node1), link {args.rate} (tbf bucket {args.bucket_ms:g} ms), {_training_title(args)}, {args.steps} steps "
+             f"({args.warmup} untimed){', variants interleaved step by step' if args.interleave else ''}")
+    runs = []
+    for i in range(args.repeat):
+        results = _nodes_once(args)
+        runs.append(results)
+        print(report(results, args.markdown, title + (f", run {i + 1} of {args.repeat}" if args.repeat > 1 else ""),
+                     parse_rate(args.rate), target_step=args.target_step, loss_floor=_floor(args)), flush=True)
+        for r in results:
+            if r.get("auto"):
+                print(f"  {r['variant']} when=auto: " + "; ".join(
+                    f"{b['bucket']}: {'compressed' if b['compress'] else 'plain'} (model: "
+                    f"{'compressed' if b['model_chose'] else 'plain'}; observed ms "
+                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b["observed_s"].items()) + ")"
+                    for b in r["auto"]["buckets"]), flush=True)
+    if args.ratio:
+        print("\n" + ratio_summary(runs, args.ratio, args.markdown))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "runs": runs}, f)
+
+
+def ratio_summary(runs: list[list[dict[str, Any]]], ratios: list[str], markdown: bool) -> str:
+    """Per ``A/B[,C]``: A's step over min(B's, C's) in each run (the same run's figures), their
+    median and interquartile range."""
+    from _ranks import table
+
+    rows = []
+    for spec in ratios:
+        a, _, rest = spec.partition("/")
+        per = []
+        for results in runs:
+            step = {r["variant"]: r["step_s"] for r in results}
+            missing = [v for v in (a, *rest.split(",")) if v not in step]
+            if missing:
+                raise SystemExit(f"--ratio {spec}: no variant {missing[0]!r} in this run")
+            per.append(step[a] / min(step[b] for b in rest.split(",")))
+        q = statistics.quantiles(per, n=4) if len(per) >= 2 else [per[0]] * 3
+        rows.append([f"{a} / {'min(' + rest + ')' if ',' in rest else rest}", ", ".join(f"{v:.3f}" for v in per),
+                     f"{statistics.median(per):.3f}", f"{q[0]:.3f}-{q[2]:.3f}", str(len(per))])
+    return table(["ratio (step)", "per run", "median", "IQR", "runs"], rows, markdown)
+
+
+def _nodes_once(args: argparse.Namespace) -> list[dict[str, Any]]:
     import shutil
     import tempfile
     import threading
@@ -655,14 +774,16 @@ def run_nodes(args: argparse.Namespace) -> None:
 
     def go() -> None:
         try:
-            with Cluster(nodes=2, rate=args.rate) as cluster:
+            with Cluster(nodes=2, rate=args.rate, bucket_s=args.bucket_ms / 1e3) as cluster:
                 argv = [os.path.abspath(__file__), "rank", "--variants", ";".join(args.variants),
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
                         "--depth", str(args.depth), "--batch", str(args.batch), "--lr", str(args.lr),
-                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum), "--noise", str(args.noise),
-                        "--teacher-rank", str(args.teacher_rank), "--features", str(args.features),
-                        "--active", str(args.active), "--curve", str(args.curve), "--task", args.task,
-                        "--schedule", args.schedule, "--lr-warmup", str(args.lr_warmup), "--seed", str(args.seed), "--out", os.path.join(out, "r.json")]
+                        "--bucket-mb", str(args.bucket_mb), "--optim", args.optim, "--momentum", str(args.momentum),
+                        "--noise", str(args.noise), "--teacher-rank", str(args.teacher_rank),
+                        "--features", str(args.features), "--active", str(args.active), "--curve", str(args.curve),
+                        "--task", args.task, "--schedule", args.schedule, "--lr-warmup", str(args.lr_warmup),
+                        "--seed", str(args.seed), "--out", os.path.join(out, "r.json"),
+                        *(["--interleave"] if args.interleave else [])]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
                 env.update(VCGA_TIMEOUT="600", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
                 launch = cluster.torchrun(argv, nproc_per_node=args.per_node, env=env,
@@ -682,15 +803,9 @@ def run_nodes(args: argparse.Namespace) -> None:
         if bad:
             raise SystemExit("a node failed:\n" + bad[0].output[-4000:])
         with open(os.path.join(out, "r.json")) as f:
-            results = json.load(f)
+            return json.load(f)  # type: ignore[no-any-return]
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    title = (f"2 nodes x {args.per_node} rank{'s' if args.per_node > 1 else ''} (sim-nccl on node0, sim-hccl on node1), "
-             f"link {args.rate}, {_training_title(args)}, {args.steps} steps ({args.warmup} untimed)")
-    from vcga.testing.multinode import parse_rate
-
-    print(report(results, args.markdown, title, parse_rate(args.rate), target_step=args.target_step,
-                 loss_floor=_floor(args)))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def failing_main(rank: int, world: int, port: int, vendors: str, overlap: bool, 
     out: dict[str, Any] = {}
     for step in range(3):
         if step == 2 and fault == "injected":
-            def broken(self: Any, pending: Any) -> None:
+            def broken(self: Any, pending: Any, divisor: float = 1.0) -> None:
                 raise ValueError("injected fault")
 
             Reducer.finish = broken  # type: ignore[method-assign]

@@ -184,13 +184,30 @@ class Compressor(abc.ABC):
         return None
 
     def decompress_into(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
-                        round: int, out: torch.Tensor) -> bool:  # noqa: A002
-        """Optional, SUM compressors: :meth:`decompress` writing the decoded sum into ``out`` (the
-        shape and dtype of ``x``, contiguous) instead of returning it -- the same bits, the same
-        changes to ``state``; True when done so, False (the default, and for a round that decodes
-        nothing yet) when the driver is to call :meth:`decompress` instead. Saves the driver a copy
-        of every decoded tensor."""
+                        round: int, out: torch.Tensor, divisor: float = 1.0) -> bool:  # noqa: A002
+        """Optional, SUM compressors: :meth:`decompress` writing the decoded sum divided by
+        ``divisor`` (the driver's average over the group) into ``out`` (the shape and dtype of
+        ``x``, contiguous) instead of returning it -- the same changes to ``state``; True when done
+        so, False (the default, and for a round that decodes nothing yet) when the driver is to call
+        :meth:`decompress` instead. Saves the driver a copy and a division of every decoded tensor:
+        the division may be folded into a small factor (PowerSGD divides the summed Q). Where the
+        compressor has a compact form (:meth:`decoded_layout`), the bits written must be those
+        :meth:`expand_divided` writes from that form -- or, for a compressor without it, those of
+        the decoded value divided -- so that every island rank rebuilds the same."""
         return False
+
+    def expand_divided(self, form: list[torch.Tensor], shape: tuple[int, ...], out: torch.Tensor,
+                       divisor: float) -> bool:
+        """Optional, with a compact form: :meth:`expand` of ``form`` divided by ``divisor`` into
+        ``out``, with :meth:`decompress_into`'s bits; True when done, False (the default) when the
+        driver is to expand and divide itself."""
+        return False
+
+    def decoded_finite(self, state: dict[str, Any]) -> bool | None:
+        """Optional: whether the value the last round decoded is finite, if the compressor can tell
+        without reading it (PowerSGD: from P̂ and the summed Q, whose products and sums of r terms
+        cannot overflow below a bound); None (the default) when the driver is to read it."""
+        return None
 
     def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
         """Optional, SUM compressors: the tensors (shape, canonical dtype) of a compact form of the

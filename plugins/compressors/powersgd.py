@@ -115,24 +115,55 @@ class PowerSGD(Compressor):
         # the decoded matrix is read once by the driver before the next call: reuse its buffer
         return self._decoded(q, state, _buffer(state, "decoded", q, state["p"].shape[0]))
 
-    def _decoded(self, q: torch.Tensor, state: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
-        """The last round's decode: P̂ Qᵀ (fixed order) into ``out`` ``[n, m]``."""
+    def _decoded(self, q: torch.Tensor, state: dict[str, Any], out: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
+        """The last round's decode: P̂ (Q / divisor)ᵀ (fixed order) into ``out`` ``[n, m]``."""
         from vcga.compress.fused import outer_sum
 
         if self.warm:
             state["q"] = q.clone()
         state["q_sum"] = q  # with P̂, the compact form of the decoded sum (decoded_form)
-        return outer_sum(state["p"], q, out=out)
+        return outer_sum(state["p"], q / divisor if divisor != 1 else q, out=out)
 
     def decompress_into(self, payload: list[torch.Tensor], state: dict[str, Any], ctx: CompressContext,
-                        round: int, out: torch.Tensor) -> bool:  # noqa: A002
+                        round: int, out: torch.Tensor, divisor: float = 1.0) -> bool:  # noqa: A002
         if not state.get("compressed", True) or round + 1 < self.rounds or not out.is_contiguous():
             return False
         q = payload[0]
         if out.device != q.device or out.dtype != q.dtype:
             return False
-        self._decoded(q, state, out.view(state["p"].shape[0], q.shape[0]))
+        # the average divides the small summed Q, not the decoded matrix: the same bits as
+        # expand_divided of the compact form (P̂, summed Q) on every island rank
+        self._decoded(q, state, out.view(state["p"].shape[0], q.shape[0]), divisor)
         return True
+
+    def expand_divided(self, form: list[torch.Tensor], shape: tuple[int, ...], out: torch.Tensor,
+                       divisor: float) -> bool:
+        import torch
+
+        from vcga.compress.fused import outer_sum
+
+        if not out.is_contiguous():
+            return False
+        if len(form) == 1:
+            torch.div(form[0].reshape(shape), divisor, out=out)
+            return True
+        p, q = form
+        outer_sum(p, q / divisor if divisor != 1 else q, out=out.view(p.shape[0], q.shape[0]))
+        return True
+
+    def decoded_finite(self, state: dict[str, Any]) -> bool | None:
+        import torch
+
+        if not state.get("compressed", True) or "q_sum" not in state:
+            return None
+        p, q = state["p"], state["q_sum"]
+        if not (bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all())):
+            return False
+        # each decoded element is a sum of r products p_ik q_jk (divided): at most r max|P̂| max|Q|
+        # in magnitude, every partial sum too (up to roundings of relative size r u): no overflow,
+        # no inf - inf, when that bound is below the dtype's largest finite value with room
+        bound = p.shape[1] * float(p.abs().max()) * float(q.abs().max())
+        return True if bound < torch.finfo(q.dtype).max / 4 else None
 
     def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
         p = self._plan(tuple(shape))

@@ -63,7 +63,7 @@ MARGIN = 0.95
 MONITOR = 16
 #: A settled class is checked again when its algorithm takes this many times its settled time, on
 #: two watched calls running.
-DRIFT = 1.5
+DRIFT = 2.0
 #: The algorithms in decision codes (index), in the order the plan names them.
 ALGORITHM_CODES = ("leader", "bandwidth", "replicated")
 #: Classes a decision code can name: messages below 2^64 bytes.

@@ -35,8 +35,8 @@ WINDOW = 4
 #: replaces compression only where it is below this share of the compressed median).
 MARGIN = 0.95
 #: A settled bucket is tried the other way again when its mode takes this many times its settled
-#: median at a check.
-DRIFT = 1.5
+#: median at a check (a shared machine's noise alone stays below it).
+DRIFT = 2.0
 #: Steps between checks once every bucket has settled.
 MONITOR = 32
 
@@ -74,6 +74,13 @@ class AutoChoice:
 
     def compress(self, key: Hashable) -> bool:
         return self.buckets[key].compress
+
+    def forget(self, keep: Any) -> None:
+        """Drop the buckets ``keep(key)`` rejects (DDP rebuilt its buckets: the old layout's keys
+        come no more, and would hold every later check back from the settled pace)."""
+        for key in [k for k in self._order if not keep(k)]:
+            del self.buckets[key]
+        self._order = [k for k in self._order if k in self.buckets]
 
     def observe(self, key: Hashable, compress: bool, seconds: float) -> None:
         """This rank reduced bucket ``key`` in mode ``compress`` in ``seconds`` this step."""

@@ -108,6 +108,8 @@ class Pending:
     width: int = 0
     direct: bool = True
     plan: Any = None
+    #: after :meth:`Reducer.finish` with a divisor: the whole buffer holds the average already
+    averaged: bool = False
 
 
 class Reducer:
@@ -344,7 +346,7 @@ class Reducer:
         self._compact_cache[key] = plan
         return plan
 
-    def _compact_all_gather(self, per: list[tuple[Pending, list[list[torch.Tensor]]]]) -> None:
+    def _compact_all_gather(self, per: list[tuple[Pending, list[list[torch.Tensor]]]], divisor: float = 1.0) -> None:
         """Every island rank gets every part's compact form (of every buffer in ``per``, in one
         all-gather) and rebuilds the others' parts in place (its own is there already): the same
         bytes through the same element-wise operations on the same kind of device as the part's
@@ -380,10 +382,16 @@ class Reducer:
                         form.append(_from_bytes(rows[j, off:off + nb], torch.empty(ts, dtype=td)).to(dev))
                         off += nb
                     view = p.flat[o:o + math.prod(s)].view(s)
-                    if dev == device:
+                    # the owner's bits (Exchange.run): divided within the expansion where the
+                    # compressor folds it there, else the expanded value divided
+                    if (divisor != 1 and dev == device and not self.exchange.host_decode
+                            and self.compressor.expand_divided(form, s, view, divisor)):
+                        continue
+                    if dev == device and divisor == 1:
                         self.compressor.expand(form, s, out=view)
                     else:
-                        view.copy_(self.compressor.expand(form, s).to(device))
+                        got = self.compressor.expand(form, s)
+                        view.copy_((got / divisor if divisor != 1 else got).to(device))
             base += width
 
     # -- the reduction ---------------------------------------------------------------------------------
@@ -473,15 +481,18 @@ class Reducer:
         idx, views = self._views(buf, 0, shapes, offsets, a, b)
         return Pending(flat, views, [(key, part, *j) for j in idx], exchange=True)
 
-    def finish(self, pending: Sequence[Pending]) -> None:
+    def finish(self, pending: Sequence[Pending], divisor: float = 1.0) -> None:
         """The compressed exchange of every begun buffer in ``pending`` at once, and the copy back
-        inside the island (see :meth:`begin`)."""
+        inside the island (see :meth:`begin`). ``divisor``: divide the sums by it (an average) where
+        the exchange decodes them -- folded into the decode where the compressor can -- and mark
+        each buffer that holds the average whole (:attr:`Pending.averaged`); the others hold the
+        sum."""
         views = [v for p in pending for v in p.views]
         keys = [kk for p in pending for kk in p.keys]
         compact = [p for p in pending if p.after is CopyBack.COMPACT]
         forms: list[list[torch.Tensor]] | None = None
         if any(p.exchange for p in pending):
-            forms = self.exchange.run(views, keys, self.step, forms=bool(compact))
+            forms = self.exchange.run(views, keys, self.step, forms=bool(compact), divisor=divisor)
         if compact and forms is None:  # the exchange had nothing to say: copy the values back
             for p in compact:
                 p.after = CopyBack.GATHER
@@ -496,7 +507,7 @@ class Reducer:
             for p, _ in per:  # this rank's part: decoded in place by the exchange
                 a, b = p.cuts[self.local], p.cuts[self.local + 1]
                 p.flat[a:b].copy_(p.part[:b - a])  # type: ignore[index]
-            self._compact_all_gather(per)
+            self._compact_all_gather(per, divisor)
         for p in pending:
             if p.after is CopyBack.BROADCAST:
                 dist.broadcast(p.flat, src=self.topology.ranks[self.island[0]], group=self.island_group)
@@ -510,8 +521,12 @@ class Reducer:
                     all_gather_single(rows, p.part, group=self.island_group)
                     for i in range(k):
                         p.flat[p.cuts[i]:p.cuts[i + 1]] = rows[i * p.width:i * p.width + p.cuts[i + 1] - p.cuts[i]]
+        for p in pending:  # what an exchange divided (this rank's, or its island leader's), or copies of it
+            p.averaged = p.exchange or p.after is not CopyBack.NONE
         sums = [(key, view) for p in pending for key, view in zip(p.keys, p.views, strict=True)]  # this rank's share
-        dropped = [key for (key, _), ok in zip(sums, _finite_each([v for _, v in sums]), strict=True) if not ok]
+        told = [self.exchange.decoded_finite(key) for key, _ in sums]  # the compressor knows, or read it
+        read = iter(_finite_each([v for (_, v), t in zip(sums, told, strict=True) if t is None]))
+        dropped = [key for (key, _), t in zip(sums, told, strict=True) if not (t if t is not None else next(read))]
         if dropped:
             self._restart(dropped)
 

@@ -198,12 +198,18 @@ class Exchange:
     # -- the exchange --------------------------------------------------------------------------------
 
     def run(self, tensors: Sequence[torch.Tensor], keys: Sequence[Any], step: int,
-            forms: bool = False) -> list[list[torch.Tensor]] | None:
-        """Replace each tensor by its sum over the peers (decoded from the compressed payloads).
+            forms: bool = False, divisor: float = 1.0) -> list[list[torch.Tensor]] | None:
+        """Replace each tensor by its sum over the peers (decoded from the compressed payloads),
+        divided by ``divisor`` (the caller's average; folded into the decode where the compressor
+        can, :meth:`~vcga.contract.Compressor.decompress_into`).
 
         With ``forms`` (a SUM compressor with a compact decoded form, :meth:`Compressor.decoded_layout`):
-        return each tensor's compact form too (on the device it was decoded on), else None."""
+        return each tensor's compact form too (on the device it was decoded on, undivided: rebuild
+        with :meth:`expand`), else None."""
         if self.peers <= 1 or self.group is None:
+            if divisor != 1:
+                for t in tensors:
+                    t.div_(divisor)
             return None
         xs = []
         for t, k in zip(tensors, keys, strict=True):
@@ -211,22 +217,35 @@ class Exchange:
             xs.append(slot.ef.input(t) if slot.ef is not None else t)
         got: list[list[torch.Tensor]] | None = [] if forms and self.c.combine is Combine.SUM else None
         if self.c.combine is Combine.SUM:
-            outs = self._run_sum(xs, keys, step, got, into=None if self.host_decode else list(tensors))
+            outs = self._run_sum(xs, keys, step, got, into=None if self.host_decode else list(tensors),
+                                 divisor=divisor)
         elif self.c.server:
             outs = self._run_two_phase(xs, keys, step)
         else:
             outs = self._run_gather(xs, keys, step)
-        for t, o in zip(tensors, outs, strict=True):
-            if o is not t:  # decoded in place already (Compressor.decompress_into)
+        for i, (t, o) in enumerate(zip(tensors, outs, strict=True)):
+            if o is t:  # decoded in place already, divided (Compressor.decompress_into)
+                continue
+            if divisor == 1:
                 t.copy_(o.reshape(t.shape))
+            elif got is not None and not self.host_decode and self.c.expand_divided(got[i], tuple(t.shape), t, divisor):
+                pass  # the compact form's bits, which every island rank rebuilds the same way
+            else:
+                torch.div(o.reshape(t.shape), divisor, out=t)
         return got
+
+    def decoded_finite(self, key: Any) -> bool | None:
+        """Whether ``key``'s last decoded sum is finite, where the compressor can tell without reading
+        it (:meth:`~vcga.contract.Compressor.decoded_finite`); None: read it."""
+        slot = self.slots.get(key)
+        return self.c.decoded_finite(slot.state) if slot is not None else None
 
     def _decode_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if self.host_decode else t
 
     def _run_sum(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
                  forms: list[list[torch.Tensor]] | None = None,
-                 into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                 into: list[torch.Tensor] | None = None, divisor: float = 1.0) -> list[torch.Tensor]:
         """The rounds of a SUM compressor; ``into``: the tensors the decoded sums go to, which a
         compressor may decode into directly (:meth:`~vcga.contract.Compressor.decompress_into`)."""
         c = self.c
@@ -251,7 +270,7 @@ class Exchange:
             summed = self._finish_sum(travelling)
             for i in pending:
                 state, ctx = self.slot(keys[i]).state, self.ctx(keys[i], step)
-                if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i]):
+                if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i], divisor):
                     out[i] = into[i]
                     continue
                 got = c.decompress(summed[i], state, ctx, rnd)

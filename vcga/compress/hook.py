@@ -243,13 +243,14 @@ class CompressionState:
         if pending:
             assert self.reducer is not None
             t0 = time.perf_counter()
-            self.reducer.finish(pending)
+            self.reducer.finish(pending, divisor=self.world)
             took = time.perf_counter() - t0
             total = sum(p.flat.numel() for p in pending) or 1
             for p in pending:  # the step's one exchange, shared by the buckets in it by their elements
                 self._observed(self._pending_key.pop(id(p), None), True, took * p.flat.numel() / total)
-        for buffer, _, last in items:
-            buffer.div_(self.world)
+        for buffer, p, last in items:
+            if p is None or not p.averaged:  # a plain all_reduce's sum (the exchange averaged the rest)
+                buffer.div_(self.world)
             if last:
                 r = self.reducer
                 if r is not None and self._last_keys and self._keys != self._last_keys:
@@ -257,6 +258,9 @@ class CompressionState:
                     # the old layout belong to no bucket any more
                     keep = set(self._keys)
                     r.exchange.forget(lambda k: k[0] in keep)  # noqa: B023 - called before the loop moves on
+                    if self.auto is not None:
+                        layouts = {k[1] for k in keep}
+                        self.auto.forget(lambda k: k[1] in layouts)  # noqa: B023 - called at once
                 self._last_keys, self._keys = self._keys, set()
                 self.step += 1
                 self._pending_key.clear()
