@@ -297,7 +297,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
             "--ddp-steps", str(args.ddp_steps),
             "--batch", str(args.batch), "--sizes", ",".join(map(str, args.sizes)),
             "--ddp-segments", ",".join(map(str, args.ddp_segments))]
-    with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, Cluster(nodes=2, rate=rate, bucket_s=args.bucket_ms / 1e3) as cluster:
+    with tempfile.TemporaryDirectory(prefix="vcga-bench-mn-") as tmp, \
+            Cluster(nodes=2, rate=rate, bucket_s=args.bucket_ms / 1e3) as cluster:
         launch = cluster.torchrun([*argv, "--as-rank", tmp], 2, env=env,
                                   node_env=[{"VCGA_BACKEND": "sim-nccl"}, {"VCGA_BACKEND": "sim-hccl"}])
         results = launch.wait(timeout=args.timeout)
@@ -335,8 +336,8 @@ def report(res: dict[str, Any], markdown: bool) -> str:
     cores = res.get("cores", 0)
     first = res["all_reduce"][0] if res["all_reduce"] else {}
     lines = [f"link {res['rate']} (both ends tbf, bucket {res.get('bucket_ms', 1):g} ms, mtu {link.get('mtu', '?')}, "
-             f"tcp mss {link.get('mss', '?')}), 2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, medians of calls "
-             f"{first.get('skipped', 1) + 1}-{first.get('calls', '?')}"]
+             f"tcp mss {link.get('mss', '?')}), 2 nodes x 2 ranks (sim-nccl | sim-hccl), {cores} cores, "
+             f"medians of calls {first.get('skipped', 1) + 1}-{first.get('calls', '?')}"]
     head = ["size", "link bound ms", "framed bound ms", "bridge auto ms", "/bound", "/framed", "auto chose",
             "node sent / size (interface)", "auto in order ms", "/framed", "leader ms", "bandwidth ms",
             "replicated ms", "flat gloo ms", "/bound"]
@@ -397,7 +398,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6, help="all_reduce calls of each variant per size")
     ap.add_argument("--skip", type=int, default=1, help="the first calls of each variant left out of the medians")
     ap.add_argument("--bucket-ms", type=float, default=1.0,
-                    help="tbf's bucket, in ms at the link's rate (1: the harness's default; 8: tc's burst 1mb at 1 Gbit/s)")
+                    help="tbf's bucket, in ms at the link's rate (1: the harness's default; 8: tc's burst 1mb "
+                         "at 1 Gbit/s)")
     ap.add_argument("--ddp-steps", type=int, default=12, help="0: all_reduce only")
     ap.add_argument("--batch", type=int, default=128, help="MLP batch per rank")
     ap.add_argument("--ddp-segments", default="", help="also the MLP's DDP steps (async bridge) with every bucket "
