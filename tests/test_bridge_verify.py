@@ -138,3 +138,28 @@ def test_the_first_call_of_an_algorithm_is_not_its_time():
     w.call(64 * MIB, 5.0)
     ran = [w.call(64 * MIB, {"leader": 0.41, "bandwidth": 0.50}) for _ in range(SAMPLES + 4)]
     assert set(ran) == {"leader"} and not w.ranks[0].classes[size_class(64 * MIB)].watched
+
+
+def test_a_burst_knee_is_found_and_the_sustained_rate_predicts_past_it():
+    """Timed through an 8 ms token bucket at 1 Gbit/s: 64 KiB and 2 MiB pass at twice the link's
+    rate (the bucket lets 1 MB by at once), 8 MiB shows the sustained 125 MB/s. The fit keeps the
+    burst line up to 2 MiB and the sustained rate past it; without the third size it would predict
+    64 MiB at half its time. A third size on the same line finds no knee. Both survive the JSON
+    a cache entry holds."""
+    from vcga.bridge.cost import AlphaBeta, LinkFigures, fit, fit_past_knee
+
+    sizes = (64 << 10, 2 << 20, 8 << 20)
+    burst, link = 250e6, 125e6
+    t2 = 1e-4 + sizes[1] / burst
+    seconds = (1e-4 + sizes[0] / burst, t2, t2 + (sizes[2] - sizes[1]) / link)
+    ab = fit_past_knee(sizes, seconds)
+    assert ab.knee_bytes == sizes[1] and ab.sustained_Bps == pytest.approx(link)
+    assert ab.time(64 * MIB) == pytest.approx(t2 + (64 * MIB - sizes[1]) / link)
+    assert fit(sizes[:2], seconds[:2]).time(64 * MIB) < 0.55 * ab.time(64 * MIB)
+    assert fit_past_knee(sizes, (*seconds[:2], 1e-4 + sizes[2] / burst)).knee_bytes == 0.0
+    g = {k: AlphaBeta(1e-4, 1e9) for k in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}
+    fig = LinkFigures(groups=[g, dict(g)], bridge={"leaders": ab, "all_sets": ab}, classes={}, exchange="gloo",
+                      group_size=2, equal_groups=True, min_segment_bytes=256 << 10, max_segments=16,
+                      observed={"26": {"chosen": "bandwidth", "seconds": {"bandwidth": 0.6}}})
+    back = LinkFigures.from_json(fig.to_json())
+    assert back.bridge["leaders"] == ab and back.observed == fig.observed
