@@ -2,40 +2,45 @@
 and plainly, and the choice the observations make (pure: :class:`AutoChoice` is fed numbers;
 :class:`vcga.compress.CompressionState` drives it; docs/compression.md, "when=auto").
 
-The cost model (:mod:`vcga.compress.cost`) decides a bucket's first mode from figures measured when
-the hook was created -- the link's α–β and the compressor's cost on an idle core -- which do not see
+The cost model (:mod:`vcga.compress.cost`) decides a bucket's mode from figures measured when the
+hook was created -- the link's α–β and the compressor's cost on an idle core -- which do not see
 what a step really costs: ranks sharing cores during backward, a link whose burst allowance made it
-look fast, a CPU busy with other work. So each bucket's reduction is timed in real steps (the
-island stage, its share of the step's compressed exchange by elements, or its plain all_reduce),
-and after :data:`WINDOW` steps of the first mode (the first step after a change not counted: it
-allocates and warms up) the other mode is tried for as many; the bucket then keeps the faster --
-compressed only where its median is below :data:`MARGIN` times the plain one, or the other way
-round for a bucket that started compressed. Settled, a bucket whose mode gets :data:`DRIFT` times
-slower than when it settled is tried the other way again.
+look fast, a CPU busy with other work. So each bucket's reduction is timed in real steps (its
+island stage and its share of the step's compressed exchange by elements, or its plain all_reduce)
+during a **trial**: the bucket alternates between the two modes step by step, so that both are
+timed under the same load (a machine whose load changes would otherwise favour whichever mode ran
+in its quieter minutes), until each has :data:`WINDOW` observations (a mode's first one, which
+allocates and warms up, not counted). The comparison is paired: each compressed step against the
+plain step next to it, the median of those ratios -- a load that changes during the trial changes
+both sides of a pair alike. The bucket keeps the cost model's mode unless the other one is faster
+by :data:`MARGIN`. Settled, a bucket is checked every :data:`MONITOR`
+steps and tried again if its mode has become :data:`DRIFT` times slower than when it settled.
+While alternating, a bucket keeps its error-feedback residual across its plain steps (they leave it
+alone); a bucket that settles plain takes it along into its next plain sum (nothing compression
+held back is lost).
 
-Every rank changes modes at the same step boundary: the checks fall on the same steps everywhere
-(:meth:`AutoChoice.due`), and there every rank's medians are summed in one small all_reduce over
-the group (:meth:`AutoChoice.table` / :meth:`AutoChoice.agree`): every rank decides from the same
-numbers, the mean over ranks. A bucket that goes back to plain takes its error-feedback residual
-with it (nothing compression held back is lost).
+Every rank changes modes at the same step boundary: the alternation is a function of the step,
+the checks fall on the same steps everywhere (:meth:`AutoChoice.due`), and there every rank's
+medians are summed in one small all_reduce over the group (:meth:`AutoChoice.table` /
+:meth:`AutoChoice.agree`), so every rank decides from the same numbers, the mean over ranks.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["AutoChoice", "WINDOW", "MARGIN", "DRIFT", "MONITOR"]
 
-#: Steps of a mode observed before it is judged (the median counts).
+#: Observations of each mode a trial collects (their median counts).
 WINDOW = 4
-#: Compression is kept only where its median is below this share of the plain median (and plain
-#: replaces compression only where it is below this share of the compressed median).
+#: The mode the cost model chose (or the settled one, when tried again) is kept unless the other's
+#: median is below this share of its own.
 MARGIN = 0.95
-#: A settled bucket is tried the other way again when its mode takes this many times its settled
-#: median at a check (a shared machine's noise alone stays below it).
+#: A settled bucket is tried again when its mode takes this many times its settled median at a
+#: check (a shared machine's noise alone stays below it).
 DRIFT = 2.0
 #: Steps between checks once every bucket has settled.
 MONITOR = 32
@@ -45,13 +50,15 @@ MONITOR = 32
 class _Bucket:
     compress: bool  # the mode its reductions use now (the same on every rank)
     first: bool  # the mode the cost model chose
-    phase: str = "first"  # "first" (observing the model's mode), "trial" (the other one), "settled"
-    skip: int = 1  # observations still to leave out (the first after a change)
+    incumbent: bool  # the mode a trial keeps unless the other wins by the margin
+    phase: str = "trial"  # "trial" (alternating) or "settled"
+    seen: set[bool] = field(default_factory=set)  # modes observed once already (the first is left out)
     samples: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     agreed: dict[bool, float] = field(default_factory=dict)  # mean over ranks of each mode's median
     settled_s: float | None = None
     predicted: dict[str, float] = field(default_factory=dict)
-    changes: int = 0
+    agreed_ratio: float | None = None  # compressed / plain over the last trial's paired steps
+    trials: int = 1
 
 
 class AutoChoice:
@@ -60,7 +67,7 @@ class AutoChoice:
     def __init__(self) -> None:
         self.buckets: dict[Hashable, _Bucket] = {}
         self._order: list[Hashable] = []  # keys in the order first seen: the same on every rank
-        self._next = WINDOW  # the step boundary of the next check
+        self._next = 2 * WINDOW + 2  # the step boundary of the next check
         #: checks run so far (the all_reduces they cost)
         self.checks = 0
 
@@ -68,14 +75,14 @@ class AutoChoice:
         return key in self.buckets
 
     def add(self, key: Hashable, compress: bool, predicted: Mapping[str, float] | None = None) -> None:
-        """A bucket the cost model decided for (every rank alike)."""
-        self.buckets[key] = _Bucket(compress, compress, predicted=dict(predicted or {}))
+        """A bucket the cost model decided for (every rank alike): its trial starts."""
+        self.buckets[key] = _Bucket(compress, compress, compress, predicted=dict(predicted or {}))
         self._order.append(key)
 
     def compress(self, key: Hashable) -> bool:
         return self.buckets[key].compress
 
-    def forget(self, keep: Any) -> None:
+    def forget(self, keep: Callable[[Hashable], bool]) -> None:
         """Drop the buckets ``keep(key)`` rejects (DDP rebuilt its buckets: the old layout's keys
         come no more, and would hold every later check back from the settled pace)."""
         for key in [k for k in self._order if not keep(k)]:
@@ -87,8 +94,8 @@ class AutoChoice:
         b = self.buckets.get(key)
         if b is None or compress != b.compress:
             return
-        if b.skip:
-            b.skip -= 1
+        if compress not in b.seen:
+            b.seen.add(compress)
             return
         got = b.samples[compress]
         got.append(seconds)
@@ -98,63 +105,59 @@ class AutoChoice:
         """Whether the boundary after ``step`` steps is a check (the same on every rank)."""
         return bool(self.buckets) and step >= self._next
 
+    #: figures per bucket in :meth:`table`
+    WIDTH = 5
+
     def table(self) -> list[float]:
         """This rank's figures for the check: per bucket (in :attr:`_order`), the median of each
-        mode's recent observations and whether it has :data:`WINDOW` of them (as 1.0 / 0.0)."""
+        mode's recent observations and whether it has :data:`WINDOW` of them (as 1.0 / 0.0), and
+        the median over the recent pairs of steps of compressed / plain (0.0 without a full window
+        of pairs)."""
         out: list[float] = []
         for key in self._order:
             b = self.buckets[key]
             for mode in (True, False):
                 s = b.samples[mode]
                 out += [statistics.median(s) if s else 0.0, 1.0 if len(s) >= WINDOW else 0.0]
+            c, p = b.samples[True], b.samples[False]
+            pairs = [x / y for x, y in zip(c, p) if y > 0]  # the i-th of each: adjacent steps of a trial
+            out.append(statistics.median(pairs) if b.phase == "trial" and len(pairs) >= WINDOW else 0.0)
         return out
 
     def agree(self, summed: list[float], world: int, step: int) -> list[tuple[Hashable, bool]]:
         """Apply the check: ``summed`` is :meth:`table` summed over every rank (the same numbers on
-        every rank). Returns the buckets whose mode changed, with the new mode."""
+        every rank). Returns the buckets that settled this time, with their mode."""
         self.checks += 1
-        changed = []
-        settling = False
+        settled = []
         for i, key in enumerate(self._order):
             b = self.buckets[key]
-            row = summed[4 * i:4 * i + 4]
+            row = summed[self.WIDTH * i:self.WIDTH * (i + 1)]
             ready = {True: row[1] >= world, False: row[3] >= world}  # every rank has its window
-            mean = {True: row[0] / world, False: row[2] / world}
-            for mode in (True, False):
+            for mode, mean in ((True, row[0] / world), (False, row[2] / world)):
                 if ready[mode]:
-                    b.agreed[mode] = mean[mode]
-            new = self._judge(b, ready)
-            if new is not None and new != b.compress:
-                b.compress, b.skip, b.changes = new, 1, b.changes + 1
-                b.samples[new] = []
-                changed.append((key, new))
-            settling |= b.phase != "settled"
-        self._next = step + (WINDOW + 1 if settling else MONITOR)
-        return changed
+                    b.agreed[mode] = mean
+            if b.phase == "trial" and ready[True] and ready[False] and row[4] > 0:
+                ratio = row[4] / world  # compressed over plain, paired steps: the mean over ranks
+                b.agreed_ratio = ratio
+                faster = ratio < MARGIN if not b.incumbent else 1 / ratio < MARGIN
+                chosen = (not b.incumbent) if faster else b.incumbent
+                b.phase, b.compress, b.incumbent, b.settled_s = "settled", chosen, chosen, b.agreed[chosen]
+                b.samples = {True: [], False: []}
+                settled.append((key, chosen))
+            elif b.phase == "settled" and ready[b.compress] and b.settled_s is not None \
+                    and b.agreed[b.compress] > DRIFT * b.settled_s:
+                b.phase, b.trials = "trial", b.trials + 1  # slower than it was: time both modes again
+                b.samples = {True: [], False: []}
+                b.agreed.clear()
+        trying = any(b.phase == "trial" for b in self.buckets.values())
+        self._next = step + (2 if trying else MONITOR)
+        return settled
 
-    @staticmethod
-    def _judge(b: _Bucket, ready: Mapping[bool, bool]) -> bool | None:
-        mode = b.compress
-        if b.phase == "first":
-            if not ready[mode]:
-                return None
-            b.phase = "trial"
-            return not mode
-        if b.phase == "trial":
-            if not ready[mode]:
-                return None
-            other = not mode  # the first mode, observed before the trial
-            b.phase = "settled"
-            keep = b.agreed[mode] < MARGIN * b.agreed[other]  # the trial mode must win by the margin
-            chosen = mode if keep else other
-            b.settled_s = b.agreed[chosen]
-            return chosen
-        # settled: a mode that got much slower than it was is tried the other way again
-        if ready[mode] and b.settled_s is not None and b.agreed[mode] > DRIFT * b.settled_s:
-            b.phase = "trial"
-            b.agreed.pop(not mode, None)
-            return not mode
-        return None
+    def advance(self) -> None:
+        """The step boundary after a check (or none): a bucket in its trial changes mode."""
+        for b in self.buckets.values():
+            if b.phase == "trial":
+                b.compress = not b.compress
 
     def describe(self) -> list[dict[str, Any]]:
         """Per bucket: its mode, what the model predicted, the observed medians (mean over ranks,
@@ -165,7 +168,7 @@ class AutoChoice:
             out.append({"bucket": _name(key), "compress": b.compress, "model_chose": b.first, "phase": b.phase,
                         "predicted_s": dict(b.predicted),
                         "observed_s": {("compressed" if m else "plain"): s for m, s in b.agreed.items()},
-                        "changes": b.changes})
+                        "compressed_over_plain": b.agreed_ratio, "trials": b.trials})
         return out
 
 

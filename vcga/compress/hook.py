@@ -188,16 +188,16 @@ class CompressionState:
             auto.observe(key, compress, seconds)
         self._step_cost.clear()
         self._flush.clear()
-        if not auto.due(self.step):
-            return
-        table = torch.tensor(auto.table(), dtype=torch.float64)
-        dist.all_reduce(table, group=self.comm)
-        for key, compress in auto.agree(table.tolist(), self.world, self.step):
-            self._decisions[key] = compress
-            if not compress:
-                self._flush.add(key)
-            log.info("vcga compression: when=auto switched a bucket of %s to %s at step %d", key[0],
-                     "compressed" if compress else "plain", self.step)
+        if auto.due(self.step):
+            table = torch.tensor(auto.table(), dtype=torch.float64)
+            dist.all_reduce(table, group=self.comm)
+            for key, compress in auto.agree(table.tolist(), self.world, self.step):
+                self._decisions[key] = compress
+                if not compress:
+                    self._flush.add(key)
+                log.info("vcga compression: when=auto settled a bucket of %s %s at step %d", key[0],
+                         "compressed" if compress else "plain", self.step)
+        auto.advance()
 
     # -- the work ------------------------------------------------------------------------------------
 
