@@ -120,7 +120,7 @@ class AutoChoice:
                 s = b.samples[mode]
                 out += [statistics.median(s) if s else 0.0, 1.0 if len(s) >= WINDOW else 0.0]
             c, p = b.samples[True], b.samples[False]
-            pairs = [x / y for x, y in zip(c, p) if y > 0]  # the i-th of each: adjacent steps of a trial
+            pairs = [x / y for x, y in zip(c, p, strict=False) if y > 0]  # the i-th of each: adjacent steps of a trial
             out.append(statistics.median(pairs) if b.phase == "trial" and len(pairs) >= WINDOW else 0.0)
         return out
 
