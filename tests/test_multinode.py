@@ -227,4 +227,3 @@ def test_the_bridge_checks_its_choice_against_the_calls_behind_a_burst_bucket(tm
     assert unchecked[0]["verification"] is None
     cls = checked[0]["verification"]["classes"][str(25)]  # 32 MiB = 2^25
     assert cls["observed_s"]["leader"] > cls["observed_s"]["bandwidth"], cls
-    print(f"ranks' CPU: {sum(r['cpu_s'] for r in ranks):.1f} s; checked ran {''.join(a[0] for a in checked[0]['ran'])}")
