@@ -151,7 +151,7 @@ def rank_main(rank: int, world: int, port: int, vendors: str, specs: list[str], 
         dist.all_gather_object(digests, _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
         d = state.describe() if hasattr(state, "describe") else {"stats": None}
         out["ddp"][spec] = {"identical": len(set(digests)) == 1, "stats": d["stats"], "scope": d.get("scope"),
-                            "link": d.get("link"),
+                            "link": d.get("link"), "auto": d.get("auto"),
                             "finite": bool(all(torch.isfinite(p).all() for p in model.parameters())),
                             "cross_sent": meter.total_sent("cross"),
                             # collectives of the compressed exchange (all rounds, all buckets) over the steps

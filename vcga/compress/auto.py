@@ -82,7 +82,7 @@ class AutoChoice:
     def compress(self, key: Hashable) -> bool:
         return self.buckets[key].compress
 
-    def forget(self, keep: Callable[[Hashable], bool]) -> None:
+    def forget(self, keep: Callable[[Any], bool]) -> None:
         """Drop the buckets ``keep(key)`` rejects (DDP rebuilt its buckets: the old layout's keys
         come no more, and would hold every later check back from the settled pace)."""
         for key in [k for k in self._order if not keep(k)]:
@@ -124,7 +124,7 @@ class AutoChoice:
             out.append(statistics.median(pairs) if b.phase == "trial" and len(pairs) >= WINDOW else 0.0)
         return out
 
-    def agree(self, summed: list[float], world: int, step: int) -> list[tuple[Hashable, bool]]:
+    def agree(self, summed: list[float], world: int, step: int) -> list[tuple[Any, bool]]:
         """Apply the check: ``summed`` is :meth:`table` summed over every rank (the same numbers on
         every rank). Returns the buckets that settled this time, with their mode."""
         self.checks += 1

@@ -390,8 +390,8 @@ class Reducer:
                     if dev == device and divisor == 1:
                         self.compressor.expand(form, s, out=view)
                     else:
-                        got = self.compressor.expand(form, s)
-                        view.copy_((got / divisor if divisor != 1 else got).to(device))
+                        whole = self.compressor.expand(form, s)
+                        view.copy_((whole / divisor if divisor != 1 else whole).to(device))
             base += width
 
     # -- the reduction ---------------------------------------------------------------------------------

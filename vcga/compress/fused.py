@@ -95,9 +95,9 @@ def _compile_factored() -> Any:
     import numba
     import numpy as np
 
-    opts = {"cache": True, "nogil": True, "boundscheck": False, "fastmath": False, "error_model": "numpy"}
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
 
-    @numba.njit(**opts)
+    @jit
     def ef_update_outer(x: Any, pt: Any, qt: Any, hi: Any, lo: Any, fresh: bool) -> None:  # pragma: no cover
         # row i of sent = ((pt[0,i] qt[0] + pt[1,i] qt[1]) + ...) in order k (outer_sum's bits), formed
         # in a row buffer that stays in cache; then x - sent == h + l exactly (TwoDiff), as ef_update.
@@ -124,7 +124,7 @@ def _compile_factored() -> Any:
                 hi[base + j] = s
                 lo[base + j] = e if fresh else e + lo[base + j]
 
-    @numba.njit(**opts)
+    @jit
     def orthonormalize(p: Any, eps: Any, buf: Any) -> None:  # pragma: no cover - compiled
         # exact.orthonormalize's operations in its order: per column i, the products of column i
         # with columns i.. summed over rows by the same pairwise tree (rows [0, h) + [h, 2h), an odd

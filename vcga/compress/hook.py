@@ -246,8 +246,8 @@ class CompressionState:
             self.reducer.finish(pending, divisor=self.world)
             took = time.perf_counter() - t0
             total = sum(p.flat.numel() for p in pending) or 1
-            for p in pending:  # the step's one exchange, shared by the buckets in it by their elements
-                self._observed(self._pending_key.pop(id(p), None), True, took * p.flat.numel() / total)
+            for q in pending:  # the step's one exchange, shared by the buckets in it by their elements
+                self._observed(self._pending_key.pop(id(q), None), True, took * q.flat.numel() / total)
         for buffer, p, last in items:
             if p is None or not p.averaged:  # a plain all_reduce's sum (the exchange averaged the rest)
                 buffer.div_(self.world)
