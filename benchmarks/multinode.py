@@ -43,7 +43,7 @@ Usage (as root)::
     python benchmarks/multinode.py --rates 1gbit --figures links.json
     vcga info --plan --vendors nccl:2,hccl:2 --nodes 2 --figures links.json [--observed]
     python benchmarks/multinode.py --rates 1gbit --sizes 64 --reps 30 --skip 10 --ddp-steps 0 --bucket-ms 8
-        # issue 41's figure: auto against each algorithm forced behind an 8 ms token bucket, calls 11-30
+        # the figure of record: auto against each algorithm forced behind an 8 ms token bucket, calls 11-30
 """
 
 from __future__ import annotations

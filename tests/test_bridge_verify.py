@@ -47,7 +47,7 @@ class World:
 
 
 def test_a_choice_the_calls_contradict_is_replaced_by_the_faster_within_ten_calls():
-    """The 8 ms token bucket of issue 41: the figures predict leader fastest for 64 MiB (the link
+    """An 8 ms token bucket: the figures predict leader fastest for 64 MiB (the link
     looked twice as fast as it is), but leader really takes 860 ms and bandwidth 606: the check
     sees leader depart from its prediction, tries bandwidth and keeps it -- every rank switches at
     the same call, and the class settles (watched only one call in MONITOR from then on)."""

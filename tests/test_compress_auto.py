@@ -40,7 +40,7 @@ def world(first: bool, n: int = 4) -> list[AutoChoice]:
 
 
 def test_a_model_that_chose_compression_where_it_loses_is_overruled_by_the_steps():
-    """Issue 41's case: the figures said compress (the link looked fast, the compressor cheap on an
+    """The figures said compress (the link looked fast, the compressor cheap on an
     idle core), but with four ranks on two cores a compressed bucket costs 45 ms and a plain one
     30: the trial alternates the modes, and every rank goes plain at the same step and stays."""
     ranks = world(True)
