@@ -166,6 +166,7 @@ class HcclBackend(Backend):
     device_type = "npu"
     dist_backend = "hccl"
     priority = 100
+    requires = ("torch_npu",)
     #: Seconds ``npu-smi info -t topo`` may take before the topology is reported unknown.
     topology_timeout_s: float = 10.0
 

@@ -135,6 +135,7 @@ class MluBackend(Backend):
     device_type = "mlu"
     dist_backend = "cncl"
     priority = 100
+    requires = ("torch_mlu",)
     #: Seconds ``cnmon topo -m`` may take before the topology is reported unknown.
     topology_timeout_s: float = 10.0
 

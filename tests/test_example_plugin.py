@@ -76,6 +76,39 @@ def test_broken_plugin_is_shown_with_its_error_and_the_rest_works(site_dir, info
     # ... and the example's backend still certifies next to it: test_the_example_plugin_passes_...
 
 
+#: One rank: a job on automatic selection, then a group that names the example's backend; the
+#: third-party plugin modules each step imported.
+ACME_JOB = textwrap.dedent("""
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from vcga.process_group import VcgaOptions
+    dist.init_process_group("vcga", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    auto = [dist.group.WORLD.transport.backend_name, sorted(m for m in sys.modules if m.startswith("vcga_"))]
+    g = dist.new_group([0], backend="vcga", pg_options=VcgaOptions(backend="acme"))
+    dist.all_reduce(x, group=g)
+    acme = [g.transport.backend_name, sorted(m for m in sys.modules if m.startswith("vcga_"))]
+    print(json.dumps({"auto": auto, "acme": acme}))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_job_imports_the_example_plugin_only_when_it_uses_acme(site_dir, info_json):
+    """What the vetting child reported of the installed example (one CPU backend, priority -10) is
+    all selection needs: a job on automatic selection runs on gloo without importing it; a group
+    that names acme imports it then."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCGA_")}
+    env.update(_env(site_dir))
+    r = subprocess.run([sys.executable, "-c", ACME_JOB], capture_output=True, text=True, timeout=240, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["auto"] == ["gloo", []], out
+    assert out["acme"][0] == "acme" and "vcga_example_plugin.plugin" in out["acme"][1], out
+
+
 def test_autoload_switch_hides_entry_point_plugins(site_dir):
     r = run_vcga("info", "--json", env=_env(site_dir, VCGA_DISABLE_PLUGIN_AUTOLOAD="1"))
     data = json.loads(r.stdout)

@@ -59,7 +59,6 @@ from vcga.capabilities import (
     Support,
     cell_name,
 )
-from vcga.compressors import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -69,6 +68,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo's and NCCL's base
 
+    from vcga.compressors import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec
     from vcga.config import Config
 
 __all__ = [
@@ -294,6 +294,10 @@ class Backend(abc.ABC):
     priority: int = 0
     #: True for stand-ins (simulated vendors) that automatic selection must never pick.
     simulated: bool = False
+    #: Top-level modules this backend cannot run without (``("torch_npu",)``). Automatic selection
+    #: counts the backend unavailable where one is not installed without importing its plugin
+    #: (docs/plugins.md, "What is imported when"); :meth:`probe` still decides where they are.
+    requires: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def probe(self) -> ProbeResult:
@@ -538,7 +542,20 @@ class ConformanceCheck(Protocol):
         ...
 
 
-# 6. Gradient compressors: vcga/compressors.py (imported above).
+# 6. Gradient compressors: vcga/compressors.py, re-exported on first use (below): a process that
+# never compresses -- a training job's ``init_process_group`` -- does not define them.
+
+_COMPRESSORS = frozenset({"Combine", "CompressContext", "Compressor", "CompressorOption", "CompressorSpec"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMPRESSORS:
+        from vcga import compressors
+
+        value = getattr(compressors, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vcga.contract' has no attribute {name!r}")
 
 
 # ===================================================================================================

@@ -13,20 +13,24 @@ Public API (a plugin and ``vcga verify`` use only these):
   them giving the torch operations' bits (QSGD's host path uses it);
 - :func:`compressors` -- the registered compressors.
 
-Importing this package does not import torch; its members load on first use.
+Importing this package imports neither torch nor any of its modules; its members load on first use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, configured_spec, parse_spec
+if TYPE_CHECKING:
+    from vcga.compress.spec import DRIVER_KEYS, CompressionSpec, configured_spec, parse_spec
 
 __all__ = ["CompressionSpec", "DRIVER_KEYS", "parse_spec", "configured_spec", "compressors", "ddp_hook",
            "CompressionState", "Reducer", "Exchange", "Topology", "Layout", "create_compressor", "ErrorFeedback",
            "WireMeter", "sent_bytes", "LinkCost", "CompressCost"]
 
+# Loaded on first use: vcga.config imports this package (for vcga.compress.syntax) in every process.
 _LAZY = {
+    "CompressionSpec": "vcga.compress.spec", "DRIVER_KEYS": "vcga.compress.spec",
+    "parse_spec": "vcga.compress.spec", "configured_spec": "vcga.compress.spec",
     "ddp_hook": "vcga.compress.hook", "CompressionState": "vcga.compress.hook",
     "Reducer": "vcga.compress.engine", "Exchange": "vcga.compress.exchange", "Topology": "vcga.compress.topology",
     "create_compressor": "vcga.compress.engine", "sent_bytes": "vcga.compress.meter",

@@ -1,12 +1,18 @@
 """Finds, loads and isolates plugins; selects a backend.
 
 Built-in plugins are module names loaded by the same code as third-party ones (pytest's pattern);
-third-party plugins come from the entry-point group ``vcga``. Loading is lazy -- nothing is
-imported until a caller asks for backends, formats or checks -- and isolated: a plugin that fails
-to import, whose hook raises, or whose backend's probe raises is recorded with its error and
-traceback, shown by ``vcga info``, and never breaks an unrelated call. Third-party plugins (entry
-points and ``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.plugin_manager.vetting`), so one
-whose import ends or crashes the interpreter is recorded instead of taking VCGA down with it.
+third-party plugins come from the entry-point group ``vcga``. Loading is lazy, per query: a plugin
+is imported when a caller first asks for something it provides (:mod:`vcga.plugin_manager.manifest`
+says what each provides without importing it) -- selecting a backend imports that backend's plugin,
+:meth:`~VcgaPluginManager.formats` the format plugins, :meth:`~VcgaPluginManager.conformance_checks`
+the checks, :meth:`~VcgaPluginManager.compressors` the compressors, and
+:meth:`~VcgaPluginManager.plugins` (``vcga info``) every plugin. A plugin whose manifest is unknown
+is imported at the first query of any kind. Loading is isolated: a plugin that fails to import,
+whose hook raises, or whose backend's probe raises is recorded with its error and traceback, shown
+by ``vcga info``, and never breaks an unrelated call. Third-party plugins (entry points and
+``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.plugin_manager.vetting`), so one
+whose import ends or crashes the interpreter is recorded instead of taking VCGA down with it; that
+child also reports the plugin's manifest.
 
 Environment:
 
@@ -21,7 +27,6 @@ Environment:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import logging
@@ -31,15 +36,19 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from vcga import contract
 from vcga.config import Config, load_config
-from vcga.contract import Backend, CompressorSpec, ConformanceCheck, FormatSpec, ProbeResult
+from vcga.contract import Backend, ConformanceCheck, FormatSpec, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
-from vcga.plugin_manager import vetting
+from vcga.plugin_manager.manifest import BUILTIN_MANIFESTS, BackendFacts, Manifest
+
+if TYPE_CHECKING:
+    from vcga.compressors import CompressorSpec
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -52,7 +61,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Built-in plugins, loaded by module name exactly like third-party ones.
+#: Built-in plugins, loaded by module name exactly like third-party ones (their manifests:
+#: :data:`vcga.plugin_manager.manifest.BUILTIN_MANIFESTS`).
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "vcga.plugins.gloo",
     "vcga.plugins.sim",
@@ -79,7 +89,9 @@ class PluginRecord:
     name: str  #: entry-point name or module name
     source: str  #: "builtin", "entry point (dist 1.2.3)" or "VCGA_PLUGINS"
     module: str  #: the module path (entry-point value)
-    status: str = "pending"  #: "loaded", "failed", "blocked"
+    #: "loaded", "failed", "blocked"; "pending" while not imported yet (:meth:`VcgaPluginManager.plugins`
+    #: imports every plugin first, so it never shows)
+    status: str = "pending"
     error: str | None = None  #: one line
     traceback: str | None = None
     hook_errors: dict[str, str] = field(default_factory=dict)  #: hook name -> error line
@@ -124,8 +136,25 @@ def _err_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+class _Plugin:
+    """A plugin the manager knows and may import: where it comes from, what it provides."""
+
+    __slots__ = ("name", "module", "source", "loader", "manifest", "order")
+
+    def __init__(self, name: str, module: str, source: str, loader: Callable[[], Any], manifest: Manifest | None,
+                 order: int) -> None:
+        self.name, self.module, self.source, self.loader = name, module, source, loader
+        self.manifest = manifest  #: None: unknown, imported at the first query of any kind
+        self.order = order  #: built-ins first, then VCGA_PLUGINS, then entry points: whose answer wins
+
+
 class VcgaPluginManager:
-    """The registry of plugins, backends, formats and conformance checks."""
+    """The registry of plugins, backends, formats and conformance checks.
+
+    Each query imports only the plugins that provide what it asks for (see the module docstring);
+    what those plugins return is combined in the plugins' order -- built-ins first, then
+    ``VCGA_PLUGINS``, then entry points -- whatever order they were imported in.
+    """
 
     def __init__(self, builtins: Sequence[str] = BUILTIN_PLUGINS, env: dict[str, str] | None = None) -> None:
         self._env = dict(os.environ) if env is None else env
@@ -133,11 +162,14 @@ class VcgaPluginManager:
         self.pm = pluggy.PluginManager(contract.PROJECT)
         self.pm.add_hookspecs(contract.HookSpecs)
         self._records: dict[str, PluginRecord] = {}
-        self._loaded = False
+        self._known: dict[str, _Plugin] = {}  # not imported yet; a plugin leaves when it is
+        self._order: dict[str, int] = {}  # plugin name -> its place (registered ones after every known one)
+        self._discovered = False
         self._lock = threading.RLock()
-        self._backends: dict[str, BackendRecord] | None = None
+        self._backends_of: dict[str, list[BackendRecord]] = {}  # per loaded plugin, its hook called once
+        self._backends: dict[str, BackendRecord] | None = None  # the merged view, None when stale
 
-    # -- loading ---------------------------------------------------------------------------------
+    # -- finding plugins -------------------------------------------------------------------------
 
     @property
     def autoload_disabled(self) -> bool:
@@ -146,20 +178,22 @@ class VcgaPluginManager:
     def _blocked(self) -> set[str]:
         return {s.strip() for s in self._env.get("VCGA_BLOCK_PLUGINS", "").split(",") if s.strip()}
 
-    def load(self) -> None:
-        """Load every plugin once (idempotent, thread-safe). Failures are recorded, never raised."""
+    def _discover(self) -> None:
+        """Find every plugin once, importing none: built-ins with their manifests, third-party
+        plugins vetted (from the cache, or in child processes) with theirs."""
         with self._lock:
-            if self._loaded:
+            if self._discovered:
                 return
-            timeout_s = self._vet_timeout()  # a bad value raises before anything is marked loaded
-            self._loaded = True
+            timeout_s = self._vet_timeout()  # a bad value raises before anything is marked found
+            self._discovered = True
             blocked = self._blocked()
             for mod in self._builtins:  # ours: imported directly, never vetted
-                self._load_one(mod, mod, "builtin", functools.partial(importlib.import_module, mod), blocked)
+                self._add(mod, mod, "builtin", partial(importlib.import_module, mod), BUILTIN_MANIFESTS.get(mod),
+                          blocked)
             third: list[tuple[str, str, str, Callable[[], Any], Any]] = []
             extra = [s.strip() for s in self._env.get("VCGA_PLUGINS", "").split(",") if s.strip()]
             for mod in extra:
-                third.append((mod, mod, "VCGA_PLUGINS", functools.partial(importlib.import_module, mod), None))
+                third.append((mod, mod, "VCGA_PLUGINS", partial(importlib.import_module, mod), None))
             if not self.autoload_disabled:
                 for ep in self._entry_points():
                     dist = getattr(ep, "dist", None)
@@ -170,15 +204,29 @@ class VcgaPluginManager:
                 verdict = verdicts.get(name)
                 if verdict is not None and not verdict.safe:
                     self._refuse(name, module, src, verdict)
-                else:
-                    self._load_one(name, module, src, loader, blocked)
-                    if verdict is not None:
-                        self._records[name].vetting = verdict.to_json()
+                    continue
+                manifest = Manifest.from_json(verdict.manifest) if verdict is not None and verdict.manifest else None
+                self._add(name, module, src, loader, manifest, blocked)
+                if verdict is not None and name in self._records:
+                    self._records[name].vetting = verdict.to_json()
 
-    def _vet_timeout(self) -> float:
+    def _add(self, name: str, module: str, source: str, loader: Callable[[], Any], manifest: Manifest | None,
+             blocked: set[str]) -> None:
+        if name in self._records:  # the first of a name wins, as pluggy would refuse the second
+            return
+        rec = PluginRecord(name=name, source=source, module=module)
+        self._records[name] = rec
+        self._order[name] = len(self._order)
+        if name in blocked or module in blocked:
+            rec.status = "blocked"
+            return
+        self._known[name] = _Plugin(name, module, source, loader, manifest, self._order[name])
+
+    def _vet_timeout(self) -> float | None:
+        """``VCGA_PLUGIN_VET_TIMEOUT``, checked; None for vetting's default."""
         raw = self._env.get("VCGA_PLUGIN_VET_TIMEOUT", "").strip()
         if not raw:
-            return vetting.DEFAULT_TIMEOUT_S
+            return None
         try:
             value = float(raw)
         except ValueError:
@@ -189,8 +237,12 @@ class VcgaPluginManager:
         return value
 
     def _vet(self, third: list[tuple[str, str, str, Callable[[], Any], Any]], blocked: set[str],
-             timeout_s: float) -> dict[str, Any]:
-        """Vet, in child processes, the third-party plugins this process is about to import."""
+             timeout_s: float | None) -> dict[str, Any]:
+        """Vet, in child processes, the third-party plugins this process may import."""
+        if not third:
+            return {}
+        from vcga.plugin_manager import vetting  # only where there is a third-party plugin to vet
+
         if (self._env.get("VCGA_PLUGIN_VETTING", "").strip().lower() in {"0", "false", "no", "off"}
                 or os.environ.get(vetting.CHILD_ENV) == "1"):
             return {}
@@ -212,6 +264,8 @@ class VcgaPluginManager:
         if not cands:
             return {}
         recheck = self._env.get("VCGA_PLUGIN_RECHECK", "").strip().lower() in _TRUE
+        if timeout_s is None:
+            timeout_s = vetting.DEFAULT_TIMEOUT_S
         return dict(zip(names, vetting.vet(cands, timeout_s=timeout_s, recheck=recheck, env=self._env), strict=True))
 
     def _refuse(self, name: str, module: str, source: str, verdict: Any) -> None:
@@ -224,6 +278,7 @@ class VcgaPluginManager:
         rec.traceback = verdict.traceback
         rec.vetting = verdict.to_json()
         self._records[name] = rec
+        self._order[name] = len(self._order)
         log.warning("plugin %s (%s) not loaded: %s", name, source, rec.error)
 
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
@@ -240,30 +295,44 @@ class VcgaPluginManager:
                 out.append(ep)
         return out
 
-    def _load_one(self, name: str, module: str, source: str, loader: Callable[[], Any], blocked: set[str]) -> None:
-        if name in self._records:
+    # -- importing them --------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Import every plugin not imported yet (idempotent, thread-safe). Failures are recorded,
+        never raised."""
+        self._import_where(lambda m: True)
+
+    def _import_where(self, wanted: Callable[[Manifest], bool]) -> None:
+        """Import, in the plugins' order, each known plugin whose manifest is unknown or ``wanted``."""
+        with self._lock:
+            self._discover()
+            for plugin in [p for p in self._known.values() if p.manifest is None or wanted(p.manifest)]:
+                self._import(plugin)
+
+    def _import(self, plugin: _Plugin) -> None:
+        if self._known.pop(plugin.name, None) is None:
             return
-        rec = PluginRecord(name=name, source=source, module=module)
-        self._records[name] = rec
-        if name in blocked or module in blocked:
-            rec.status = "blocked"
-            return
+        rec = self._records[plugin.name]
         try:
-            plugin = loader()
-            self.pm.register(plugin, name=name)
+            obj = plugin.loader()
+            self.pm.register(obj, name=plugin.name)
             rec.status = "loaded"
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, SyntaxError, pluggy validation, anything the
-            # plugin raises; and sys.exit() at import, never a request to end the caller's program
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, SyntaxError, pluggy validation,
+            # anything the plugin raises; and sys.exit() at import, never a request to end the caller's program
             rec.status = "failed"
             rec.error = _err_line(e)
             rec.traceback = traceback.format_exc()
-            log.warning("plugin %s (%s) failed to load: %s", name, source, rec.error)
+            log.warning("plugin %s (%s) failed to load: %s", plugin.name, plugin.source, rec.error)
+            return
+        self._backends = None
 
     def register(self, plugin: Any, name: str) -> None:
-        """Register an in-process plugin object (tests, embedding applications)."""
+        """Register an in-process plugin object (tests, embedding applications): it comes after
+        every other plugin."""
         with self._lock:
-            self.load()
+            self._discover()
             rec = PluginRecord(name=name, source="registered", module=getattr(plugin, "__name__", repr(plugin)))
+            self._order[name] = len(self._order)
             try:
                 self.pm.register(plugin, name=name)
                 rec.status = "loaded"
@@ -275,91 +344,137 @@ class VcgaPluginManager:
             self._backends = None
 
     def plugins(self) -> list[PluginRecord]:
+        """Every plugin, in order, each imported (or refused, blocked, failed) first."""
         self.load()
         return list(self._records.values())
 
     # -- isolated hook calls ---------------------------------------------------------------------
 
+    def _impls(self, hook_name: str) -> list[Any]:
+        """The loaded implementations of a hook, in the plugins' order."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        return sorted(impls, key=lambda impl: self._order.get(impl.plugin_name, len(self._order)))
+
+    def _hook_failed(self, pname: str, hook_name: str, e: BaseException) -> None:
+        rec = self._records.get(pname)
+        if rec is not None:
+            rec.hook_errors[hook_name] = _err_line(e)
+        log.warning("plugin %s: %s raised %r", pname, hook_name, e)
+
     def _collect(self, hook_name: str) -> list[tuple[str, Any]]:
-        """Call a list-returning hook on every plugin separately; a raising plugin is recorded."""
-        self.load()
-        hook = getattr(self.pm.hook, hook_name)
+        """Call a list-returning hook on every plugin that implements it, separately; a raising
+        plugin is recorded."""
+        self._import_where(lambda m: m.provides(hook_name))
         out: list[tuple[str, Any]] = []
-        for impl in hook.get_hookimpls():
-            pname = self.pm.get_name(impl.plugin) or repr(impl.plugin)
+        for impl in self._impls(hook_name):
             try:
                 items = impl.function()
                 for item in items or ():
-                    out.append((pname, item))
+                    out.append((impl.plugin_name, item))
             except Exception as e:  # noqa: BLE001 - isolation: recorded against the plugin
-                rec = self._records.get(pname)
-                if rec is not None:
-                    rec.hook_errors[hook_name] = _err_line(e)
-                log.warning("plugin %s: %s raised %r", pname, hook_name, e)
-        return out  # registration order: built-ins first, then entry points
+                self._hook_failed(impl.plugin_name, hook_name, e)
+        return out  # the plugins' order: built-ins first, then entry points
 
     def call_first(self, hook_name: str, **kwargs: Any) -> Any:
-        """Call a firstresult hook, isolating each implementation's failure."""
-        self.load()
-        hook = getattr(self.pm.hook, hook_name)
-        for impl in hook.get_hookimpls()[::-1]:  # pluggy's order: last registered first
-            pname = self.pm.get_name(impl.plugin) or repr(impl.plugin)
+        """Call a firstresult hook, isolating each implementation's failure: later plugins first
+        (an entry point's answer overrides a built-in's), the first answer that is not None wins."""
+        self._import_where(lambda m: self._asked(m, hook_name, kwargs))
+        for impl in self._impls(hook_name)[::-1]:
             try:
                 res = impl.function(*[kwargs[a] for a in impl.argnames])
             except VcgaError:
                 raise  # a deliberate, typed error (bad config) is the answer, not a plugin failure
             except Exception as e:  # noqa: BLE001 - isolation: recorded against the plugin, the next one answers
-                rec = self._records.get(pname)
-                if rec is not None:
-                    rec.hook_errors[hook_name] = _err_line(e)
-                log.warning("plugin %s: %s raised %r", pname, hook_name, e)
+                self._hook_failed(impl.plugin_name, hook_name, e)
                 continue
             if res is not None:
                 return res
         return None
 
+    @staticmethod
+    def _asked(manifest: Manifest, hook_name: str, kwargs: dict[str, Any]) -> bool:
+        """Whether a plugin with this manifest could answer this call of a firstresult hook."""
+        if not manifest.provides(hook_name):
+            return False
+        if hook_name == "vcga_rank_backend" and manifest.rank_backend_key is not None:
+            return bool(getattr(kwargs.get("config"), manifest.rank_backend_key, None))
+        if hook_name == "vcga_tensor_to_host" and manifest.backends:  # the plugin owning the device type
+            device = getattr(getattr(kwargs.get("tensor"), "device", None), "type", None)
+            return device is None or any(b.device_type == device for b in manifest.backends)
+        return True
+
     # -- backends --------------------------------------------------------------------------------
 
-    def backend_records(self) -> list[BackendRecord]:
+    def _plugin_backends(self, pname: str, impl: Any) -> list[BackendRecord]:
+        """One loaded plugin's backends, its hook called once (probes stay cached on the records)."""
+        got = self._backends_of.get(pname)
+        if got is None:
+            got = []
+            try:
+                items = impl.function()
+            except Exception as e:  # noqa: BLE001 - isolation: recorded against the plugin
+                self._hook_failed(pname, "vcga_backends", e)
+                items = ()
+            for b in items or ():
+                if isinstance(b, Backend):
+                    got.append(BackendRecord(backend=b, plugin=pname))
+                else:
+                    rec = self._records.get(pname)
+                    if rec is not None:
+                        rec.hook_errors["vcga_backends"] = (
+                            f"returned {type(b).__name__}, which is not a vcga.contract.Backend")
+            self._backends_of[pname] = got
+        return got
+
+    def _loaded_backends(self) -> dict[str, BackendRecord]:
+        """The backends of the plugins imported so far, by name: the first plugin (in order) that
+        registers a name has it; a later one is recorded as that plugin's hook error."""
         with self._lock:
             if self._backends is None:
                 found: dict[str, BackendRecord] = {}
-                for pname, b in self._collect("vcga_backends"):
-                    if not isinstance(b, Backend):
-                        rec = self._records.get(pname)
-                        if rec is not None:
-                            rec.hook_errors["vcga_backends"] = (
-                                f"returned {type(b).__name__}, which is not a vcga.contract.Backend")
-                        continue
-                    if b.name in found:
-                        rec = self._records.get(pname)
-                        if rec is not None:
-                            rec.hook_errors["vcga_backends"] = (
-                                f"backend name {b.name!r} already registered by plugin {found[b.name].plugin!r}")
-                        continue
-                    found[b.name] = BackendRecord(backend=b, plugin=pname)
+                for impl in self._impls("vcga_backends"):
+                    for br in self._plugin_backends(impl.plugin_name, impl):
+                        if br.name in found:
+                            rec = self._records.get(br.plugin)
+                            if rec is not None:
+                                rec.hook_errors["vcga_backends"] = (
+                                    f"backend name {br.name!r} already registered by plugin {found[br.name].plugin!r}")
+                            continue
+                        found[br.name] = br
                 self._backends = found
-            return list(self._backends.values())
+            return self._backends
+
+    def backend_records(self) -> list[BackendRecord]:
+        """Every backend of every plugin (imports every plugin that registers backends)."""
+        self._import_where(lambda m: m.provides("vcga_backends"))
+        return list(self._loaded_backends().values())
 
     def backend(self, name: str) -> Backend:
         """The backend called ``name`` (probe not checked)."""
-        for rec in self.backend_records():
-            if rec.name == name:
-                return rec.backend
-        raise VcgaBackendNotFound(name, [r.name for r in self.backend_records()])
+        return self.backend_record(name).backend
 
     def backend_record(self, name: str) -> BackendRecord:
-        for rec in self.backend_records():
-            if rec.name == name:
-                return rec
-        raise VcgaBackendNotFound(name, [r.name for r in self.backend_records()])
+        """The backend called ``name``, importing only the plugins that say they register it (all of
+        them when none does: a manifest may be out of date).
+
+        :raises VcgaBackendNotFound: no plugin registers it."""
+        self._import_where(lambda m: any(b.name == name for b in m.backends))
+        rec = self._loaded_backends().get(name)
+        if rec is None:
+            self.load()
+            rec = self._loaded_backends().get(name)
+        if rec is None:
+            raise VcgaBackendNotFound(name, [r.name for r in self.backend_records()])
+        return rec
 
     def select_backend(self, config: Config | None = None, *, rank: int = 0, world_size: int = 1) -> Backend:
         """Choose this rank's backend and check it can run.
 
         Order: an explicit ``config.backend`` (``VCGA_BACKEND``); then a plugin's
         ``vcga_rank_backend`` answer (simulated vendor sets); then the available, non-simulated
-        backend with the highest priority.
+        backend with the highest priority (among equals, the first plugin's). Only the plugins
+        this needs are imported: the chosen backend's, and those of higher-priority backends that
+        might be available (see :meth:`_not_here`).
 
         :raises VcgaBackendNotFound: an explicit name no plugin registers.
         :raises VcgaBackendUnavailable: the chosen backend cannot run here (with its probe reason).
@@ -376,15 +491,51 @@ class VcgaPluginManager:
             if not probe.available:
                 raise VcgaBackendUnavailable(name, probe.reason)
             return rec.backend
-        candidates = [r for r in self.backend_records() if not r.backend.simulated]
-        candidates.sort(key=lambda r: -r.backend.priority)
-        reasons = []
-        for rec in candidates:
-            probe = rec.probe()
-            if probe.available:
-                return rec.backend
-            reasons.append(f"{rec.name}: {probe.reason}")
-        raise VcgaBackendUnavailable("auto", "no backend is available here; " + "; ".join(reasons))
+        with self._lock:
+            chosen = self._auto_select()
+            if chosen is None:  # nothing here: every plugin imported and probed, for the reasons
+                self.load()
+                chosen = self._auto_select()
+            if isinstance(chosen, BackendRecord):
+                return chosen.backend
+            raise VcgaBackendUnavailable("auto", "no backend is available here; " + "; ".join(chosen or ()))
+
+    def _auto_select(self) -> BackendRecord | list[str] | None:
+        """The available non-simulated backend with the highest priority, importing plugins as the
+        candidates ahead of it need; the reasons, one per candidate, when none is available; None
+        when a candidate was ruled out without importing its plugin (the caller imports all, so the
+        reason is the probe's)."""
+        ruled_out = False
+        while True:
+            self._import_where(lambda m: False)  # plugins of unknown manifest: their backends count too
+            # (-priority, plugin order, place in the plugin, then the loaded record or the declared facts)
+            cands: list[tuple[int, int, int, BackendRecord | tuple[BackendFacts, _Plugin]]] = []
+            for i, loaded in enumerate(self._loaded_backends().values()):
+                if not loaded.backend.simulated:
+                    cands.append((-loaded.backend.priority, self._order.get(loaded.plugin, 0), i, loaded))
+            for p in self._known.values():
+                for i, declared in enumerate(p.manifest.backends if p.manifest is not None else ()):
+                    if not declared.simulated:
+                        cands.append((-declared.priority, p.order, i, (declared, p)))
+            cands.sort(key=lambda c: c[:3])
+            reasons: list[str] = []
+            for *_, cand in cands:
+                if isinstance(cand, BackendRecord):
+                    probe = cand.probe()
+                    if probe.available:
+                        return cand
+                    reasons.append(f"{cand.name}: {probe.reason}")
+                    continue
+                facts, plugin = cand
+                why = _not_here(facts)
+                if why is not None:
+                    ruled_out = True
+                    reasons.append(f"{facts.name}: {why}")
+                    continue
+                self._import(plugin)  # it may be the one: import it and look again
+                break
+            else:
+                return None if ruled_out else reasons
 
     # -- formats and checks ----------------------------------------------------------------------
 
@@ -406,6 +557,8 @@ class VcgaPluginManager:
     def compressors(self) -> list[tuple[str, CompressorSpec]]:
         """Every gradient compressor, with the plugin that contributed it: built-ins first; a name
         already taken is recorded as the later plugin's hook error (the first wins)."""
+        from vcga.compressors import CompressorSpec
+
         out: dict[str, tuple[str, CompressorSpec]] = {}
         for pname, spec in self._collect("vcga_compressors"):
             rec = self._records.get(pname)
@@ -432,6 +585,31 @@ class VcgaPluginManager:
                     "install the vendor's vcga plugin (see `vcga info`)")
             res = tensor.detach().contiguous()
         return res
+
+
+def _not_here(facts: BackendFacts) -> str | None:
+    """Why a backend cannot be available here, found without importing its plugin, or None when
+    only its probe can tell: a module it requires is not installed (``find_spec``, which imports
+    nothing for a top-level name), or torch's module for its device type counts no device."""
+    import importlib.util
+
+    for mod in facts.requires:
+        top = mod.partition(".")[0]
+        try:
+            if importlib.util.find_spec(top) is None:
+                return f"module {top} is not installed"
+        except (ImportError, ValueError):  # ValueError: a sys.modules entry without __spec__
+            pass
+    torch = sys.modules.get("torch")
+    if facts.device_type != "cpu" and torch is not None:
+        count = getattr(getattr(torch, facts.device_type, None), "device_count", None)
+        if callable(count):
+            try:
+                if int(count()) == 0:
+                    return f"no {facts.device_type} device (torch.{facts.device_type}.device_count() == 0)"
+            except Exception:  # noqa: BLE001 - a driver error: the probe says it properly
+                return None
+    return None
 
 
 _manager: VcgaPluginManager | None = None

@@ -24,9 +24,17 @@ outcome       what happened in the child                                        
 An ``exception`` is safe to meet in-process (the manager records it with its traceback), so only
 the outcomes that end or stall a process keep a plugin out. Built-in plugins are imported directly.
 
+After a clean import the child also asks the plugin what it provides
+(:func:`vcga.plugin_manager.manifest.manifest_of`: its hooks, and its backends' names, priorities
+and requirements), after the verdict is written; the verdict carries that :class:`Manifest
+<vcga.plugin_manager.manifest.Manifest>`, and the manager imports the plugin only when a caller asks
+for something it provides. A child that dies while it answers ends with ``at-exit`` (the same
+call would end the main process).
+
 Verdicts are cached (:mod:`vcga._usercache`, namespace ``plugins``), keyed by the distribution's
 name and version and the entry point for an entry-point plugin, by the module file's path, size and
-mtime for a ``VCGA_PLUGINS`` module, and in both cases by the interpreter. A training job thus
+mtime for a ``VCGA_PLUGINS`` module and for an entry point's module (an editable install keeps its
+version while its code changes), and in all cases by the interpreter and the manifest's format. A training job thus
 pays for a child only the first time a plugin version meets an interpreter; every rank of a job
 may vet at once, and each entry is written atomically. ``VCGA_PLUGIN_RECHECK=1`` (or
 ``vcga info --recheck-plugins``) vets again, e.g. after a driver update made a crashing SDK work;
@@ -54,7 +62,7 @@ from typing import Any
 from vcga._usercache import EntryCache
 
 __all__ = ["Candidate", "Verdict", "vet", "module_key", "entry_point_key", "interpreter_key",
-           "DEFAULT_TIMEOUT_S", "CHILD_ENV"]
+           "DEFAULT_TIMEOUT_S", "CHILD_ENV", "MANIFEST_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +74,16 @@ DEFAULT_TIMEOUT_S = 60.0
 #: (a child vetting its own plugins would recurse).
 CHILD_ENV = "VCGA_PLUGIN_VETTING_CHILD"
 
+#: The format of the manifest a verdict carries, part of every cache key: a verdict cached without
+#: one (or with an older one) is vetted again once.
+MANIFEST_FORMAT = 1
+
 SAFE = ("ok", "exception")
 OUTCOMES = ("ok", "exception", "exit", "exited", "signal", "at-exit", "hang", "error")
 
 # The child: the verdict goes to the original stdout, everything the plugin prints to stderr;
-# faulthandler puts the Python stack of a crash on stderr, whose tail becomes the traceback.
+# faulthandler puts the Python stack of a crash on stderr, whose tail becomes the traceback. After
+# a clean import, a second line: the plugin's manifest (or null and why not).
 _CHILD = r"""
 import faulthandler, json, os, sys, time, traceback
 out = os.fdopen(os.dup(1), "w")
@@ -78,14 +91,15 @@ os.dup2(2, 1)
 faulthandler.enable()
 sys.path[:] = json.loads(sys.argv[1])
 kind, target = sys.argv[2], sys.argv[3]
+plugin = None
 t0 = time.perf_counter()
 try:
     if kind == "module":
         import importlib
-        importlib.import_module(target)
+        plugin = importlib.import_module(target)
     else:
         from importlib.metadata import EntryPoint
-        EntryPoint("vetted", target, "vcga").load()
+        plugin = EntryPoint("vetted", target, "vcga").load()
 except SystemExit as e:
     v = {"outcome": "exit", "detail": "the import called sys.exit(%r)" % (e.code,), "traceback": traceback.format_exc()}
 except BaseException as e:
@@ -95,8 +109,16 @@ except BaseException as e:
 else:
     v = {"outcome": "ok", "detail": "imported cleanly"}
 v["import_s"] = round(time.perf_counter() - t0, 4)
-out.write(json.dumps(v))
+out.write(json.dumps(v) + "\n")
 out.flush()
+if v["outcome"] == "ok":
+    try:
+        from vcga.plugin_manager.manifest import manifest_of
+        m = {"manifest": manifest_of(plugin).to_json()}
+    except BaseException as e:
+        m = {"manifest": None, "why": "%s: %s" % (type(e).__name__, e)}
+    out.write(json.dumps(m) + "\n")
+    out.flush()
 """
 
 
@@ -110,6 +132,9 @@ class Verdict:
     seconds: float = 0.0  #: wall time of the vetting child
     timeout_s: float = DEFAULT_TIMEOUT_S  #: the timeout it was judged with
     cached: bool = False  #: read from the cache in this process, not vetted now
+    #: what the plugin provides (:meth:`Manifest.to_json <vcga.plugin_manager.manifest.Manifest.to_json>`),
+    #: None where the child could not tell
+    manifest: dict[str, Any] | None = None
 
     @property
     def safe(self) -> bool:
@@ -119,6 +144,7 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("traceback")
+        d.pop("manifest")
         return d
 
 
@@ -137,8 +163,12 @@ def interpreter_key() -> dict[str, str]:
 
 
 def entry_point_key(name: str, value: str, dist_name: str, dist_version: str) -> dict[str, Any]:
-    return {"kind": "entry point", "name": name, "value": value, "dist": dist_name, "version": dist_version,
-            "interpreter": interpreter_key()}
+    key: dict[str, Any] = {"kind": "entry point", "name": name, "value": value, "dist": dist_name,
+                           "version": dist_version, "interpreter": interpreter_key(), "manifest": MANIFEST_FORMAT}
+    module = module_key(value.partition(":")[0].strip())
+    if module is not None:
+        key.update(file=module["file"], size=module["size"], mtime_ns=module["mtime_ns"])
+    return key
 
 
 def module_key(module: str) -> dict[str, Any] | None:
@@ -152,7 +182,7 @@ def module_key(module: str) -> dict[str, Any] | None:
     except OSError:
         return None
     return {"kind": "module", "module": module, "file": origin, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "interpreter": interpreter_key()}
+            "interpreter": interpreter_key(), "manifest": MANIFEST_FORMAT}
 
 
 def _locate(module: str) -> str | None:
@@ -188,7 +218,8 @@ def _locate(module: str) -> str | None:
 def _cache_check(value: Any) -> bool:
     return (isinstance(value, dict) and value.get("outcome") in OUTCOMES and isinstance(value.get("detail"), str)
             and isinstance(value.get("seconds"), (int, float)) and isinstance(value.get("timeout_s"), (int, float))
-            and (value.get("traceback") is None or isinstance(value.get("traceback"), str)))
+            and (value.get("traceback") is None or isinstance(value.get("traceback"), str))
+            and (value.get("manifest") is None or isinstance(value.get("manifest"), dict)))
 
 
 def vet(candidates: Sequence[Candidate], *, timeout_s: float = DEFAULT_TIMEOUT_S, recheck: bool = False,
@@ -205,7 +236,8 @@ def vet(candidates: Sequence[Candidate], *, timeout_s: float = DEFAULT_TIMEOUT_S
         hit = cache.get(c.key) if (c.key is not None and not recheck) else None
         if hit is not None and not (hit["outcome"] == "hang" and timeout_s > hit["timeout_s"]):
             out[i] = Verdict(outcome=hit["outcome"], detail=hit["detail"], traceback=hit.get("traceback"),
-                             seconds=hit["seconds"], timeout_s=hit["timeout_s"], cached=True)
+                             seconds=hit["seconds"], timeout_s=hit["timeout_s"], cached=True,
+                             manifest=hit.get("manifest"))
         else:
             todo.append(i)
     if todo:
@@ -275,10 +307,17 @@ def _judge(proc: subprocess.Popen[bytes], vout: Any, verr: Any, t0: float, deadl
     verr.seek(max(0, size - 8192))
     err_tail = verr.read().decode("utf-8", "replace").strip() or None
     report: dict[str, Any] | None
+    lines = raw.splitlines()
     try:
-        report = json.loads(raw) if raw else None
+        report = json.loads(lines[0]) if lines else None
     except ValueError:
         report = None
+    answer: dict[str, Any] | None
+    try:
+        answer = json.loads(lines[1]) if len(lines) > 1 else None
+    except ValueError:
+        answer = None
+    manifest = answer.get("manifest") if isinstance(answer, dict) else None
     if timed_out:
         when = "exiting after the import" if report is not None else "the import"
         return Verdict("hang", f"{when} did not finish within {timeout_s:g} s (the child was killed)",
@@ -291,9 +330,11 @@ def _judge(proc: subprocess.Popen[bytes], vout: Any, verr: Any, t0: float, deadl
     tb = report.get("traceback") or err_tail
     if rc != 0 and report.get("outcome") in SAFE:
         how = _signame(-rc) if rc < 0 else f"status {rc}"
-        return Verdict("at-exit", f"the import finished, but the interpreter then ended with {how}", err_tail,
-                       seconds, timeout_s)
-    return Verdict(str(report.get("outcome")), str(report.get("detail")), tb, seconds, timeout_s)
+        when = ("then, asked what it provides (its vcga_backends), the interpreter ended"
+                if report.get("outcome") == "ok" and answer is None else "the interpreter then ended")
+        return Verdict("at-exit", f"the import finished, but {when} with {how}", err_tail, seconds, timeout_s)
+    return Verdict(str(report.get("outcome")), str(report.get("detail")), tb, seconds, timeout_s,
+                   manifest=manifest if isinstance(manifest, dict) else None)
 
 
 def _signame(num: int) -> str:

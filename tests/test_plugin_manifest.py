@@ -1,0 +1,173 @@
+"""Plugins are imported when a job needs them: what ``init_process_group("vcga")`` imports, the
+built-in manifests that say what each plugin provides, and selection that rules out a backend
+without importing its plugin (docs/plugins.md, "What is imported when")."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from vcga.config import load_config
+from vcga.contract import Backend, CapabilityTable, ProbeResult, hookimpl
+from vcga.errors import VcgaBackendUnavailable
+from vcga.plugin_manager import BUILTIN_PLUGINS, VcgaPluginManager
+from vcga.plugin_manager.manifest import BUILTIN_MANIFESTS, HOOKS, BackendFacts, Manifest, manifest_of
+
+#: A one-rank job in a fresh interpreter: the vcga modules (and their plugins) that
+#: init_process_group("vcga") and a first all_reduce import; then a group of a simulated vendor
+#: (a backend chosen by name, through the rank hook) and the modules that one adds.
+JOB = textwrap.dedent("""
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    before = set(sys.modules)
+    dist.init_process_group("vcga", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    x = torch.ones(1024)
+    dist.all_reduce(x)
+    assert x[0].item() == 1.0
+    first = sorted(set(sys.modules) - before)
+    from dataclasses import replace
+    from vcga.config import load_config
+    from vcga.process_group import VcgaOptions
+    before = set(sys.modules)
+    g = dist.new_group([0], backend="vcga", pg_options=VcgaOptions(replace(load_config(), sim_vendors="hccl:1")))
+    dist.all_reduce(x, group=g)
+    sim = sorted(set(sys.modules) - before)
+    print(json.dumps({"first": first, "sim": sim, "backend": dist.group.WORLD.transport.backend_name,
+                      "sim_backend": g.transport.backend_name}))
+    dist.destroy_process_group()
+""")
+
+#: What a job never imports unless it uses it: conformance, the formats, the compressors (and the
+#: compression spec parser), and the vetting of third-party plugins when there are none.
+NEVER = ("vcga.conformance", "vcga.formats", "vcga.plugins.compressors", "vcga.compress.spec", "vcga.formatkit")
+
+
+def test_a_job_imports_only_its_backends_plugin():
+    """The module count of a one-rank ``init_process_group("vcga")`` + all_reduce (auto selection,
+    gloo here): no conformance, format or compressor module, and of the plugins only gloo's; a
+    simulated vendor's group then adds the sim plugin and still no other."""
+    r = subprocess.run([sys.executable, "-c", JOB], capture_output=True, text=True, timeout=240,
+                       env={**_env(), "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["backend"], out["sim_backend"]) == ("gloo", "sim-hccl")
+    first, sim = out["first"], out["sim"]
+    vcga_first = [m for m in first if m.startswith("vcga")]
+    unused = [m for m in vcga_first if m.startswith(NEVER) or m.startswith("vcga.plugins.")]
+    assert unused == ["vcga.plugins.gloo"], f"imported by the job: {unused}"
+    assert len(vcga_first) <= 30, vcga_first  # 23 today: the group's own modules, the manager, gloo's plugin
+    plugins_added = [m for m in sim if m.startswith("vcga.plugins.")]
+    assert plugins_added, sim
+    assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim
+    assert not [m for m in sim if m.startswith(NEVER)], sim
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("VCGA_") or k == "VCGA_CACHE_DIR"}
+
+
+@pytest.mark.parametrize("module", BUILTIN_PLUGINS)
+def test_builtin_manifests_say_what_the_plugins_provide(module):
+    """Each built-in manifest equals what its module really implements and returns (so selection
+    never skips a plugin it should have asked); the simulated vendors' rank hook answers nothing
+    without ``sim_vendors``, which is what their manifest's key says."""
+    declared = BUILTIN_MANIFESTS[module]
+    real = manifest_of(importlib.import_module(module))
+    assert (real.hooks, real.backends) == (declared.hooks, declared.backends)
+    if declared.rank_backend_key is not None:
+        hook = importlib.import_module(module).vcga_rank_backend
+        assert all(hook(rank=r, world_size=4, config=load_config(env={})) is None for r in range(4))
+        assert hook(rank=0, world_size=2, config=load_config(env={"VCGA_SIM_VENDORS": "nccl:2"})) is not None
+
+
+def test_every_builtin_and_every_hook_is_in_the_manifests():
+    from vcga.contract import HookSpecs
+
+    assert set(BUILTIN_MANIFESTS) == set(BUILTIN_PLUGINS)
+    assert list(HOOKS) == [n for n in vars(HookSpecs) if n.startswith("vcga_")]
+
+
+class _Dev(Backend):
+    vendor, dist_backend = "test", "gloo"
+
+    def __init__(self, name, device_type="cpu", priority=50, requires=()):
+        self.name, self.device_type, self.priority, self.requires = name, device_type, priority, requires
+        self.probed = 0
+
+    def probe(self):
+        self.probed += 1
+        return ProbeResult(True, "fine", 1)
+
+    def accelerator(self):
+        raise NotImplementedError
+
+    def capabilities(self):
+        return CapabilityTable.builder(self.name).build()
+
+    def create_process_group(self, store, rank, world_size, timeout):
+        raise NotImplementedError
+
+
+def test_selection_rules_out_backends_without_importing_their_plugins(monkeypatch):
+    """Auto selection imports a plugin only while its backend might be available: one whose
+    required module is not installed, or whose device type torch counts none of, is ruled out from
+    its manifest; the plugin of the chosen backend is imported; with nothing available, every
+    plugin is imported so the error carries each probe's own reason."""
+    imported: list[str] = []
+
+    def plugin(name: str, backend: Backend) -> str:
+        mod = types.ModuleType(name)
+        mod.vcga_backends = hookimpl(lambda: [backend])
+        monkeypatch.setitem(sys.modules, name, mod)
+        return name
+
+    def loader_counting(pm: VcgaPluginManager) -> None:
+        for p in pm._known.values():
+            inner = p.loader
+            p.loader = lambda inner=inner, n=p.name: (imported.append(n), inner())[1]
+
+    facts = {
+        "plug_nomod": BackendFacts("nomod", 300, False, "cpu", ("vcga_no_such_vendor_sdk",)),
+        "plug_nodev": BackendFacts("nodev", 200, False, "cpu_test_device"),
+        "plug_good": BackendFacts("good", 100, False, "cpu"),
+        "plug_low": BackendFacts("low", 10, False, "cpu"),
+    }
+    for name, f in facts.items():
+        plugin(name, _Dev(f.name, f.device_type, f.priority, f.requires))
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "cpu_test_device", types.SimpleNamespace(device_count=lambda: 0), raising=False)
+    monkeypatch.setattr("vcga.plugin_manager.BUILTIN_MANIFESTS",
+                        {n: Manifest(frozenset({"vcga_backends"}), (f,)) for n, f in facts.items()})
+    pm = VcgaPluginManager(builtins=tuple(facts), env={})
+    pm._discover()
+    loader_counting(pm)
+    assert pm.select_backend(load_config(env={})).name == "good"
+    assert imported == ["plug_good"]
+    # a name asked for explicitly imports its plugin only
+    assert pm.backend_record("low").name == "low" and imported == ["plug_good", "plug_low"]
+
+    # nothing available: every plugin is imported, and the reasons are the probes'
+    for name in facts:
+        sys.modules[name].vcga_backends = hookimpl(lambda n=facts[name].name: [_Down(n)])
+    pm = VcgaPluginManager(builtins=tuple(facts), env={})
+    pm._discover()
+    imported.clear()
+    loader_counting(pm)
+    with pytest.raises(VcgaBackendUnavailable) as e:
+        pm.select_backend(load_config(env={}))
+    assert sorted(imported) == sorted(facts)
+    assert all(f"{f.name}: down here" in str(e.value) for f in facts.values()), str(e.value)
+
+
+class _Down(_Dev):
+    def probe(self):
+        return ProbeResult(False, "down here")

@@ -1,0 +1,135 @@
+"""What a plugin provides, known without importing it: what the plugin manager loads plugins by.
+
+The manager imports a plugin only when a caller asks for something it provides: a job's
+``init_process_group("vcga")`` imports the plugin of the backend it selects, ``vcga convert`` the
+format plugins, ``vcga verify`` the conformance checks, a compression spec the compressors. What a
+plugin provides is its :class:`Manifest`: the hooks it implements and, for ``vcga_backends``, the
+facts selection needs about each backend (:class:`BackendFacts`). Manifests come from
+
+- :data:`BUILTIN_MANIFESTS` for the built-in plugins (tests/test_plugin_manifest.py checks each
+  against what its module really implements and returns);
+- the vetting child for a third-party plugin (:mod:`vcga.plugin_manager.vetting`): right after the
+  import it vets, it asks the plugin with :func:`manifest_of`, and the verdict cache keeps the
+  answer with the verdict, so the plugin's author declares nothing;
+- nowhere otherwise (vetting switched off, a module this process imported already, a plugin whose
+  hook raised in the child): the plugin is then imported at the first query of any kind.
+
+A manifest is only a guide to what to import: what a loaded plugin's hooks return is what counts.
+
+Importing this module imports neither pluggy nor torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+__all__ = ["BackendFacts", "Manifest", "BUILTIN_MANIFESTS", "HOOKS", "manifest_of"]
+
+#: The hooks of :class:`vcga.contract.HookSpecs`, in its order (tests/test_plugin_manifest.py checks).
+HOOKS = ("vcga_backends", "vcga_rank_backend", "vcga_tensor_to_host", "vcga_formats", "vcga_conformance_checks",
+         "vcga_compressors")
+
+
+class BackendFacts(NamedTuple):
+    """What automatic selection needs to know of a backend before importing its plugin (the
+    :class:`~vcga.contract.Backend` attributes of the same names)."""
+
+    name: str
+    priority: int = 0
+    simulated: bool = False
+    device_type: str = "cpu"
+    requires: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "priority": self.priority, "simulated": self.simulated,
+                "device_type": self.device_type, "requires": list(self.requires)}
+
+
+class Manifest(NamedTuple):
+    """The hooks a plugin implements and the backends it registers."""
+
+    hooks: frozenset[str]
+    backends: tuple[BackendFacts, ...] = ()
+    #: The config key without which the plugin's ``vcga_rank_backend`` answers None (the simulated
+    #: vendors' ``sim_vendors``), so selection does not import it while that key is unset. Only
+    #: built-in manifests say so; a third-party plugin implementing the hook is asked at every
+    #: automatic selection.
+    rank_backend_key: str | None = None
+
+    def provides(self, hook: str) -> bool:
+        return hook in self.hooks
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hooks": sorted(self.hooks), "backends": [b.to_json() for b in self.backends]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Manifest | None:
+        """A manifest from the vetting cache, or None for anything malformed (the plugin is then
+        imported at the first query, which is always correct)."""
+        try:
+            hooks = frozenset(raw["hooks"])
+            if not all(isinstance(h, str) for h in hooks):
+                return None
+            backends = []
+            for b in raw["backends"]:
+                facts = BackendFacts(str(b["name"]), int(b["priority"]), bool(b["simulated"]), str(b["device_type"]),
+                                     tuple(str(m) for m in b["requires"]))
+                backends.append(facts)
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(hooks, tuple(backends))
+
+
+def _cpu(name: str, priority: int = 0, simulated: bool = False) -> BackendFacts:
+    return BackendFacts(name, priority, simulated, "cpu")
+
+
+_FORMATS = Manifest(frozenset({"vcga_formats"}))
+
+#: The built-in plugins' manifests, by module (``vcga.plugin_manager.BUILTIN_PLUGINS``).
+BUILTIN_MANIFESTS: Mapping[str, Manifest] = {
+    "vcga.plugins.gloo": Manifest(frozenset({"vcga_backends", "vcga_tensor_to_host"}), (_cpu("gloo"),)),
+    "vcga.plugins.sim": Manifest(frozenset({"vcga_backends", "vcga_rank_backend"}),
+                                 (_cpu("sim-nccl", -100, True), _cpu("sim-hccl", -100, True),
+                                  _cpu("sim-cncl", -100, True)), rank_backend_key="sim_vendors"),
+    "vcga.plugins.nccl": Manifest(frozenset({"vcga_backends", "vcga_tensor_to_host"}),
+                                  (BackendFacts("nccl", 100, False, "cuda"),)),
+    "vcga.plugins.hccl": Manifest(frozenset({"vcga_backends", "vcga_tensor_to_host"}),
+                                  (BackendFacts("hccl", 100, False, "npu", ("torch_npu",)),)),
+    "vcga.plugins.mlu": Manifest(frozenset({"vcga_backends", "vcga_tensor_to_host"}),
+                                 (BackendFacts("mlu", 100, False, "mlu", ("torch_mlu",)),)),
+    "vcga.plugins.compressors": Manifest(frozenset({"vcga_compressors"})),
+    "vcga.conformance.checks": Manifest(frozenset({"vcga_conformance_checks"})),
+    "vcga.formats.vbin": _FORMATS,
+    "vcga.formats.hdf5": _FORMATS,
+    "vcga.formats.safetensors_format": _FORMATS,
+    "vcga.formats.torch_pt": _FORMATS,
+    "vcga.formats.mindrecord": _FORMATS,
+    "vcga.formats.mindspore_ckpt": _FORMATS,
+}
+
+
+def manifest_of(plugin: Any) -> Manifest:
+    """Ask an imported plugin (a module or object) what it provides: the hooks pluggy finds on it,
+    and the facts of the backends its ``vcga_backends`` returns (called once, here).
+
+    :raises Exception: whatever the plugin's registration or its ``vcga_backends`` raises (the
+        caller then knows no manifest, and the manager imports the plugin at the first query).
+    """
+    import pluggy
+
+    from vcga.contract import PROJECT, Backend, HookSpecs
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(HookSpecs)
+    pm.register(plugin)
+    hooks = frozenset(h for h in HOOKS if getattr(pm.hook, h).get_hookimpls())
+    backends: list[BackendFacts] = []
+    for impl in pm.hook.vcga_backends.get_hookimpls():
+        returned: Any = impl.function()
+        for b in returned or ():
+            if isinstance(b, Backend):  # anything else is the loaded plugin's recorded hook error
+                backends.append(BackendFacts(b.name, int(b.priority), bool(b.simulated), b.device_type,
+                                             tuple(b.requires)))
+    return Manifest(hooks, tuple(backends))
