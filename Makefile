@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints/cpu.txt
 
-.PHONY: test verify lint venv clean bench
+.PHONY: test verify lint venv wheel-venv clean bench
 
 venv: $(STAMP)
 
@@ -20,6 +20,19 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) scripts/venv_install.py
 	@# (a package's Python 2 template) is skipped, as pip skips it.
 	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
+
+# A user's install, for benchmarks/startup.py's figure of record: the project built as a wheel and
+# installed, not editable, into a venv of its own with the same pins, every module's bytecode written
+# as pip writes it. Rebuilt from the checkout each time (the version does not change between commits).
+WHEEL_VENV ?= .venv-wheel
+
+wheel-venv: $(STAMP)
+	rm -rf $(WHEEL_VENV)/dist build
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(WHEEL_VENV)/dist .
+	test -x $(WHEEL_VENV)/bin/python || $(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip uninstall --quiet --yes vcga || true
+	$(WHEEL_VENV)/bin/python scripts/venv_install.py $(CONSTRAINTS) $(WHEEL_VENV)/dist/vcga-*.whl
+	$(WHEEL_VENV)/bin/python -m compileall -qq -j 0 $(WHEEL_VENV)/lib || true
 
 # Two pytest workers (pytest-xdist), each test module on one of them (its module-scoped worlds are
 # made once): while one worker's test waits (a timeout it provokes, a subprocess starting), the
@@ -40,4 +53,4 @@ verify: $(STAMP)
 	$(VENV)/bin/vcga verify
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(WHEEL_VENV) build *.egg-info .pytest_cache

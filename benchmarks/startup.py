@@ -1,8 +1,7 @@
-"""What creating a group costs: torch's gloo against ``vcga`` and mixed-vendor ``vcga``, 4..64 ranks.
+"""What starting a job's group costs: torch's gloo against ``vcga`` and mixed-vendor ``vcga``.
 
-For each world size the ranks are spawned once; then, in rotating order and repeated, each
-variant creates its group from scratch -- a new TCPStore client connection, ``init_process_group``,
-the first 4 KiB fp32 all_reduce -- and destroys it:
+Each start is a world of fresh processes that creates its group -- ``init_process_group`` and the
+first 4 KiB fp32 all_reduce -- for one variant:
 
 - ``gloo``: ``init_process_group("gloo")``, the anchor;
 - ``vcga``: ``init_process_group("vcga")`` as a user on this machine gets it (auto: gloo underneath);
@@ -10,31 +9,45 @@ the first 4 KiB fp32 all_reduce -- and destroys it:
   bridge: discovery, vendor groups, bridge sub-groups, link figures), its figures in the cache
   (an untimed start before the timed ones measured and stored them, as a job's first start does);
 - ``mixed-measure``: the same with ``bridge_calibration: measure``: every start measures its
-  links (what a first start on a new topology pays);
-- ``vcga-fresh`` / ``mixed-fresh``: as ``vcga`` / ``mixed``, in processes that have not loaded
-  vcga's plugins yet (the first group of a process: plugin loading and backend selection count).
+  links (what a first start on a new topology pays).
 
-A start is timed as a job sees it: from the moment every rank is released (one signal through a
-separate control store) to the end of the slowest rank's first all_reduce. The store's server runs
-in this process, as torchrun's agent hosts it. Per phase, the mean over ranks of each rank's own
-seconds: store connect; for vcga the phases the group records itself (``describe()["startup"]``:
-discovery, native groups, bridge sub-groups, whole-group gloo, calibration, with what the first
-collective creates lazily counted in its phase) and the rest of ``init_process_group`` ("torch");
-the first collective.
+The variants rotate, each world size's starts back to back. Two launchers:
 
-Store load is counted, in extra starts after the timed ones, through :mod:`_store_proxy` (a relay
-per rank in front of the store's server, parsing every request on the wire): requests and bytes per
-rank and in total, split by which part of creation named the key. The relay slows every request,
-so counted starts are never timed.
+- ``--launch torchrun`` (default): every start is ``python -m torch.distributed.run --standalone
+  --nproc-per-node n benchmarks/_startup_rank.py``, each rank a fresh interpreter that imports torch
+  and calls ``init_process_group`` through torchrun's store (``env://``), as a training script does:
+  it pays for importing whatever vcga imports at that call. ``--python`` names the interpreter of the
+  ranks (and of torchrun): the figure of record uses a user's install, ``make wheel-venv``
+  (``.venv-wheel``: a built wheel, bytecode caches written as pip writes them); the editable checkout
+  with ``PYTHONDONTWRITEBYTECODE=1`` is the case without caches (every module compiled at import).
+  The ranks wait for one signal after their imports, so all begin ``init_process_group`` together;
+  a start's figure is the largest, over its ranks, of the time from ``init_process_group`` to the
+  end of that rank's first all_reduce.
+- ``--launch forkserver``: the ranks are forked from a server that imported torch and vcga (and
+  its plugins: ``-fresh`` variants skip that), the store's server in this process; a start is timed
+  from the moment every rank is released to the end of the slowest rank's first all_reduce. It
+  leaves the imports out, and counts the store's load on the wire (below).
+
+Per rank, the CPU seconds of ``init_process_group`` and the first all_reduce (all the process's
+threads); per phase, each rank's own clock: for vcga the phases the group records itself
+(``describe()["startup"]``: backend selection, discovery, native groups, bridge sub-groups,
+whole-group gloo, calibration, with what the first collective creates lazily counted in its
+phase), the rest of ``init_process_group`` ("torch") and the first collective.
+
+Store load (forkserver only) is counted, in extra starts after the timed ones, through
+:mod:`_store_proxy` (a relay per rank in front of the store's server, parsing every request on the
+wire): requests and bytes per rank and in total, split by which part of creation named the key.
+The relay slows every request, so counted starts are never timed.
 
 Ranks are oversubscribed on this machine's cores: only ratios between variants of the same run
-mean anything. What each process pays once (importing vcga, loading plugins, choosing a backend)
-is reported apart ("once per process").
+mean anything.
 
 Usage::
 
-    python benchmarks/startup.py --ranks 4 8 16 32 64 --reps 5
-    python benchmarks/startup.py --ranks 32 --reps 5 --variants gloo,vcga,mixed --markdown --json startup.json
+    make wheel-venv
+    python benchmarks/startup.py --python .venv-wheel/bin/python --ranks 16 32 --reps 3 --markdown
+    PYTHONDONTWRITEBYTECODE=1 python benchmarks/startup.py --ranks 16 32 --reps 3 --markdown
+    python benchmarks/startup.py --launch forkserver --ranks 4 8 16 32 64 --reps 5 --json startup.json
 """
 
 from __future__ import annotations
@@ -44,9 +57,11 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +69,10 @@ from _ranks import table
 from _store_proxy import StoreProxy
 
 VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure", "vcga-fresh", "mixed-fresh")
+#: Under torchrun every rank is a fresh process: the ``-fresh`` variants are what every variant is.
+TORCHRUN_VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure")
+#: The rank program of the torchrun launch.
+RANK_SCRIPT = Path(__file__).resolve().with_name("_startup_rank.py")
 #: The phases a start is split into, in the order of the tables.
 PHASES = ("backend selection", "discovery", "native groups", "bridge sub-groups", "whole-group gloo",
           "calibration", "rest of init", "first collective")
@@ -241,8 +260,9 @@ PRELOAD = ["torch", "torch.distributed", "vcga", "vcga.process_group", "vcga.pg.
            "vcga.plugin_manager"]
 
 
-class Driver:
-    """Runs the schedule of one world size: per start, a world of fresh rank processes."""
+class ForkDriver:
+    """Runs the schedule of one world size: per start, a world of rank processes forked from a
+    server that imported torch and vcga."""
 
     def __init__(self, world: int, args: argparse.Namespace) -> None:
         import multiprocessing as mp
@@ -339,6 +359,95 @@ class Driver:
         self.cache.cleanup()
 
 
+class TorchrunDriver:
+    """Runs the schedule of one world size: per start, ``torchrun --standalone`` with a world of
+    fresh interpreters (:mod:`_startup_rank`), released together after their imports through a
+    control store in this process."""
+
+    def __init__(self, world: int, args: argparse.Namespace) -> None:
+        import torch.distributed as dist
+
+        self.world, self.args = world, args
+        self.timeout = args.timeout
+        self.ctl = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=self.timeout),
+                                 wait_for_workers=False)
+        self.cache = tempfile.TemporaryDirectory(prefix="vcga-startup-figures-")
+        self.logs = tempfile.TemporaryDirectory(prefix="vcga-startup-logs-")
+        self.schedule = schedule(args.reps, tuple(args.variants), False)
+        self.it = 0
+        self.mem_available = float("inf")
+
+    def one(self, kind: str, variant: str) -> dict[str, Any]:
+        it = self.it = self.it + 1
+        env = dict(os.environ)
+        for k, v in variant_env(variant, self.world, self.cache.name).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        env.update({"STARTUP_CTL": f"127.0.0.1:{self.ctl.port}", "STARTUP_IT": str(it),
+                    "STARTUP_BACKEND": "gloo" if variant == "gloo" else "vcga", "STARTUP_TIMEOUT": str(self.timeout),
+                    "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        if self.args.profile:
+            env["STARTUP_PROFILE"] = os.path.abspath(self.args.profile)
+        log_path = os.path.join(self.logs.name, f"{it}.log")
+        cmd = [self.args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.world),
+               str(RANK_SCRIPT)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + self.timeout
+            while self.ctl.add(f"ready/{it}", 0) < self.world:
+                self._alive(proc, log_path)
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the ranks never got ready within {self.timeout:g} s")
+                time.sleep(0.01)
+            time.sleep(0.2)  # let the last rank reach its wait: only the start itself is measured
+            self.mem_available = min(self.mem_available, mem_available_gib())
+            t_go = time.time()
+            self.ctl.set(f"go/{it}", "1")
+            keys = [f"res/{it}/{r}" for r in range(self.world)]
+            while not self.ctl.check(keys):
+                self._alive(proc, log_path)
+                if time.monotonic() > deadline + self.timeout:
+                    raise SystemExit(f"no answer from the ranks within {self.timeout:g} s")
+                time.sleep(0.01)
+            ranks = [json.loads(v) for v in self.ctl.multi_get(keys)]
+            self.ctl.set(f"done/{it}", "1")
+            rc = proc.wait(timeout=self.timeout)
+            if rc != 0:
+                raise SystemExit(f"torchrun exited with {rc}:\n{tail(log_path)}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return {"kind": kind, "variant": variant, "t_go": t_go, "ranks": ranks,
+                "total": max(r["t_end"] - r["t0"] for r in ranks)}
+
+    @staticmethod
+    def _alive(proc: subprocess.Popen[bytes], log_path: str) -> None:
+        if proc.poll() is not None:
+            raise SystemExit(f"torchrun ended early with {proc.returncode}:\n{tail(log_path)}")
+
+    def run(self) -> dict[str, Any]:
+        starts = []
+        for kind, variant in self.schedule:
+            entry = self.one(kind, variant)
+            starts.append(entry)
+            if self.args.progress:
+                print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
+        return {"world": self.world, "starts": starts, "mem_available_gib": self.mem_available}
+
+    def close(self) -> None:
+        self.cache.cleanup()
+        self.logs.cleanup()
+
+
+def tail(path: str, n: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
 def mem_available_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -389,7 +498,14 @@ def summarize(result: dict[str, Any], variants: tuple[str, ...]) -> dict[str, An
             row[name] = phases
         row["cpu_per_rank_s"] = statistics.median(
             sum(rk["init"][1] + rk["first"][1] for rk in s["ranks"]) / world for s in starts)
-        row["connect_s"] = statistics.median(max(rk["connect"] for rk in s["ranks"]) for s in starts)
+        cpus = sorted(rk["init"][1] + rk["first"][1] for s in starts for rk in s["ranks"])
+        row["cpu_rank_s"] = {"median": statistics.median(cpus), "q1": cpus[len(cpus) // 4],
+                             "q3": cpus[(3 * len(cpus)) // 4], "n": len(cpus)}
+        if all("connect" in rk for s in starts for rk in s["ranks"]):
+            row["connect_s"] = statistics.median(max(rk["connect"] for rk in s["ranks"]) for s in starts)
+        facts = [rk["vcga"] for s in starts for rk in s["ranks"] if "vcga" in rk]
+        if facts:
+            row["vcga"] = facts[0]
         mems = [rk["mem"] for s in starts for rk in s["ranks"] if rk.get("mem")]
         if mems:  # MiB per rank, mean over ranks and starts
             row["mem_mib"] = {k: sum(m[k] for m in mems) / len(mems) / 1024 for k in ("rss", "pss", "private")}
@@ -427,18 +543,31 @@ def _kb(n: float) -> str:
 
 
 def render(summaries: list[dict[str, Any]], variants: tuple[str, ...], markdown: bool) -> str:
+    connect = all("connect_s" in s["variants"][v] for s in summaries for v in variants)
     head = ["ranks", *[f"{v} s" for v in variants], *[f"{v}/gloo" for v in variants if v != "gloo"],
-            *[f"{v} CPU s/rank" for v in variants], "store connect s"]
+            *[f"{v} CPU ms/rank" for v in variants], *(["store connect s"] if connect else [])]
     lines = []
     for s in summaries:
         vs = s["variants"]
         lines.append([str(s["world"]), *[f"{vs[v]['total_s']:.3f}" for v in variants],
                       *[f"{vs[v]['ratio']:.2f} ({vs[v]['ratio_range'][0]:.2f}–{vs[v]['ratio_range'][1]:.2f})"
                         for v in variants if v != "gloo"],
-                      *[f"{vs[v]['cpu_per_rank_s']:.3f}" for v in variants],
-                      f"{statistics.median(vs[v]['connect_s'] for v in variants):.3f}"])
-    out = ["time to the end of the first 4 KiB all_reduce (median; ratio: median of start-by-start ratios, "
-           "range); CPU seconds per rank (median)", table(head, lines, markdown), ""]
+                      *[cpu_cell(vs[v], vs[variants[0]], v != variants[0]) for v in variants],
+                      *([f"{statistics.median(vs[v]['connect_s'] for v in variants):.3f}"] if connect else [])])
+    out = ["time from init_process_group to the end of the first 4 KiB all_reduce, the largest over the ranks "
+           "(median over starts; ratio: median of start-by-start ratios, range); CPU of init_process_group and "
+           "the first all_reduce per rank (median over ranks and starts, [interquartile range], +difference to "
+           "gloo's median)", table(head, lines, markdown), ""]
+    facts = [(v, s["variants"][v]["vcga"]) for s in summaries[:1] for v in variants if "vcga" in s["variants"][v]]
+    for v, f in facts:
+        if v == "gloo":
+            continue
+        how = "a wheel (site-packages)" if f.get("installed") else "an editable checkout"
+        cached = "with" if f.get("bytecode") else "without"
+        out.append(f"{v}: vcga from {how}, {cached} bytecode caches; {len(f['modules'])} vcga modules imported "
+                   f"by the start")
+    if facts:
+        out.append("")
     for key, what in (("phases_s", "wall"), ("phases_cpu_s", "CPU")):
         used = [p for p in PHASES if any(s["variants"][v][key].get(p, 0) > 0 for s in summaries for v in variants)]
         head = ["ranks", "variant", *[f"{p} ms" for p in used]]
@@ -479,6 +608,14 @@ def render(summaries: list[dict[str, Any]], variants: tuple[str, ...], markdown:
     return "\n".join(out)
 
 
+def cpu_cell(row: dict[str, Any], gloo: dict[str, Any], diff: bool) -> str:
+    c = row["cpu_rank_s"]
+    text = f"{c['median'] * 1e3:.1f} [{c['q1'] * 1e3:.1f}–{c['q3'] * 1e3:.1f}]"
+    if diff:
+        text += f" (+{(c['median'] - gloo['cpu_rank_s']['median']) * 1e3:.1f})"
+    return text
+
+
 def compile_sources() -> None:
     """Write vcga's bytecode, as ``pip install`` does: a checkout run with PYTHONDONTWRITEBYTECODE
     would otherwise compile every module in every rank of every start."""
@@ -493,9 +630,14 @@ def compile_sources() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launch", choices=("torchrun", "forkserver"), default="torchrun",
+                   help="torchrun: fresh interpreters, as users launch (default); forkserver: forked from a "
+                        "server that imported torch and vcga, with store counts")
+    p.add_argument("--python", default=sys.executable,
+                   help="torchrun launch: the interpreter of torchrun and the ranks (e.g. .venv-wheel/bin/python)")
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--reps", type=int, default=5, help="timed starts per variant and world size")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="gloo,vcga,mixed")
     p.add_argument("--no-count", dest="count", action="store_false", help="skip the counted starts")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", action="store_true")
@@ -505,18 +647,23 @@ def main() -> None:
     a = p.parse_args()
     a.variants = a.variants.split(",")
     variants = tuple(a.variants)
-    if any(v not in VARIANTS for v in variants) or variants[0] != "gloo":
-        p.error(f"--variants: gloo first, then some of {', '.join(VARIANTS[1:])}")
+    allowed = TORCHRUN_VARIANTS if a.launch == "torchrun" else VARIANTS
+    if any(v not in allowed for v in variants) or variants[0] != "gloo":
+        p.error(f"--variants: gloo first, then some of {', '.join(allowed[1:])} (with --launch {a.launch})")
     if any(n < 2 or n % 2 for n in a.ranks):
         p.error("--ranks: even numbers >= 2 (the mixed variant splits them between two vendors)")
-    compile_sources()
+    if a.launch == "torchrun":
+        a.count = False  # the store is torchrun's agent's: nothing in front of it to count through
+    else:
+        compile_sources()
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
         os.environ["STARTUP_PROFILE"] = os.path.abspath(a.profile)
     raw, summaries = [], []
     load = [os.getloadavg()[0]]
+    driver = TorchrunDriver if a.launch == "torchrun" else ForkDriver
     for n in a.ranks:
-        d = Driver(n, a)
+        d = driver(n, a)
         try:
             result = d.run()
         finally:
@@ -526,7 +673,8 @@ def main() -> None:
         if a.progress:
             print(render(summaries[-1:], variants, False), file=sys.stderr, flush=True)
     load.append(os.getloadavg()[0])
-    print(f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after")
+    print(f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after; "
+          f"launch: {a.launch}" + (f" ({a.python})" if a.launch == "torchrun" else ""))
     print(render(summaries, variants, a.markdown))
     if a.json:
         with open(a.json, "w") as f:

@@ -1,6 +1,9 @@
 """Install the project with its test and lint extras into a venv: with uv when it can, with pip otherwise.
 
-Usage (what `make venv` runs): VENV/bin/python scripts/venv_install.py CONSTRAINTS
+Usage (what `make venv` runs): VENV/bin/python scripts/venv_install.py CONSTRAINTS [REQUIREMENT...]
+
+Without REQUIREMENT it installs the checkout, editable, with its test and lint extras; `make wheel-venv`
+names a built wheel instead (a user's install, for benchmarks/startup.py).
 
 Why uv: pip installs the ~150 wheels of torch, Ray, Lightning and the rest one after another; uv
 unpacks them in parallel. On the 2-core reference machine, into a fresh venv with empty caches, pip
@@ -48,10 +51,15 @@ def parse_pip_config(out: str) -> dict[str, str]:
     return {**files, **env}
 
 
-def uv_command(constraints: str, settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+#: What `make venv` installs: the checkout, editable, with the extras the tests and the linters need.
+EDITABLE = ("-e", f"{PROJECT}[test,lint]")
+
+
+def uv_command(constraints: str, settings: dict[str, str],
+               requirements: tuple[str, ...] | list[str] = EDITABLE) -> tuple[list[str], dict[str, str]]:
     uv = str(Path(sys.executable).with_name("uv"))
     cmd = [uv, "pip", "install", "--quiet", "--python", sys.executable, "--index-strategy", "unsafe-best-match",
-           "-c", constraints, "-e", f"{PROJECT}[test,lint]"]
+           "-c", constraints, *requirements]
     for link in settings.get("find-links", "").split():
         cmd += ["--find-links", link]
     if settings.get("index-url"):
@@ -66,16 +74,16 @@ def uv_command(constraints: str, settings: dict[str, str]) -> tuple[list[str], d
 
 
 def main() -> int:
-    constraints = sys.argv[1]
+    constraints, requirements = sys.argv[1], sys.argv[2:] or list(EDITABLE)
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
     if subprocess.run([*pip, "--upgrade", "pip", "uv"]).returncode == 0:
-        cmd, env = uv_command(constraints, pip_settings())
+        cmd, env = uv_command(constraints, pip_settings(), requirements)
         if subprocess.run(cmd, env=env).returncode == 0:
             return 0
         print(f"venv_install: uv failed ({shlex.join(cmd)}); installing with pip instead", file=sys.stderr)
     else:
         print("venv_install: could not install uv; installing with pip instead", file=sys.stderr)
-    return subprocess.run([*pip, "--no-compile", "-c", constraints, "-e", f"{PROJECT}[test,lint]"]).returncode
+    return subprocess.run([*pip, "--no-compile", "-c", constraints, *requirements]).returncode
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ def test_startup_benchmark_runs_and_counts_the_store_at_a_toy_size(tmp_path: Pat
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "startup.json"
-    r = subprocess.run([sys.executable, "benchmarks/startup.py", "--ranks", "2", "--reps", "1", "--variants",
+    r = subprocess.run([sys.executable, "benchmarks/startup.py", "--launch", "forkserver", "--ranks", "2", "--reps", "1", "--variants",
                         "gloo,vcga,mixed", "--timeout", "120", "--json", str(out)], cwd=root, capture_output=True,
                        text=True, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr

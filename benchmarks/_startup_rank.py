@@ -1,0 +1,95 @@
+"""One rank of benchmarks/startup.py's torchrun launch: a fresh interpreter, started by torchrun,
+that does what a training script does -- ``import torch``, then ``init_process_group`` (``env://``,
+torchrun's store) and a first 4 KiB all_reduce -- and reports the wall and CPU seconds of those two
+steps to the driver's control store.
+
+Every rank waits for the driver's signal after its imports, so all ranks of a world begin
+``init_process_group`` together (as on a node where the job's processes start at once): the
+imports, which differ from rank to rank, are not part of the figure.
+
+Environment (set by the driver): ``STARTUP_CTL`` (host:port of the control store), ``STARTUP_IT``
+(the start's number), ``STARTUP_BACKEND`` ("gloo" or "vcga"), ``STARTUP_TIMEOUT`` (seconds),
+``STARTUP_PROFILE`` (a folder: rank 0 writes a CPU profile of its start there).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ELEMS = 1024  # 4 KiB of fp32
+
+
+def vcga_facts() -> dict[str, Any]:
+    """How this process got vcga: from a wheel or an editable checkout, with or without bytecode
+    caches, and how many of its modules the start imported."""
+    facts: dict[str, Any] = {"modules": sorted(m for m in sys.modules if m == "vcga" or m.startswith("vcga."))}
+    pg = sys.modules.get("vcga.process_group")
+    if pg is not None and getattr(pg, "__file__", None):
+        facts["file"] = pg.__file__
+        facts["installed"] = "site-packages" in pg.__file__
+        facts["bytecode"] = os.path.exists(importlib.util.cache_from_source(pg.__file__))
+    return facts
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["STARTUP_CTL"].rsplit(":", 1)
+    it, backend = os.environ["STARTUP_IT"], os.environ["STARTUP_BACKEND"]
+    timeout = timedelta(seconds=float(os.environ["STARTUP_TIMEOUT"]))
+    torch.set_num_threads(1)
+    ctl = dist.TCPStore(host, int(port), None, False, timeout=timeout)
+    gc_s: list[float] = []
+    gc_t0: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:  # Python's collector, timed (it may run inside the start)
+        if phase == "start":
+            gc_t0.append(time.perf_counter())
+        elif gc_t0:
+            gc_s.append(time.perf_counter() - gc_t0.pop())
+
+    ctl.add(f"ready/{it}", 1)
+    ctl.wait([f"go/{it}"])
+    gc.callbacks.append(on_gc)
+    prof = None
+    if os.environ.get("STARTUP_PROFILE") and rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile(time.process_time)  # CPU: the ranks share the cores
+        prof.enable()
+    t1, c1 = time.time(), time.process_time()
+    dist.init_process_group(backend, timeout=timeout)
+    t2, c2 = time.time(), time.process_time()
+    x = torch.ones(ELEMS)
+    dist.all_reduce(x)
+    t3, c3 = time.time(), time.process_time()
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(os.environ["STARTUP_PROFILE"], f"{backend}-{world}-{it}.prof"))
+    gc.callbacks.remove(on_gc)
+    if x[0].item() != world:
+        raise SystemExit(f"rank {rank}: all_reduce gave {x[0].item()}, not {world}")
+    startup: dict[str, Any] = {}
+    if backend == "vcga":
+        clock = dist.group.WORLD.transport.startup
+        startup = clock.to_json() if clock is not None else {}
+    res = {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup,
+           "gc_s": sum(gc_s), "gc_n": len(gc_s)}
+    if rank == 0:
+        res["vcga"] = vcga_facts()
+    ctl.set(f"res/{it}/{rank}", json.dumps(res))
+    ctl.wait([f"done/{it}"])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
