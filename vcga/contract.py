@@ -25,10 +25,14 @@ Sections:
    derives VCGA's emulations) and re-exported here, so a plugin imports its interface from one module.
 2. Accelerator -- the device interface, with pinned return types.
 3. Backend -- one vendor stack: probe, accelerator, capabilities, native group factory, env, topology.
-4. Checkpoint formats -- tensor entries, readers, writers.
-5. Conformance checks -- what ``vcga verify`` runs.
+4. Checkpoint formats -- tensor entries, readers, writers: defined in :mod:`vcga.formatspec`.
+5. Conformance checks -- what ``vcga verify`` runs: defined in :mod:`vcga.checkspec`.
 6. Gradient compressors -- what ``vcga.compress`` drives on the slow hop: defined in
-   :mod:`vcga.compressors` and re-exported here.
+   :mod:`vcga.compressors`.
+
+Sections 4 to 6 are re-exported here when first asked for (``from vcga.contract import
+FormatSpec`` works as for any other name): a training job's ``init_process_group`` needs none of
+them and does not pay for defining them.
 7. Hook specifications -- what a plugin implements.
 
 Nothing here imports torch at module import time: ``vcga --help`` must stay fast. torch types
@@ -38,13 +42,12 @@ appear only under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
 
-from vcga import dtypes as _dtypes
 from vcga.capabilities import (
     BITWISE,
     EMULATIONS,
@@ -62,14 +65,15 @@ from vcga.capabilities import (
 
 if TYPE_CHECKING:
     from datetime import timedelta
-    from types import TracebackType
 
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo's and NCCL's base
 
+    from vcga.checkspec import CheckResult, ConformanceCheck
     from vcga.compressors import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec
     from vcga.config import Config
+    from vcga.formatspec import FormatReader, FormatSpec, FormatWriter, RandomAccessReader, TensorEntry
 
 __all__ = [
     "PUBLIC_API",
@@ -119,6 +123,8 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.contract",  # this module: hook specs and every interface
     "vcga.capabilities",  # capability tables and their builder (re-exported here)
     "vcga.compressors",  # the gradient compressor interface (re-exported here)
+    "vcga.formatspec",  # the checkpoint format interface (re-exported here)
+    "vcga.checkspec",  # the conformance check interface (re-exported here)
     "vcga.errors",  # every error VCGA raises
     "vcga.dtypes",  # the one dtype table
     "vcga.config",  # the unified configuration
@@ -341,221 +347,27 @@ class Backend(abc.ABC):
                 "dist_backend": self.dist_backend, "priority": self.priority, "simulated": self.simulated}
 
 
-# ===================================================================================================
-# 4. Checkpoint formats -- one stream of tensor entries
-# ===================================================================================================
+# 4. Checkpoint formats: vcga/formatspec.py, and 5. Conformance checks: vcga/checkspec.py -- like 6.
+#    Gradient compressors: vcga/compressors.py -- re-exported here on first use: a process that never
+#    converts, checks or compresses (a training job's ``init_process_group``) does not define them.
 
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor as every format reader yields it and every writer takes it.
-
-    :param name: the tensor's key ("encoder.layers.0.weight"; HDF5 paths are '/'-joined).
-    :param dtype: canonical dtype name (:mod:`vcga.dtypes`).
-    :param shape: dimensions; ``()`` for a 0-d tensor.
-    :param data: exactly ``numel * itemsize`` bytes, little-endian, C order: ``bytes``, a
-        ``memoryview`` or anything with the buffer protocol (a zero-copy view where the reader can).
-    :param metadata: per-tensor string metadata a format carries (HDF5 attributes, ...).
-    :param checksum: ``"xxh3_64:<16 hex>"`` of ``data`` when the source stored one, else None.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    data: Any
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    checksum: str | None = None
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * _dtypes.get(self.dtype).itemsize
-
-
-@runtime_checkable
-class FormatReader(Protocol):
-    """Streams the tensors of one checkpoint (all its shards). Use as a context manager."""
-
-    @property
-    def metadata(self) -> Mapping[str, str]:
-        """File-level metadata (string to string). Read-only here, so an implementation may hold
-        any mapping (a dict it fills while opening)."""
-        ...
-
-    def index(self) -> Sequence[TensorEntry]:
-        """Every entry's name, dtype, shape and metadata, without reading tensor data.
-
-        Entries in the returned list carry ``data=None``."""
-        ...
-
-    def entries(self) -> Iterator[TensorEntry]:
-        """Yield each tensor with its data, in file order, reading one at a time (bounded memory)."""
-        ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> FormatReader: ...
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
-
-
-@runtime_checkable
-class RandomAccessReader(FormatReader, Protocol):
-    """A reader that also serves tensors by name, in any order (vendor-bin's does).
-
-    :mod:`vcga.checkpoint` reads a checkpoint's shard files through it: each rank takes only the
-    chunks it needs, and a damaged file is detected before any of its bytes are used."""
-
-    def entry(self, name: str) -> TensorEntry:
-        """One tensor with its data (a view where the format maps its file) and its stored
-        ``checksum``; the data is checked against it first when the reader verifies.
-
-        :raises KeyError: no tensor of that name."""
-        ...
-
-    def verify(self) -> None:
-        """Check every stored checksum of the file(s) and every byte between the tensors.
-
-        :raises vcga.errors.VcgaChecksumError: naming the file and the tensor (or offset)."""
-        ...
-
-    def release(self, name: str | None = None) -> None:
-        """Let this process's resident memory drop tensor ``name``'s pages (all when None); data
-        already handed out stays valid."""
-        ...
-
-
-@runtime_checkable
-class FormatWriter(Protocol):
-    """Writes one checkpoint atomically: nothing appears at the destination until :meth:`commit`.
-
-    As a context manager it commits on success and aborts (removing every temporary) on error.
-    """
-
-    def set_metadata(self, metadata: Mapping[str, str]) -> None: ...
-
-    def write(self, entry: TensorEntry) -> None:
-        """Append one tensor; may be called many times; memory stays bounded by one tensor."""
-        ...
-
-    def commit(self) -> None:
-        """fsync and rename into place."""
-        ...
-
-    def abort(self) -> None: ...
-
-    def __enter__(self) -> FormatWriter: ...
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
-
-
-@dataclass(frozen=True)
-class FormatSpec:
-    """A checkpoint format a plugin contributes.
-
-    :param name: short name used by ``--from``/``--to`` ("safetensors", "mindrecord", ...).
-    :param extensions: file extensions including the dot (".safetensors", ".vbin").
-    :param dtypes: canonical dtype names the format can hold exactly.
-    :param sniff: ``sniff(path) -> bool``: does this file carry the format's signature?
-        Must read at most a few KiB and never raise for a foreign file.
-    :param open_reader: ``open_reader(path, **options) -> FormatReader``.
-    :param open_writer: ``open_writer(path, **options) -> FormatWriter``; options include
-        ``shard_size`` (bytes) where the format shards.
-    :param description: one line for ``vcga info`` and ``vcga convert --help``.
-    """
-
-    name: str
-    extensions: tuple[str, ...]
-    dtypes: frozenset[str]
-    sniff: Callable[[Any], bool]
-    open_reader: Callable[..., FormatReader]
-    open_writer: Callable[..., FormatWriter]
-    description: str = ""
-
-
-# ===================================================================================================
-# 5. Conformance checks -- what `vcga verify` runs
-# ===================================================================================================
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """The outcome of one case of a conformance check.
-
-    :param check: the check's name.
-    :param backend: the backend it ran on (or a vendor set like "sim:nccl:2,hccl:2").
-    :param case: what exactly ran ("all_reduce SUM float32 n=4097 ws=2").
-    :param passed: True when the case met its bound.
-    :param dtype: the dtype involved, when one is.
-    :param worst_error: the largest error seen (0.0 for exact checks), when numeric.
-    :param bound: the bound it was checked against, when numeric.
-    :param detail: one line explaining a failure (or a skip).
-    :param skipped: True when the case did not apply (e.g. a refused cell).
-    :param cell: the capability cell the case exercises, named as :func:`cell_name` names it
-        (``"all_reduce int16 SUM"``), when it exercises one.
-    :param derived_from: when that cell is emulated, the native cell its recipe finally runs on
-        (:meth:`CapabilityTable.derived_from`): a wrong native cell makes every cell derived from it
-        fail too, and the report says so.
-    """
-
-    check: str
-    backend: str
-    case: str
-    passed: bool
-    dtype: str | None = None
-    worst_error: float | None = None
-    bound: float | None = None
-    detail: str = ""
-    skipped: bool = False
-    cell: str | None = None
-    derived_from: str | None = None
-
-
-@runtime_checkable
-class ConformanceCheck(Protocol):
-    """One conformance check. It runs inside every rank of a world the runner spawned and uses
-    only the public API (``torch.distributed`` on the ``vcga`` group, and this contract).
-
-    Two optional members (not part of the protocol, so existing checks stay valid): ``defaults``,
-    a dict of the options the check accepts with their defaults (profiles may override exactly
-    these); and ``compare(exports)``, called once after all worlds ran with ``{world id: {key:
-    value}}`` from the context's ``export()``, yielding :class:`CheckResult` rows that compare
-    worlds (backend against backend). See docs/conformance.md.
-    """
-
-    #: Unique name, e.g. "exact-reduce".
-    name: str
-    #: One line: what the check proves.
-    description: str
-
-    def run(self, context: Any) -> Iterable[CheckResult]:
-        """Run on one rank and yield results. ``context`` carries rank, world size, backend,
-        process group and the profile's options (see :mod:`vcga.conformance`)."""
-        ...
-
-
-# 6. Gradient compressors: vcga/compressors.py, re-exported on first use (below): a process that
-# never compresses -- a training job's ``init_process_group`` -- does not define them.
-
-_COMPRESSORS = frozenset({"Combine", "CompressContext", "Compressor", "CompressorOption", "CompressorSpec"})
+_SECTIONS = {
+    "vcga.formatspec": ("TensorEntry", "FormatReader", "RandomAccessReader", "FormatWriter", "FormatSpec"),
+    "vcga.checkspec": ("CheckResult", "ConformanceCheck"),
+    "vcga.compressors": ("Combine", "CompressContext", "Compressor", "CompressorOption", "CompressorSpec"),
+}
+_LAZY = {name: module for module, names in _SECTIONS.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _COMPRESSORS:
-        from vcga import compressors
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vcga.contract' has no attribute {name!r}")
+    import importlib
 
-        value = getattr(compressors, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'vcga.contract' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 # ===================================================================================================

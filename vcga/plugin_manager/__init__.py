@@ -43,12 +43,14 @@ import pluggy
 
 from vcga import contract
 from vcga.config import Config, load_config
-from vcga.contract import Backend, ConformanceCheck, FormatSpec, ProbeResult
+from vcga.contract import Backend, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
 from vcga.plugin_manager.manifest import BUILTIN_MANIFESTS, BackendFacts, Manifest
 
 if TYPE_CHECKING:
+    from vcga.checkspec import ConformanceCheck
     from vcga.compressors import CompressorSpec
+    from vcga.formatspec import FormatSpec
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -540,6 +542,8 @@ class VcgaPluginManager:
     # -- formats and checks ----------------------------------------------------------------------
 
     def formats(self) -> list[FormatSpec]:
+        from vcga.formatspec import FormatSpec
+
         out: dict[str, FormatSpec] = {}
         for _, spec in self._collect("vcga_formats"):
             if isinstance(spec, FormatSpec) and spec.name not in out:
