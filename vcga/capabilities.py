@@ -315,13 +315,15 @@ class CapabilityBuilder:
     def _keys(self, collectives: Iterable[Collective | str], dtypes: Iterable[str],
               ops: Iterable[ReduceOp | str] | None) -> list[CellKey]:
         keys: list[CellKey] = []
-        ops_list = list(ops) if ops is not None else None
+        op_members: list[ReduceOp] | None = None  # converted once, when a reducing collective needs them
         for c in collectives:
             coll = Collective(c)
             for dt in dtypes:
                 _dtypes.get(dt)
                 if coll.reduces:
-                    keys.extend((coll, dt, ReduceOp(op)) for op in (ops_list if ops_list is not None else ReduceOp))
+                    if op_members is None:
+                        op_members = [ReduceOp(op) for op in ops] if ops is not None else list(ReduceOp)
+                    keys.extend((coll, dt, op) for op in op_members)
                 else:
                     keys.append((coll, dt, None))
         return keys
