@@ -3,13 +3,15 @@ that does what a training script does -- ``import torch``, then ``init_process_g
 torchrun's store) and a first 4 KiB all_reduce -- and reports the wall and CPU seconds of those two
 steps to the driver's control store.
 
-Every rank waits for the driver's signal after its imports, so all ranks of a world begin
-``init_process_group`` together (as on a node where the job's processes start at once): the
-imports, which differ from rank to rank, are not part of the figure.
+With ``STARTUP_RELEASE=own`` each rank calls ``init_process_group`` as soon as its imports are
+done, as a script does; ``together`` makes every rank wait for the driver's signal after its
+imports, so all ranks of a world begin ``init_process_group`` at once (every rank's cost of the
+call lands on the CPUs at the same time: the worst case of a node whose ranks start together).
 
 Environment (set by the driver): ``STARTUP_CTL`` (host:port of the control store), ``STARTUP_IT``
 (the start's number), ``STARTUP_BACKEND`` ("gloo" or "vcga"), ``STARTUP_TIMEOUT`` (seconds),
-``STARTUP_PROFILE`` (a folder: rank 0 writes a CPU profile of its start there).
+``STARTUP_RELEASE`` ("own" or "together"), ``STARTUP_PROFILE`` (a folder: rank 0 writes a CPU
+profile of its start there).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def main() -> None:
             gc_s.append(time.perf_counter() - gc_t0.pop())
 
     ctl.add(f"ready/{it}", 1)
-    ctl.wait([f"go/{it}"])
+    if os.environ.get("STARTUP_RELEASE", "own") == "together":
+        ctl.wait([f"go/{it}"])
     gc.callbacks.append(on_gc)
     prof = None
     if os.environ.get("STARTUP_PROFILE") and rank == 0:

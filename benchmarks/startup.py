@@ -20,9 +20,11 @@ The variants rotate, each world size's starts back to back. Two launchers:
   ranks (and of torchrun): the figure of record uses a user's install, ``make wheel-venv``
   (``.venv-wheel``: a built wheel, bytecode caches written as pip writes them); the editable checkout
   with ``PYTHONDONTWRITEBYTECODE=1`` is the case without caches (every module compiled at import).
-  The ranks wait for one signal after their imports, so all begin ``init_process_group`` together;
-  a start's figure is the largest, over its ranks, of the time from ``init_process_group`` to the
-  end of that rank's first all_reduce.
+  A start's figure is the largest, over its ranks, of the time from that rank's
+  ``init_process_group`` call to the end of its first all_reduce. ``--release own`` (default): each
+  rank calls it when its own imports are done, as a script does; ``--release together``: the ranks
+  wait for one signal after their imports and all call it at once (the worst case: every rank's
+  cost of the call on the CPUs at the same time).
 - ``--launch forkserver``: the ranks are forked from a server that imported torch and vcga (and
   its plugins: ``-fresh`` variants skip that), the store's server in this process; a start is timed
   from the moment every rank is released to the end of the slowest rank's first all_reduce. It
@@ -387,6 +389,7 @@ class TorchrunDriver:
                 env[k] = v
         env.update({"STARTUP_CTL": f"127.0.0.1:{self.ctl.port}", "STARTUP_IT": str(it),
                     "STARTUP_BACKEND": "gloo" if variant == "gloo" else "vcga", "STARTUP_TIMEOUT": str(self.timeout),
+                    "STARTUP_RELEASE": self.args.release,
                     "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
         if self.args.profile:
             env["STARTUP_PROFILE"] = os.path.abspath(self.args.profile)
@@ -402,10 +405,12 @@ class TorchrunDriver:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the ranks never got ready within {self.timeout:g} s")
                 time.sleep(0.01)
-            time.sleep(0.2)  # let the last rank reach its wait: only the start itself is measured
-            self.mem_available = min(self.mem_available, mem_available_gib())
             t_go = time.time()
-            self.ctl.set(f"go/{it}", "1")
+            if self.args.release == "together":
+                time.sleep(0.2)  # let the last rank reach its wait: only the start itself is measured
+                self.mem_available = min(self.mem_available, mem_available_gib())
+                t_go = time.time()
+                self.ctl.set(f"go/{it}", "1")
             keys = [f"res/{it}/{r}" for r in range(self.world)]
             while not self.ctl.check(keys):
                 self._alive(proc, log_path)
@@ -633,6 +638,9 @@ def main() -> None:
     p.add_argument("--launch", choices=("torchrun", "forkserver"), default="torchrun",
                    help="torchrun: fresh interpreters, as users launch (default); forkserver: forked from a "
                         "server that imported torch and vcga, with store counts")
+    p.add_argument("--release", choices=("own", "together"), default="own",
+                   help="torchrun launch: each rank calls init_process_group after its own imports (own), or all "
+                        "at once on a signal after every rank's imports (together)")
     p.add_argument("--python", default=sys.executable,
                    help="torchrun launch: the interpreter of torchrun and the ranks (e.g. .venv-wheel/bin/python)")
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
@@ -674,7 +682,7 @@ def main() -> None:
             print(render(summaries[-1:], variants, False), file=sys.stderr, flush=True)
     load.append(os.getloadavg()[0])
     print(f"{os.cpu_count()} cores; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after; "
-          f"launch: {a.launch}" + (f" ({a.python})" if a.launch == "torchrun" else ""))
+          f"launch: {a.launch}" + (f" ({a.python}, release: {a.release})" if a.launch == "torchrun" else ""))
     print(render(summaries, variants, a.markdown))
     if a.json:
         with open(a.json, "w") as f:

@@ -96,9 +96,20 @@ def test_duplicate_backend_name_is_reported(fake_modules):
 
 
 def _fake_entry_points(monkeypatch, eps):
+    """Installed distributions as the manager reads them: one whose entry-point file holds ``eps``."""
     import vcga.plugin_manager as m
 
-    monkeypatch.setattr(m.importlib.metadata, "entry_points", lambda group=None: [e for e in eps if e.group == group])
+    text = "".join(f"[{e.group}]\n{e.name} = {e.value}\n" for e in eps)
+
+    class Dist:
+        def read_text(self, name):
+            return text if name == "entry_points.txt" else None
+
+        @property
+        def entry_points(self):
+            return m.importlib.metadata.EntryPoints(eps)
+
+    monkeypatch.setattr(m.importlib.metadata, "distributions", lambda: [Dist()])
 
 
 @pytest.mark.parametrize("disable", ["1", "true", None])

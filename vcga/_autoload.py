@@ -36,10 +36,24 @@ _installed = False
 
 
 def _create(*args: Any, **kwargs: Any) -> Any:
-    """The creator registered with torch; defers to :func:`vcga.process_group.create_process_group`."""
-    from vcga.process_group import create_process_group
+    """The creator registered with torch; defers to :func:`vcga.process_group.create_process_group`.
 
-    return create_process_group(*args, **kwargs)
+    Python's cyclic collector is paused while the group's modules are imported too, not only while
+    the group is created (``vcga.process_group._collection_deferred`` says why): importing them
+    allocates tens of thousands of objects in a process that holds torch's 170,000, enough for
+    several collections -- a full one, now and then, that costs a rank tens of milliseconds while
+    every other rank waits. Deferred, the young objects are scanned once, after creation."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        from vcga.process_group import create_process_group
+
+        return create_process_group(*args, **kwargs)
+    finally:
+        if was:
+            gc.enable()
 
 
 def _register(c10d: Any) -> None:
