@@ -60,7 +60,7 @@ def main() -> None:
             gc_s.append(time.perf_counter() - gc_t0.pop())
 
     ctl.add(f"ready/{it}", 1)
-    if os.environ.get("STARTUP_RELEASE", "own") == "together":
+    if os.environ.get("STARTUP_RELEASE", "together") == "together":
         ctl.wait([f"go/{it}"])
     gc.callbacks.append(on_gc)
     prof = None

@@ -21,10 +21,12 @@ The variants rotate, each world size's starts back to back. Two launchers:
   (``.venv-wheel``: a built wheel, bytecode caches written as pip writes them); the editable checkout
   with ``PYTHONDONTWRITEBYTECODE=1`` is the case without caches (every module compiled at import).
   A start's figure is the largest, over its ranks, of the time from that rank's
-  ``init_process_group`` call to the end of its first all_reduce. ``--release own`` (default): each
-  rank calls it when its own imports are done, as a script does; ``--release together``: the ranks
-  wait for one signal after their imports and all call it at once (the worst case: every rank's
-  cost of the call on the CPUs at the same time).
+  ``init_process_group`` call to the end of its first all_reduce. ``--release together`` (default):
+  the ranks wait for one signal after their imports and all call it at once -- every rank's cost of
+  the call on the CPUs at the same time, the case of a node whose ranks start together, and the
+  reproducible one; ``--release own``: each rank calls it when its own imports are done, as a plain
+  script does, and the figure then also holds how far apart the ranks finished importing torch
+  (seconds on a loaded machine).
 - ``--launch forkserver``: the ranks are forked from a server that imported torch and vcga (and
   its plugins: ``-fresh`` variants skip that), the store's server in this process; a start is timed
   from the moment every rank is released to the end of the slowest rank's first all_reduce. It
@@ -638,9 +640,9 @@ def main() -> None:
     p.add_argument("--launch", choices=("torchrun", "forkserver"), default="torchrun",
                    help="torchrun: fresh interpreters, as users launch (default); forkserver: forked from a "
                         "server that imported torch and vcga, with store counts")
-    p.add_argument("--release", choices=("own", "together"), default="own",
-                   help="torchrun launch: each rank calls init_process_group after its own imports (own), or all "
-                        "at once on a signal after every rank's imports (together)")
+    p.add_argument("--release", choices=("together", "own"), default="together",
+                   help="torchrun launch: every rank calls init_process_group at once, on a signal after every "
+                        "rank's imports (together), or each after its own imports (own)")
     p.add_argument("--python", default=sys.executable,
                    help="torchrun launch: the interpreter of torchrun and the ranks (e.g. .venv-wheel/bin/python)")
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64])
