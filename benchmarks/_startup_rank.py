@@ -4,9 +4,13 @@ torchrun's store) and a first 4 KiB all_reduce -- and reports the wall and CPU s
 steps to the driver's control store.
 
 With ``STARTUP_RELEASE=own`` each rank calls ``init_process_group`` as soon as its imports are
-done, as a script does; ``together`` makes every rank wait for the driver's signal after its
-imports, so all ranks of a world begin ``init_process_group`` at once (every rank's cost of the
-call lands on the CPUs at the same time: the worst case of a node whose ranks start together).
+done, as a script does (``env://``); ``together`` makes every rank wait for the driver's signal
+after its imports, so all ranks of a world begin ``init_process_group`` at once (every rank's cost
+of the call lands on the CPUs at the same time: the worst case of a node whose ranks start
+together). Released together, a rank connects to torchrun's store before the signal -- the client
+``env://`` would make (torchrun's agent hosts the server) -- and hands it to ``init_process_group``:
+torch's TCPStore client sometimes waits 5 s when dozens connect at the same instant, for every
+backend alike, which would drown what the backends differ in.
 
 Environment (set by the driver): ``STARTUP_CTL`` (host:port of the control store), ``STARTUP_IT``
 (the start's number), ``STARTUP_BACKEND`` ("gloo" or "vcga"), ``STARTUP_TIMEOUT`` (seconds),
@@ -59,8 +63,14 @@ def main() -> None:
         elif gc_t0:
             gc_s.append(time.perf_counter() - gc_t0.pop())
 
+    together = os.environ.get("STARTUP_RELEASE", "together") == "together"
+    job_store = None
+    if together and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # what env:// creates when torchrun's agent hosts the store
+        job_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                                  timeout=timeout)
     ctl.add(f"ready/{it}", 1)
-    if os.environ.get("STARTUP_RELEASE", "together") == "together":
+    if together:
         ctl.wait([f"go/{it}"])
     gc.callbacks.append(on_gc)
     prof = None
@@ -70,7 +80,10 @@ def main() -> None:
         prof = cProfile.Profile(time.process_time)  # CPU: the ranks share the cores
         prof.enable()
     t1, c1 = time.time(), time.process_time()
-    dist.init_process_group(backend, timeout=timeout)
+    if job_store is not None:
+        dist.init_process_group(backend, store=job_store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     t2, c2 = time.time(), time.process_time()
     x = torch.ones(ELEMS)
     dist.all_reduce(x)

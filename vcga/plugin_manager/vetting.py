@@ -319,7 +319,12 @@ def _judge(proc: subprocess.Popen[bytes], vout: Any, verr: Any, t0: float, deadl
         answer = None
     manifest = answer.get("manifest") if isinstance(answer, dict) else None
     if timed_out:
-        when = "exiting after the import" if report is not None else "the import"
+        if report is None:
+            when = "the import"
+        elif report.get("outcome") == "ok" and answer is None:
+            when = "saying what it provides after the import (its vcga_backends)"
+        else:
+            when = "exiting after the import"
         return Verdict("hang", f"{when} did not finish within {timeout_s:g} s (the child was killed)",
                        err_tail, seconds, timeout_s)
     if report is None:
