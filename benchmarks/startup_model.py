@@ -1,4 +1,4 @@
-"""The cost model of group creation: fitted to what ``startup.py --json`` measured, extrapolated.
+"""The cost model of group creation: fitted to what ``startup.py --launch forkserver --json`` measured, extrapolated.
 
 Per variant (gloo, vcga, mixed) and per part of creation (the store-key categories of startup.py:
 discovery, native groups, bridge sub-groups, whole-group gloo, calibration, torch's gloo group),
@@ -167,7 +167,7 @@ def plot(m: dict[str, Any], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json", help="what benchmarks/startup.py --json wrote (with store counts)")
+    p.add_argument("json", help="what benchmarks/startup.py --launch forkserver --json wrote (with store counts)")
     p.add_argument("--plot", help="write the plot here (PNG; needs matplotlib: pip install vcga[plot])")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", help="write the model (JSON) here")
