@@ -92,7 +92,8 @@ def load_table(backend_name: str = "gloo", path: Path = TABLE_FILE) -> Capabilit
     """The measured table: measured-native cells are native; the rest get VCGA's standard
     emulations where one exists (fp8 moved as uint8, fp16 with a float32 upcast, ...), else stay
     refused with gloo's own error message as the reason."""
-    data = json.loads(path.read_text())
+    source = path.read_bytes()
+    data = json.loads(source)
     measured_on = f"measured with torch {data['torch']} ({path.name})"
     # One statement per (outcome, collective, op, reason) with all its dtypes, not one per cell: the
     # same table, stated in a tenth of the calls (every rank of every job builds it at group creation).
@@ -107,7 +108,7 @@ def load_table(backend_name: str = "gloo", path: Path = TABLE_FILE) -> Capabilit
             builder.native([coll], dts, ops, note=measured_on)
         else:
             builder.refuse([coll], dts, ops, note=f"gloo: {detail}", final=False)
-    return builder.build()
+    return builder.build_lazy(source)  # the derived cells as collectives ask for them
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -39,15 +39,16 @@ JOB = textwrap.dedent("""
     g = dist.new_group([0], backend="vcga", pg_options=VcgaOptions(replace(load_config(), sim_vendors="hccl:1")))
     dist.all_reduce(x, group=g)
     sim = sorted(set(sys.modules) - before)
+    table = dist.group.WORLD.transport.table
     print(json.dumps({"first": first, "sim": sim, "backend": dist.group.WORLD.transport.backend_name,
-                      "sim_backend": g.transport.backend_name}))
+                      "sim_backend": g.transport.backend_name, "table_in_full": table._full is not None}))
     dist.destroy_process_group()
 """)
 
 #: What a job never imports unless it uses it: conformance, the formats, the compressors, their
-#: interfaces (the contract's sections 4-6) and the compression spec parser.
+#: interfaces (the contract's sections 4-6) and vcga.compress (a job that sets no compression spec).
 NEVER = ("vcga.conformance", "vcga.formats", "vcga.formatspec", "vcga.formatkit", "vcga.checkspec", "vcga.compressors",
-         "vcga.plugins.compressors", "vcga.compress.spec")
+         "vcga.plugins.compressors", "vcga.compress")
 
 
 def test_a_job_imports_only_its_backends_plugin():
@@ -59,6 +60,7 @@ def test_a_job_imports_only_its_backends_plugin():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["backend"], out["sim_backend"]) == ("gloo", "sim-hccl")
+    assert not out["table_in_full"]  # gloo's table: digested at discovery, one cell looked up, none derived in full
     first, sim = out["first"], out["sim"]
     vcga_first = [m for m in first if m.startswith("vcga")]
     unused = [m for m in vcga_first if m.startswith(NEVER) or m.startswith("vcga.plugins.")]
@@ -68,6 +70,43 @@ def test_a_job_imports_only_its_backends_plugin():
     assert plugins_added, sim
     assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim
     assert not [m for m in sim if m.startswith(NEVER)], sim
+
+
+def test_lazy_tables_are_the_built_tables():
+    """``build_lazy`` gives :meth:`build`'s cells (final refusals kept, the rest derived), and its
+    digest is of the statements' source, the backend and vcga's version, not of the cells."""
+    from vcga.capabilities import CapabilityBuilder, LazyCapabilityTable
+    from vcga.pg.discovery import table_digest
+    from vcga.plugins import gloo
+
+    def statements() -> CapabilityBuilder:
+        return (CapabilityTable.builder("t").native(["all_reduce"], ["int32", "float32"], ["SUM", "MAX"])
+                .native(["all_gather"], ["uint8"]).refuse(["all_reduce"], ["int16", "float16"], ["SUM"], note="no")
+                .refuse(["all_reduce"], ["int8"], ["SUM"], note="gloo: no int8", final=False))
+
+    built, lazy = statements().build(), statements().build_lazy(b"src")
+    assert lazy.lookup("all_reduce", "int16", "SUM").note == "no"  # final: never derived
+    assert lazy.lookup("all_reduce", "int8", "SUM").via == "upcast:int32"  # non-final: derived on top
+    assert lazy.lookup("all_gather", "float64").via == "bitcast:uint8"
+    assert lazy.cells() == built.cells()
+    assert table_digest(statements().build_lazy(b"src")) == table_digest(lazy)
+    assert table_digest(statements().build_lazy(b"other")) != table_digest(lazy)
+    assert table_digest(lazy) != table_digest(built)  # named by its source, not its cells
+    table = gloo.load_table()
+    assert isinstance(table, LazyCapabilityTable)
+    digest = table_digest(table)
+    assert table._full is None, "the digest worked the whole table out"
+    stated = CapabilityTable.builder("gloo")
+    data = json.loads(gloo.TABLE_FILE.read_text())
+    for row in data["cells"]:  # one statement per cell: what load_table states in groups
+        op = [row["op"]] if row["op"] else None
+        if row["ok"]:
+            stated.native([row["collective"]], [row["dtype"]], op,
+                          note=f"measured with torch {data['torch']} ({gloo.TABLE_FILE.name})")
+        else:
+            stated.refuse([row["collective"]], [row["dtype"]], op, note=f"gloo: {row['detail']}", final=False)
+    assert table.cells() == stated.build().cells()
+    assert table_digest(table) == digest
 
 
 def _env() -> dict[str, str]:

@@ -380,6 +380,25 @@ class CapabilityBuilder:
                     cells[key] = cell
         return CapabilityTable(self.backend, cells)
 
+    def build_lazy(self, source: bytes) -> LazyCapabilityTable:
+        """The table :meth:`build` returns, its derived cells worked out when first asked for: a
+        training job's collectives ask for a handful of some 500, and every rank of every job
+        creates its backend's table at group creation.
+
+        ``source``: the bytes every statement was made from (a measured table's file), so that the
+        statements are a function of them. The table's :attr:`~LazyCapabilityTable.identity` is a
+        digest of those bytes, the backend's name and vcga's version (whose rules derive every
+        other cell); ranks compare it at group creation (:func:`vcga.pg.discovery.table_digest`)
+        instead of working the table out in full. So two ranks agree on the table when they
+        state it from the same bytes with the same vcga release; ranks of different vcga releases
+        are told to install the same one, even where their tables happen to be equal."""
+        import hashlib
+
+        from vcga import __version__
+
+        ident = hashlib.sha256(b"\0".join([b"statements", self.backend.encode(), __version__.encode(), source]))
+        return LazyCapabilityTable(self.backend, dict(self._cells).get, frozenset(self._final), ident.hexdigest())
+
 
 def _derived_cell(key: CellKey, stated: Mapping[CellKey, Cell], final: AbstractSet[CellKey]) -> Cell | None:
     """The emulated cell :meth:`CapabilityBuilder.build` derives for ``key`` (not stated final, and
@@ -399,21 +418,27 @@ class LazyCapabilityTable(CapabilityTable):
     """A :class:`CapabilityTable` whose cells are worked out when first asked for.
 
     ``stated(key)`` gives the cell a builder would have been told for ``key`` (None: nothing
-    stated); a refused stated cell is non-final, so VCGA's standard emulations are derived on top,
-    exactly as :meth:`CapabilityBuilder.build` derives them -- the same cells, one at a time. Why:
+    stated); a refused stated cell not in ``final`` lets VCGA's standard emulations be derived on
+    top, exactly as :meth:`CapabilityBuilder.build` derives them -- the same cells, one at a time. Why:
     a mixed-vendor group's combined table (:func:`vcga.bridge.combined_table`) has some 500 cells,
     each a function of the vendor groups' tables; working them all out costs every rank CPU at
     every group creation (docs/bridge.md, "Discovery and the plan"), where a training job's
     collectives ask for a handful. Anything
     that reads the whole table (:meth:`cells`, :meth:`to_json`, :meth:`summary`, comparisons)
-    works it out in full, once. (Core's own: plugins state their tables with the builder, so
-    :mod:`vcga.contract` does not export it.)
+    works it out in full, once. A plugin gets one from :meth:`CapabilityBuilder.build_lazy`
+    (:mod:`vcga.contract` does not export the class).
+
+    ``identity``: a digest that determines every cell (see :meth:`CapabilityBuilder.build_lazy`),
+    or None: the table's digest is then that of its cells, worked out in full.
     """
 
-    __slots__ = ("_stated_fn", "_stated", "_memo", "_full")
+    __slots__ = ("_stated_fn", "_stated", "_final", "_memo", "_full", "identity")
 
-    def __init__(self, backend: str, stated: Callable[[CellKey], Cell | None]) -> None:
+    def __init__(self, backend: str, stated: Callable[[CellKey], Cell | None],
+                 final: AbstractSet[CellKey] = frozenset(), identity: str | None = None) -> None:
         self.backend = backend
+        self.identity = identity
+        self._final = final
         self._default = Cell(Support.REFUSED, note=f"{backend} does not support this combination")
         self._stated_fn = stated
         self._stated = _StatedCells(stated)
@@ -425,8 +450,8 @@ class LazyCapabilityTable(CapabilityTable):
         if key in self._memo:
             return self._memo[key]
         cell = self._stated.get(key)
-        if cell is None or cell.support is Support.REFUSED:
-            cell = _derived_cell(key, self._stated, frozenset()) or cell
+        if (cell is None or cell.support is Support.REFUSED) and key not in self._final:
+            cell = _derived_cell(key, self._stated, self._final) or cell
         self._memo[key] = cell
         return cell
 

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from vcga.compress.syntax import split_spec
 from vcga.errors import VcgaConfigError
 
 __all__ = ["Config", "load_config", "ENV", "SECTIONS", "parse_sim_vendors", "SIM_VENDOR_NAMES", "gloo_env"]
@@ -273,6 +272,8 @@ def _validate(key: str, v: Any, src: str) -> Any:
             return None
         if not isinstance(v, str):
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
+        from vcga.compress.syntax import split_spec  # where a spec is set: a job without one never loads vcga.compress
+
         split_spec(v, src)  # syntax here; names and values when the spec is used (vcga.compress.spec)
         return v.strip()
     raise AssertionError(key)  # pragma: no cover - keys come from fields(Config)

@@ -31,7 +31,7 @@ from vcga.pypg import PyWork, reduce_op_of, waited_work
 
 __all__ = ["CallPath"]
 
-_TIMEOUT_RE = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
+_TIMEOUT = r"timed?[ _-]?out|timeout"  # matched on failures only (re caches it): no compilation at import
 
 
 class CallPath:
@@ -78,7 +78,7 @@ class CallPath:
             return e
         msg = str(e).strip()
         first = msg.splitlines()[0] if msg else type(e).__name__
-        if isinstance(e, TimeoutError) or _TIMEOUT_RE.search(msg):
+        if isinstance(e, TimeoutError) or re.search(_TIMEOUT, msg, re.IGNORECASE):
             return VcgaTimeoutError(name, self.timeout_s, rank=self.rank, seq=seq,
                                     detail=f"{self.backend}: {first}")
         where = f"{name}" + (f" (#{seq})" if seq is not None else "")

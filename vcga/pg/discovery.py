@@ -104,7 +104,12 @@ def table_digest(table: CapabilityTable) -> str:
     """A digest of a capability table's content (:func:`table_to_wire`'s canonical bytes),
     independent of the order its cells were stated in: two ranks whose tables differ in any cell
     (support, recipe or note) get different digests. Computed once per table object (a backend's
-    table lives as long as the process)."""
+    table lives as long as the process). A table that carries an ``identity`` (one from
+    :meth:`~vcga.capabilities.CapabilityBuilder.build_lazy`: a digest of what determines every
+    cell) is named by it instead, without working out its cells."""
+    identity = getattr(table, "identity", None)
+    if identity:
+        return str(identity)[:16]
     return hashlib.sha256(table_to_wire(table)).hexdigest()[:16]
 
 
