@@ -19,8 +19,7 @@ Every public module is listed in :data:`vcga.contract.PUBLIC_API`; the rest is i
 from __future__ import annotations
 
 from vcga import _autoload
-
-__version__ = "0.1.0"
+from vcga._version import __version__
 
 __all__ = ["__version__", "get_plugin_manager", "load_config", "init", "Communicator"]
 

@@ -394,7 +394,7 @@ class CapabilityBuilder:
         are told to install the same one, even where their tables happen to be equal."""
         import hashlib
 
-        from vcga import __version__
+        from vcga._version import __version__
 
         ident = hashlib.sha256(b"\0".join([b"statements", self.backend.encode(), __version__.encode(), source]))
         return LazyCapabilityTable(self.backend, dict(self._cells).get, frozenset(self._final), ident.hexdigest())
