@@ -92,6 +92,10 @@ class Config:
     #: Gradient compression for ``vcga.compress.ddp_hook()``: a spec ``name[:key=value,...]``
     #: (e.g. "powersgd:rank=4", "topk:ratio=0.01,scope=all"), or None / "none".
     compression: str | None = None
+    #: Where every rank writes its flight-recorder dump (``<dir>/vcga_fr_trace_rank_<rank>``) on a
+    #: collective timeout, an abort, SIGUSR1 or :func:`vcga.flight_recorder.dump`; None: where
+    #: ``TORCH_FR_DUMP_TEMP_FILE`` points (``<prefix><rank>``), else the temporary directory.
+    trace_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -122,6 +126,7 @@ ENV: Mapping[str, str] = {
     "network_traffic_class": "VCGA_NETWORK_TRAFFIC_CLASS",
     "network_service_level": "VCGA_NETWORK_SERVICE_LEVEL",
     "compression": "VCGA_COMPRESSION",
+    "trace_dir": "VCGA_TRACE_DIR",
 }
 
 #: The YAML section ``network:`` and the keys it holds (``network: {interface: eth1}`` sets
@@ -145,6 +150,7 @@ _ALLOWED = {
     "bridge_calibration": "one of cached, measure, off (see docs/bridge.md, 'Calibration cache')",
     "bridge_verify": "true or false (env: 1/0, true/false, yes/no, on/off)",
     "bridge_figures_cache": "a directory path, or null for VCGA's user cache (~/.cache/vcga/bridge)",
+    "trace_dir": "a directory path, or null for TORCH_FR_DUMP_TEMP_FILE's prefix (else the temporary directory)",
     "network_interface": "interface names as the OS shows them (`ip link`), a YAML list or comma-separated, "
     "e.g. eth1 or 'ib0,ib1'; or null for each library's own choice",
     "network_traffic_class": "an integer multiple of 4 between 0 and 252 (the ToS byte: DSCP x 4; the low two "
@@ -257,7 +263,7 @@ def _validate(key: str, v: Any, src: str) -> Any:
         if not isinstance(v, str) or v.strip().lower() not in CALIBRATION_MODES:
             raise VcgaConfigError(key, v, _ALLOWED[key], src)
         return v.strip().lower()
-    if key == "bridge_figures_cache":
+    if key in ("bridge_figures_cache", "trace_dir"):
         if v is None or (isinstance(v, str) and v.strip().lower() in ("", "null", "none")):
             return None
         if not isinstance(v, (str, os.PathLike)):

@@ -143,6 +143,8 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.compress.fused",  # compiled host loops, used where a self-check finds the torch operations' bits
     "vcga.balance",  # balanced data parallelism: shares per rank by speed, the loss scale, re-balancing
     "vcga.testing",  # for a plugin's own tests: run_world (a local world of forked ranks), free_port
+    "vcga.flight_recorder",  # dump the vcga groups' flight recorder on demand; analyze every rank's dump
+    "vcga.profiling",  # Chrome traces of vcga collectives: the bridge's steps linked to their calls
 )
 
 #: pluggy project name; also the entry-point group plugins register under.

@@ -32,6 +32,7 @@ __all__ = [
     "VcgaCheckpointError",
     "VcgaDiskFullError",
     "typed",
+    "adopt_torch_bases",
 ]
 
 #: The VCGA errors created most recently in this process (weak references), for :func:`typed`.
@@ -82,6 +83,17 @@ def typed(error: BaseException) -> BaseException:
         if err is not None and f"{type(err).__name__}: {err}" in text:
             return err
     return error
+
+
+def adopt_torch_bases(dist_backend_error: type[BaseException]) -> None:
+    """Make :class:`VcgaCollectiveError` and :class:`VcgaTimeoutError` also torch's
+    ``torch.distributed.DistBackendError`` (and so ``DistError``), what torch's own backends raise
+    when a collective fails: code written against torch catches ours. Called when torch.distributed
+    is loaded (:mod:`vcga.pypg`): this module imports nothing heavy. Idempotent."""
+    for cls in (VcgaCollectiveError, VcgaTimeoutError):
+        if issubclass(cls, dist_backend_error):
+            continue
+        cls.__bases__ = tuple(dist_backend_error if b is RuntimeError else b for b in cls.__bases__)
 
 
 def _rebuild_error(cls: type[VcgaError], args: tuple[Any, ...], state: dict[str, Any]) -> VcgaError:
@@ -158,7 +170,9 @@ class VcgaUnsupportedError(VcgaError, ValueError):
 
 
 class VcgaCollectiveError(VcgaError, RuntimeError):
-    """A collective failed inside the native library or while creating a group."""
+    """A collective failed inside the native library or while creating a group.
+
+    Once torch.distributed is loaded also a ``torch.distributed.DistBackendError`` (:func:`adopt_torch_bases`)."""
 
     def __init__(self, message: str, *, rank: int | None = None, backend: str | None = None) -> None:
         self.rank, self.backend = rank, backend
@@ -174,7 +188,8 @@ class VcgaTimeoutError(VcgaError, TimeoutError, RuntimeError):
     """A collective did not complete within the configured timeout.
 
     Also a ``RuntimeError``: torch.distributed's own backends raise ``RuntimeError`` subclasses
-    (``DistBackendError``) on timeouts, and code written against them keeps catching ours.
+    (``DistBackendError``) on timeouts, and code written against them keeps catching ours; once
+    torch.distributed is loaded, a ``torch.distributed.DistBackendError`` itself (:func:`adopt_torch_bases`).
     """
 
     def __init__(

@@ -122,6 +122,32 @@ class VcgaOptions:
         return replace(cfg, backend=self.backend) if self.backend else cfg
 
 
+def _new_recorder(transport: Transport, config: Config, group_name: str, global_ranks: Sequence[int], rank: int,
+                  timeout_s: float) -> Any:
+    """This group's flight recorder (:mod:`vcga.pg.recorder`), or None where TORCH_FR_BUFFER_SIZE is 0.
+
+    Entries are named after the library this rank's calls run on (torch's analyzer knows nccl, hccl,
+    gloo, ...): a vendor's own, the one a simulated vendor stands for."""
+    from vcga.pg import recorder
+
+    entries = recorder.buffer_size()
+    if entries <= 0:
+        return None
+    backend = getattr(transport, "backend", None)
+    library = (getattr(backend, "stands_for", None) or getattr(backend, "dist_backend", None)
+               or transport.backend_name)
+    facts = {"backend": getattr(backend, "name", transport.backend_name), "vendor": getattr(backend, "vendor", ""),
+             "transport": transport.backend_name, "library": library}
+    recorder.configure(config.trace_dir, _dump_on_signal)
+    return recorder.FlightRecorder(entries, group_name, "undefined", global_ranks, rank, str(library), facts, timeout_s)
+
+
+def _dump_on_signal(signum: int, frame: Any) -> None:
+    from vcga.pg import frdump, recorder
+
+    frdump.dump_quietly(f"signal {recorder.DUMP_SIGNAL}")
+
+
 def register() -> None:
     """Register ``vcga`` with ``torch.distributed.Backend`` (idempotent)."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
@@ -259,9 +285,12 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._store = store
         self._global_ranks = list(global_ranks) or list(range(size))
         debug = FingerprintCheck(dist.PrefixStore("vcga/debug", store), rank, size, timeout) if config.debug else None
+        #: what this group's last collectives were (None: TORCH_FR_BUFFER_SIZE=0)
+        self.flight_recorder = _new_recorder(transport, config, group_name, self._global_ranks, rank,
+                                             timeout.total_seconds())
         #: how every call reaches the library (numbering, hot path, dispatch, typed failures)
         self._calls = CallPath(rank, size, transport.group, Dispatcher(transport, rank, size), self._backend,
-                               timeout.total_seconds(), debug)
+                               timeout.total_seconds(), debug, self.flight_recorder)
         self._collectives = Collectives(self._calls)
         self._mb_store = dist.PrefixStore("vcga/monitored_barrier", store)
         self._mb_round = 0
@@ -286,12 +315,16 @@ class VcgaProcessGroup(dist.ProcessGroup):
     # (DeviceMesh, FSDP2 and functional collectives look groups up by name).
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
+        if self.flight_recorder is not None:
+            self.flight_recorder.group_name = name
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._group_name
 
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802
         self._group_desc = desc
+        if self.flight_recorder is not None:
+            self.flight_recorder.group_desc = desc
 
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
@@ -319,8 +352,13 @@ class VcgaProcessGroup(dist.ProcessGroup):
         calls this. As torch's own backends do, it returns at once: the native groups are aborted
         (what is in flight fails where the library can abort; gloo cannot) and released in a
         background thread, never joined here (see :meth:`vcga.pg.transport.NativeTransport.abort`);
-        calls made later raise :class:`~vcga.errors.VcgaCollectiveError`."""
+        calls made later raise :class:`~vcga.errors.VcgaCollectiveError`. Every group's flight
+        recorder is dumped first (:mod:`vcga.flight_recorder`)."""
         _OPEN.discard(self)
+        if self.flight_recorder is not None:
+            from vcga.pg.frdump import dump_quietly
+
+            dump_quietly(f"group {self._group_name or '?'} aborted")
         # Drop the hot path's and the dispatcher's references first: the transport hands its own
         # to the releasing thread, and the last one must go there, not here.
         self._calls.use_native(ClosedGroup(self._backend, "aborted"))
@@ -486,7 +524,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("barrier")
         seq = self._calls.next("barrier")
         return self._calls.native_call("barrier", seq, self._calls.native.barrier, opts, async_op=opts.asyncOp,
-                                       result=[])
+                                       result=[], call=self._calls.record(seq, "barrier", ()))
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.
@@ -497,7 +535,22 @@ class VcgaProcessGroup(dist.ProcessGroup):
         and the other ranks raise the same verdict.
         """
         limit = timeout_given(timeout) or self.timeout
-        self._calls.next("monitored_barrier")
+        seq = self._calls.next("monitored_barrier")
+        call = self._calls.record(seq, "barrier", ())
+        try:
+            self._monitored_barrier(limit, wait_all_ranks)
+        except BaseException as e:
+            if call is not None:
+                call.end(e)
+            if isinstance(e, VcgaTimeoutError) and self.flight_recorder is not None:
+                from vcga.pg.frdump import dump_on_failure
+
+                dump_on_failure(e)
+            raise
+        if call is not None:
+            call.end()
+
+    def _monitored_barrier(self, limit: timedelta, wait_all_ranks: bool) -> None:
         self._mb_round += 1
         n, store = self._mb_round, self._mb_store
         store.set(f"{n}/arrive/{self._rank}", "1")

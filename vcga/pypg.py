@@ -31,8 +31,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from vcga.contract import ReduceOp
+from vcga.errors import adopt_torch_bases
 
 log = logging.getLogger("vcga.work")
+
+# The collective errors are torch's DistBackendError too, from here on (torch is loaded).
+adopt_torch_bases(dist.DistBackendError)
 
 __all__ = [
     "PyWork",
@@ -124,11 +128,14 @@ class PyWork(dist._Work):
     :param result: the output tensors: the value of :meth:`get_future` and :meth:`result`.
     :param translate: maps a native failure to the error the caller sees (typed VCGA errors).
     :param source_rank: for receives from any source: a callable giving the sender's rank.
+    :param on_end: called once when the work has ended, with None or the error its waiters get
+        (the ``vcga`` group's flight recorder and profiler spans learn so when a call ended).
     """
 
     def __init__(self, works: Sequence[Any] = (), finish: Sequence[Callable[[], Any]] = (),
                  result: Sequence[torch.Tensor] | None = None, translate: Translate | None = None,
-                 source_rank: Callable[[], int] | None = None) -> None:
+                 source_rank: Callable[[], int] | None = None,
+                 on_end: Callable[[BaseException | None], Any] | None = None) -> None:
         super().__init__()
         self._works = list(works)
         self._finish = list(finish)
@@ -142,6 +149,17 @@ class PyWork(dist._Work):
         self._futs: list[torch.futures.Future] | None = None
         #: per native work, the future its watcher thread completes (None: the work has its own future)
         self._watchers: list[torch.futures.Future | None] | None = None
+        self._on_end = on_end
+        if self._done and on_end is not None:
+            self._ended()
+
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            try:
+                on_end(self._error)
+            except Exception:  # noqa: BLE001 - bookkeeping must never fail the collective
+                log.debug("vcga: a work's end hook failed", exc_info=True)
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -157,6 +175,7 @@ class PyWork(dist._Work):
                 self._error = self._as_error(e)
             finally:
                 self._done = True
+        self._ended()
         if self._error is not None:
             raise self._error
 
@@ -173,6 +192,7 @@ class PyWork(dist._Work):
             if self._error is None:
                 self._error = self._as_error(e)
             self._done = True
+        self._ended()
         raise self._error
 
     # -- the Work interface ----------------------------------------------------------------------
@@ -268,6 +288,7 @@ class PyWork(dist._Work):
                 # Done already: torch runs the callback right here, in this thread. Otherwise it
                 # runs in the thread that completes the future: counted for the exit drain.
                 self._future = base.then(self._on_native_done if base.done() else _NativeDone(self))
+                _check_at_backward_end(self)
         return self._future
 
     def _on_native_done(self, fut: torch.futures.Future) -> list[torch.Tensor]:
@@ -284,6 +305,49 @@ class PyWork(dist._Work):
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self._done else "pending")
         return f"PyWork({len(self._works)} native, {len(self._finish)} steps, {state})"
+
+
+# -- typed errors through the autograd engine ------------------------------------------------------
+#
+# DDP's reducer takes a work's future during backward and waits on it in its final callback; a
+# failure reaches `loss.backward()`'s caller as whatever that C++ future holds. A Python backend can
+# only fail such a future through a `then()` callback, and torch turns the callback's exception into
+# a plain RuntimeError ("Got the following error when running the callback: ...") there. A Python
+# callback queued on the autograd engine keeps its exception intact instead: the engine carries it
+# (torch's python_error) back to the caller as the same object. So a work whose future is taken
+# during a backward pass is also waited on by one such callback per backward pass, queued before
+# DDP's (DDP queues its own once every bucket was issued): it re-raises the work's typed error --
+# a VcgaTimeoutError that is also torch's DistBackendError -- where DDP would have raised the wrapper.
+
+_backward = threading.local()  # .task: (graph task id, the works to check at its end)
+
+
+def _check_at_backward_end(work: PyWork) -> None:
+    task = torch._C._current_graph_task_id()
+    if task < 0:
+        return
+    held = getattr(_backward, "task", None)
+    if held is None or held[0] != task:
+        works: list[PyWork] = []
+        _backward.task = (task, works)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_raise_typed, works))
+        except RuntimeError:  # not inside a backward pass after all (a graph task outside the engine)
+            _backward.task = None
+            return
+    else:
+        works = held[1]
+    works.append(work)
+
+
+def _raise_typed(works: list[PyWork]) -> None:
+    """At the end of a backward pass: the first failure among ``works``, typed (see above)."""
+    _backward.task = None
+    try:
+        for w in works:
+            w.wait()
+    finally:
+        works.clear()
 
 
 def failed_future(error: BaseException) -> torch.futures.Future:

@@ -50,6 +50,7 @@ from vcga.bridge.plan import (
 from vcga.bridge.verify import VERIFY_MIN_BYTES, PlanCheck
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Steps
+from vcga.pg.recorder import stage
 
 __all__ = ["AllReducer"]
 
@@ -133,14 +134,30 @@ class AllReducer:
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def in_group(self, issue: Callable[[Steps], None]) -> None:
+    def in_group(self, issue: Callable[[Steps], None], what: str = "step") -> None:
+        """Issue a step in this rank's vendor group and wait for it (``what`` names it: the
+        flight recorder's stage, the profiler's span)."""
         if self.comms.inner is not None:
-            s = Steps()
-            issue(s)
-            _run(s)
+            with stage(what, "in-vendor", self.vgroup.backend):
+                s = Steps()
+                issue(s)
+                _run(s)
+
+    def exchange_library(self) -> str:
+        """What carries this rank's cross-vendor exchange on this thread's lane."""
+        return "shared memory" if self.comms.shm is not None else "gloo"
 
     def bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce ``t`` across this rank's shard peers (one per vendor group) on the host, in place."""
+        with stage("exchange", "cross-vendor", self.exchange_library()):
+            self._bridge_reduce(t, op)
+
+    def _bridge_wait(self, work: Any) -> None:
+        """Wait for an exchange :meth:`_bridge_start` started."""
+        with stage("exchange", "cross-vendor", "gloo"):
+            work.wait()
+
+    def _bridge_reduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         peers = len(self.plan.shard_peers(self.local_rank))
         h = on_host(t)
         if self.comms.shm is not None:
@@ -252,19 +269,19 @@ class AllReducer:
     def _all_reduce_leader(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce to the leader in the vendor group, reduce among leaders on the host, broadcast back."""
         if self.routes(t.dtype, op)[self.vgroup.index] == "library":
-            self.in_group(lambda s: self.comms.inner.reduce(t, 0, op, None, None, s))  # type: ignore[union-attr]
+            self.in_group(lambda s: self.comms.inner.reduce(t, 0, op, None, None, s), "reduce")  # type: ignore[union-attr]
         elif self.comms.inner is not None:
             # The library cannot reduce this dtype: gather the raw bytes, reduce on the host in the dtype.
             rows = torch.empty((self.vgroup.size, *t.shape), dtype=t.dtype, device=t.device)
             self.in_group(lambda s: self.comms.inner.gather(  # type: ignore[union-attr]
-                list(rows.unbind(0)) if self.local_rank == 0 else [], t, 0, None, s))
+                list(rows.unbind(0)) if self.local_rank == 0 else [], t, 0, None, s), "gather")
             if self.local_rank == 0:
                 h = on_host(t)
                 combine_rows(on_host(rows).view(self.vgroup.size, -1), op, h.reshape(-1))
                 put_back(t, h)
         if self.local_rank == 0:
             self.bridge_reduce(t, op)
-        self.in_group(lambda s: self.comms.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+        self.in_group(lambda s: self.comms.inner.broadcast(t, 0, None, s), "broadcast")  # type: ignore[union-attr]
 
     def _segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The pipeline segments of a bandwidth all_reduce: a function of the size and of the figures
@@ -304,12 +321,12 @@ class AllReducer:
             work = self._bridge_start(mine, op) if bridge and mine.numel() else None
             if pending is not None:
                 if pending[0] is not None:
-                    pending[0].wait()
+                    self._bridge_wait(pending[0])
                 step(pending[1], op, "all_gather")
             pending = (work, seg)
         if pending is not None:
             if pending[0] is not None:
-                pending[0].wait()
+                self._bridge_wait(pending[0])
             step(pending[1], op, "all_gather")
 
     def bandwidth_started(self, t: torch.Tensor, op: ReduceOp) -> Callable[[], None]:
@@ -328,7 +345,7 @@ class AllReducer:
         def finish() -> None:
             for work, seg in started:
                 if work is not None:
-                    work.wait()
+                    self._bridge_wait(work)
                 step(seg, op, "all_gather")
         return finish
 
@@ -342,17 +359,23 @@ class AllReducer:
             buf = seg if c * k == n else torch.cat([seg, seg.new_zeros(c * k - n)])
             chunks = list(buf.view(k, c).unbind(0))
             shard = torch.empty(c, dtype=seg.dtype, device=seg.device)
-            self.in_group(lambda s: self.comms.inner.reduce_scatter(shard, chunks, op, None, None, s))  # type: ignore[union-attr]
+            self.in_group(lambda s: self.comms.inner.reduce_scatter(  # type: ignore[union-attr]
+                shard, chunks, op, None, None, s), "reduce_scatter")
             self._padded[seg.data_ptr()] = (buf, shard)
             return shard[:max(0, min(c, n - i * c))]  # the padding is not bridged
         buf, shard = self._padded.pop(seg.data_ptr())
         chunks = list(buf.view(k, c).unbind(0))
-        self.in_group(lambda s: self.comms.inner.all_gather(chunks, shard, None, s))  # type: ignore[union-attr]
+        self.in_group(lambda s: self.comms.inner.all_gather(chunks, shard, None, s), "all_gather")  # type: ignore[union-attr]
         if buf is not seg:
             seg.copy_(buf[:n])
         return shard
 
     def segment_p2p(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
+        """:meth:`_ring`, as the flight recorder's and the profiler's step ``phase``."""
+        with stage(phase, "in-vendor", f"{self.vgroup.backend} send/recv"):
+            return self._ring(seg, op, phase)
+
+    def _ring(self, seg: torch.Tensor, op: ReduceOp, phase: str) -> torch.Tensor:
         """One phase of one segment as a ring over the vendor library's own send/recv, in place on
         ``seg`` (no padding, no staging copy); returns this rank's chunk.
 
@@ -400,7 +423,7 @@ class AllReducer:
         """All-reduce in the vendor group; then every rank reduces the group's result with its shard
         peers, all shard groups at once. Each vendor group's partial is the same bits on all its
         ranks, so every shard group reduces the same inputs in the same order: the same result."""
-        self.in_group(lambda s: self.comms.inner.all_reduce(t, op, None, None, s))  # type: ignore[union-attr]
+        self.in_group(lambda s: self.comms.inner.all_reduce(t, op, None, None, s), "all_reduce")  # type: ignore[union-attr]
         self.bridge_reduce(t, op)
 
     def measure_links(self, device: torch.device, reps: int = 3) -> LinkFigures:

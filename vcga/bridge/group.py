@@ -22,6 +22,7 @@ from vcga.bridge.host import SharedMemoryBridge, as_bytes, on_host, put_back
 from vcga.bridge.plan import Plan
 from vcga.contract import CapabilityTable, ReduceOp
 from vcga.pg.dispatch import Dispatcher
+from vcga.pg.recorder import current, stage
 from vcga.pg.workqueue import Continuation, WorkQueue
 from vcga.pypg import PyWork, reduce_op_of
 
@@ -81,7 +82,7 @@ def _on_queue(result: Callable[..., Sequence[torch.Tensor]],
             staged = two_stage(self, *args) if two_stage is not None else None
             fn = staged[1] if staged is not None else functools.partial(method, self, *args)
             return self.queue.run(fn, result(*args), opts is None or bool(opts.asyncOp),
-                                  staged[0] if staged is not None else None)
+                                  staged[0] if staged is not None else None, current())
         return run
     return deco
 
@@ -310,7 +311,7 @@ class BridgeGroup:
         else:
             mine = torch.empty(len(groups) * c, dtype=buf.dtype, device=buf.device)
             self.reducer.in_group(lambda s: self.inner.reduce_scatter(  # type: ignore[union-attr]
-                mine, list(buf.view(k, -1).unbind(0)), op, None, None, s))
+                mine, list(buf.view(k, -1).unbind(0)), op, None, None, s), "reduce_scatter")
         rows = on_host(mine).view(len(groups), c)
         g = self.vgroup.index
         if self.shm is not None:
@@ -332,22 +333,25 @@ class BridgeGroup:
         rg = self.plan.group_of(root)
         mine = rg is self.vgroup or rg.index == self.vgroup.index
         if mine and rg.size > 1:
-            self.reducer.in_group(lambda s: self.inner.broadcast(t, rg.ranks.index(root), None, s))  # type: ignore[union-attr]
+            self.reducer.in_group(lambda s: self.inner.broadcast(  # type: ignore[union-attr]
+                t, rg.ranks.index(root), None, s), "broadcast")
         if self.local_rank == 0 and t.numel():
             h = on_host(t)
             o = dist.BroadcastOptions()
             o.rootRank = rg.index
-            self.shard.broadcast([as_bytes(h)], o).wait()
+            with stage("broadcast", "cross-vendor", "gloo"):
+                self.shard.broadcast([as_bytes(h)], o).wait()
             put_back(t, h)
         if not mine:
-            self.reducer.in_group(lambda s: self.inner.broadcast(t, 0, None, s))  # type: ignore[union-attr]
+            self.reducer.in_group(lambda s: self.inner.broadcast(t, 0, None, s), "broadcast")  # type: ignore[union-attr]
         return PyWork(result=tensors)
 
     def _gather_bytes(self, inp: torch.Tensor) -> torch.Tensor:
         src = as_bytes(on_host(inp))
         rows = torch.empty(self.size * src.numel(), dtype=torch.uint8)
         if src.numel():
-            pipelined_allgather(self.world, rows, src)
+            with stage("all_gather", "cross-vendor", "gloo"):
+                pipelined_allgather(self.world, rows, src)
         return rows.view(self.size, -1)
 
     @_on_queue(_first_of_first)

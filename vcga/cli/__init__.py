@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "verify": ("vcga.cli.verify", "verify", "Certify that a backend's collectives are numerically right."),
     "convert": ("vcga.cli.convert", "convert", "Convert a checkpoint between formats (streaming, exact, atomic)."),
     "inspect": ("vcga.cli.inspect", "inspect", "List a checkpoint's tensors and check their checksums."),
+    "trace": ("vcga.cli.trace", "trace", "Analyze every rank's flight-recorder dump: who left which collective out."),
 }
 
 

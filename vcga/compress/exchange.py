@@ -24,6 +24,7 @@ from vcga.compress.meter import WireMeter
 from vcga.contract import Combine, CompressContext, Compressor, Support
 from vcga.errors import VcgaError
 from vcga.pg.comm import all_gather_single
+from vcga.pg.recorder import stage
 
 __all__ = ["Exchange", "mix_seed"]
 
@@ -219,10 +220,10 @@ class Exchange:
         if self.c.combine is Combine.SUM:
             outs = self._run_sum(xs, keys, step, got, into=None if self.host_decode else list(tensors),
                                  divisor=divisor)
-        elif self.c.server:
-            outs = self._run_two_phase(xs, keys, step)
         else:
-            outs = self._run_gather(xs, keys, step)
+            # encode, exchange and decode interleave per peer and chunk here: one step
+            with stage("exchange", "compress", f"{type(self.c).__name__} {self.label}"):
+                outs = self._run_two_phase(xs, keys, step) if self.c.server else self._run_gather(xs, keys, step)
         for i, (t, o) in enumerate(zip(tensors, outs, strict=True)):
             if o is t:  # decoded in place already, divided (Compressor.decompress_into)
                 continue
@@ -256,26 +257,30 @@ class Exchange:
         for rnd in range(c.rounds):
             if not pending:
                 break
-            payloads = {i: c.compress(xs[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd) for i in pending}
+            with stage("encode", "compress", type(c).__name__):
+                payloads = {i: c.compress(xs[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd)
+                            for i in pending}
             for i in pending:
                 last_payload[i] = payloads[i]
-            travelling = self._start_sum(payloads)
-            if rnd == c.rounds - 1:
-                # What this rank sent is known once its last payload is (Compressor.sent): keep the
-                # residuals while the sum travels -- the error feedback's passes over every
-                # gradient then overlap the slow hop's round trip instead of following it (where
-                # the sum is issued asynchronously, :attr:`sync`)
-                self._update_ef(xs, keys, step, last_payload)
-                ef_done = True
-            summed = self._finish_sum(travelling)
-            for i in pending:
-                state, ctx = self.slot(keys[i]).state, self.ctx(keys[i], step)
-                if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i], divisor):
-                    out[i] = into[i]
-                    continue
-                got = c.decompress(summed[i], state, ctx, rnd)
-                if got is not None:
-                    out[i] = got
+            with stage("exchange", "compress", self.label):
+                travelling = self._start_sum(payloads)
+                if rnd == c.rounds - 1:
+                    # What this rank sent is known once its last payload is (Compressor.sent): keep the
+                    # residuals while the sum travels -- the error feedback's passes over every
+                    # gradient then overlap the slow hop's round trip instead of following it (where
+                    # the sum is issued asynchronously, :attr:`sync`)
+                    self._update_ef(xs, keys, step, last_payload)
+                    ef_done = True
+                summed = self._finish_sum(travelling)
+            with stage("decode", "compress", type(c).__name__):
+                for i in pending:
+                    state, ctx = self.slot(keys[i]).state, self.ctx(keys[i], step)
+                    if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i], divisor):
+                        out[i] = into[i]
+                        continue
+                    got = c.decompress(summed[i], state, ctx, rnd)
+                    if got is not None:
+                        out[i] = got
             pending = [i for i in pending if out[i] is None]
         if pending:
             raise VcgaError(f"compressor {type(c).__name__} decoded nothing for {len(pending)} tensor(s) after "

@@ -18,13 +18,14 @@ The result is the average over the group, bitwise identical on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -243,7 +244,8 @@ class CompressionState:
         if pending:
             assert self.reducer is not None
             t0 = time.perf_counter()
-            self.reducer.finish(pending, divisor=self.world)
+            with _traced(self.step, [b for b, _, _ in items]):
+                self.reducer.finish(pending, divisor=self.world)
             took = time.perf_counter() - t0
             total = sum(p.flat.numel() for p in pending) or 1
             for q in pending:  # the step's one exchange, shared by the buckets in it by their elements
@@ -483,6 +485,29 @@ def _value(fut: torch.futures.Future) -> torch.Tensor:
     trace back). A ``then()`` callback that raises marks the chained future failed in C++, so
     ``loss.backward()`` raises torch's callback wrapper around the VCGA error, which ``typed`` finds."""
     return fut.wait()
+
+
+@contextlib.contextmanager
+def _traced(step: int, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """While a torch profiler runs: the compressed exchange of a step's buckets as one span,
+    ``vcga:compressed_all_reduce``, with its encode, exchange and decode steps inside
+    (:mod:`vcga.pg.spans`); the collectives it issues have spans of their own."""
+    from vcga.pg import recorder, spans
+
+    if not spans.recording():
+        yield
+        return
+    shapes = recorder.described(buffers)
+    call = recorder.new_call(None, step, "compressed_all_reduce", shapes, shapes)
+    call.span = spans.open_span(call, buffers)
+    call.start()
+    try:
+        with recorder.running(call):
+            yield
+    except BaseException as e:
+        call.end(e)
+        raise
+    call.end()
 
 
 def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -11,12 +11,18 @@ failures surface as typed errors (:class:`~vcga.errors.VcgaTimeoutError`,
 Hot path: a native cell with contiguous tensors goes straight to the native group, with no store
 traffic and no copies; a synchronous call waits inline (failures become typed errors there) and
 returns an already completed work.
+
+Each collective is also recorded (:meth:`CallPath.record`): an entry of the group's flight
+recorder, and a profiler span while torch's profiler records the calling thread
+(:mod:`vcga.pg.recorder`, :mod:`vcga.pg.spans`). The call path reports when it ended; a timeout
+dumps every group's recorder (:mod:`vcga.pg.frdump`).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -25,8 +31,11 @@ import torch
 
 from vcga.contract import Collective, ReduceOp
 from vcga.errors import VcgaCollectiveError, VcgaError, VcgaTimeoutError
+from vcga.pg import recorder as _recorder
+from vcga.pg import spans as _spans
 from vcga.pg.debug import FingerprintCheck, fingerprint
 from vcga.pg.dispatch import Dispatcher, Steps
+from vcga.pg.recorder import Call, FlightRecorder
 from vcga.pypg import PyWork, reduce_op_of, waited_work
 
 __all__ = ["CallPath"]
@@ -44,16 +53,18 @@ class CallPath:
     :param backend: the transport's backend name, in error messages.
     :param timeout_s: the collective timeout, in error messages.
     :param debug: the fingerprint check of debug mode, or None.
+    :param recorder: the group's flight recorder, or None (switched off).
     """
 
     def __init__(self, rank: int, size: int, native: Any, dispatcher: Dispatcher, backend: str, timeout_s: float,
-                 debug: FingerprintCheck | None = None) -> None:
+                 debug: FingerprintCheck | None = None, recorder: FlightRecorder | None = None) -> None:
         self.rank, self.size = rank, size
         self.native = native
         self.d = dispatcher
         self.backend = backend
         self.timeout_s = timeout_s
         self.debug = debug
+        self.recorder = recorder
         self.seqs = itertools.count(1)  # next() is atomic under the GIL: DDP issues from autograd threads
         #: works issued since start_coalescing, or None when not coalescing
         self.coalescing: list[Any] | None = None
@@ -72,8 +83,32 @@ class CallPath:
             self.debug.check(seq, fingerprint(name, tensors, op.value if op is not None else None, root))
         return seq
 
+    def record(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...] | None = None,
+               tensors: Sequence[torch.Tensor] = ()) -> Call | None:
+        """Record call ``seq`` (torch's recorder's ``op`` name; ``inputs`` and ``outputs`` as
+        ``((shape, dtype), ...)``, outputs None: the inputs) in the flight recorder, and open its
+        span with ``tensors`` while a profiler records this thread. None when neither records."""
+        rec = self.recorder
+        profiled = _spans.recording()
+        if rec is None and not profiled:
+            return None
+        call = _recorder.new_call(rec, seq, op, inputs, inputs if outputs is None else outputs)
+        if profiled:
+            call.span = _spans.open_span(call, tensors)
+        return call
+
     def translate(self, e: BaseException, name: str, seq: int | None) -> BaseException:
-        """The typed error for a failure of the native library in call ``name``."""
+        """The typed error for a failure of the native library in call ``name``; a timeout dumps
+        the flight recorder (once per error)."""
+        out = self._typed(e, name, seq)
+        if isinstance(out, VcgaTimeoutError) and self.recorder is not None and not getattr(out, "_vcga_dumped", False):
+            out._vcga_dumped = True  # type: ignore[attr-defined]
+            from vcga.pg.frdump import dump_on_failure
+
+            dump_on_failure(out)
+        return out
+
+    def _typed(self, e: BaseException, name: str, seq: int | None) -> BaseException:
         if isinstance(e, VcgaError):
             return e
         msg = str(e).strip()
@@ -95,31 +130,47 @@ class CallPath:
         return ok and t.is_contiguous()
 
     def issue(self, name: str, seq: int | None, build: Callable[[Steps], Any], result: Sequence[torch.Tensor],
-              async_op: bool) -> Any:
-        """Run ``build(steps)`` (which issues the native calls) and wrap what it issued."""
+              async_op: bool, call: Call | None = None) -> Any:
+        """Run ``build(steps)`` (which issues the native calls) and wrap what it issued. ``call``
+        (:meth:`record`) is this thread's current call meanwhile: the bridge carries it to the
+        thread that runs the collective."""
         steps = Steps()
+        local = _recorder.local
+        was = getattr(local, "call", None)
+        local.call = call
         try:
             build(steps)
-        except (VcgaError, ValueError, TypeError):
+        except (VcgaError, ValueError, TypeError) as e:
+            if call is not None:
+                call.end(e)
             raise  # refusals and argument errors are the caller's to see as they are
         except Exception as e:
-            raise self.translate(e, name, seq) from e
-        return self.wrap(name, seq, steps, result, async_op)
+            err = self.translate(e, name, seq)
+            if call is not None:
+                call.end(err)
+            raise err from e
+        finally:
+            local.call = was
+        return self.wrap(name, seq, steps, result, async_op, call)
 
-    def wrap(self, name: str, seq: int | None, steps: Steps, result: Sequence[torch.Tensor], async_op: bool) -> Any:
+    def wrap(self, name: str, seq: int | None, steps: Steps, result: Sequence[torch.Tensor], async_op: bool,
+             call: Call | None = None) -> Any:
         """The work for what ``steps`` issued (waited on here for a synchronous call)."""
         if len(steps.works) == 1 and not steps.finish and steps.source is None and not async_op:
-            return self.wait_inline(steps.works[0], name, seq)
+            return self.wait_inline(steps.works[0], name, seq, call)
         source = steps.source
         work = PyWork(steps.works, steps.finish, result, translate=partial(self.translate, name=name, seq=seq),
-                      source_rank=(lambda: source._source_rank()) if source is not None else None)
+                      source_rank=(lambda: source._source_rank()) if source is not None else None,
+                      on_end=call.end if call is not None else None)
+        if call is not None:
+            call.work = weakref.ref(work)  # its state is read at a dump if nobody waited for it
         if self.coalescing is not None:
             self.coalescing.append(work)
         if not async_op:
             work.wait()
         return work
 
-    def wait_inline(self, work: Any, name: str, seq: int | None) -> Any:
+    def wait_inline(self, work: Any, name: str, seq: int | None, call: Call | None = None) -> Any:
         """Wait for a synchronous call's one native work here (so a failure becomes a typed error)
         and hand back a completed work (:func:`~vcga.pypg.waited_work`), not the native one:
         torch's wrappers wait again on what they get, and gloo's reduce_scatter work copies its
@@ -128,25 +179,45 @@ class CallPath:
         try:
             work.wait()
         except Exception as e:
-            raise self.translate(e, name, seq) from e
+            err = self.translate(e, name, seq)
+            if call is not None:
+                call.end(err)
+            raise err from e
+        if call is not None:
+            call.end()
         return waited_work()
 
-    def wrap_async(self, work: Any, name: str, seq: int | None, result: Sequence[torch.Tensor]) -> Any:
+    def wrap_async(self, work: Any, name: str, seq: int | None, result: Sequence[torch.Tensor],
+                   call: Call | None = None) -> Any:
         """An asynchronous native call's work, wrapped so its failures surface as typed errors."""
-        wrapped = PyWork([work], (), result, translate=partial(self.translate, name=name, seq=seq))
+        wrapped = PyWork([work], (), result, translate=partial(self.translate, name=name, seq=seq),
+                         on_end=call.end if call is not None else None)
+        if call is not None:
+            call.work = weakref.ref(wrapped)  # its state is read at a dump if nobody waited for it
         if self.coalescing is not None:
             self.coalescing.append(wrapped)
         return wrapped
 
     def native_call(self, name: str, seq: int | None, fn: Callable[..., Any], *args: Any, async_op: bool,
-                    result: Sequence[torch.Tensor]) -> Any:
-        """The hot path: one native call, no staging."""
+                    result: Sequence[torch.Tensor], call: Call | None = None) -> Any:
+        """The hot path: one native call, no staging. ``call`` is this thread's current call
+        meanwhile (the bridge carries it to the thread that runs the collective)."""
+        local = _recorder.local
+        was = getattr(local, "call", None)
+        local.call = call
         try:
             work = fn(*args)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as e:
+            if call is not None:
+                call.end(e)
             raise
         except Exception as e:
-            raise self.translate(e, name, seq) from e
+            err = self.translate(e, name, seq)
+            if call is not None:
+                call.end(err)
+            raise err from e
+        finally:
+            local.call = was
         if not async_op:
-            return self.wait_inline(work, name, seq)
-        return self.wrap_async(work, name, seq, result)
+            return self.wait_inline(work, name, seq, call)
+        return self.wrap_async(work, name, seq, result, call)

@@ -20,6 +20,7 @@ from vcga.contract import Collective
 from vcga.errors import VcgaError
 from vcga.pg.calls import CallPath
 from vcga.pg.dispatch import Steps
+from vcga.pg.recorder import described, stacked
 from vcga.pypg import options, reduce_op_of
 
 __all__ = ["Collectives", "one_tensor"]
@@ -100,43 +101,50 @@ class Collectives:
         if t.layout is not torch.strided:
             # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
             # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
-            return self.calls.native_call("all_reduce", self.calls.next("all_reduce"), self.calls.native.allreduce,
-                                          tensors, opts, async_op=opts.asyncOp, result=tensors)
+            seq = self.calls.next("all_reduce")
+            return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
+                                          async_op=opts.asyncOp, result=tensors,
+                                          call=self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),)))
         if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red.op):
-            return self.calls.native_call("all_reduce", next(self.calls.seqs), self.calls.native.allreduce, tensors,
-                                          opts, async_op=opts.asyncOp, result=tensors)
+            seq = next(self.calls.seqs)
+            call = self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),), None, tensors)
+            return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
+                                          async_op=opts.asyncOp, result=tensors, call=call)
         op, factor = reduce_op_of(red)
         seq = self.calls.next("all_reduce", t, op)
+        call = self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),), None, tensors)
         c = _complex_again(t)
         return self.calls.issue("all_reduce", seq, lambda s: self.calls.d.all_reduce(c, op, factor, opts, s), tensors,
-                                opts.asyncOp)
+                                opts.asyncOp, call)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce_coalesced")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("all_reduce_coalesced", list(tensors), op)
+        call = self.calls.record(seq, "allreduce_coalesced", described(tensors), None, tensors)
         same = len({t.dtype for t in tensors}) == 1
         if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op)
                                     for t in tensors):
             return self.calls.native_call("all_reduce_coalesced", seq, self.calls.native.allreduce_coalesced, tensors,
-                                          opts, async_op=opts.asyncOp, result=tensors)
+                                          opts, async_op=opts.asyncOp, result=tensors, call=call)
 
         def build(s: Steps) -> None:
             for t in tensors:
                 self.calls.d.all_reduce(_complex_again(t), op, factor, opts, s)
 
-        return self.calls.issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp)
+        return self.calls.issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp, call)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce")
         t = one_tensor(tensors, "reduce")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce", t, op, opts.rootRank)
+        call = self.calls.record(seq, "reduce", ((t.shape, t.dtype),), None, tensors)
         if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp.op):
             return self.calls.native_call("reduce", seq, self.calls.native.reduce, tensors, opts, async_op=opts.asyncOp,
-                                          result=tensors)
+                                          result=tensors, call=call)
         return self.calls.issue("reduce", seq, lambda s: self.calls.d.reduce(t, opts.rootRank, op, factor, opts, s),
-                                tensors, opts.asyncOp)
+                                tensors, opts.asyncOp, call)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
@@ -146,14 +154,15 @@ class Collectives:
         self._check_count(ins, "reduce_scatter input list")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter", out, op)
+        call = self.calls.record(seq, "reduce_scatter", stacked(ins), ((out.shape, out.dtype),), ins)
         if (all(x.dtype == out.dtype for x in ins)
                 and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
                 and all(x.is_contiguous() for x in ins)):
             return self.calls.native_call("reduce_scatter", seq, self.calls.native.reduce_scatter, output_tensors,
-                                          input_tensors, opts, async_op=opts.asyncOp, result=output_tensors)
+                                          input_tensors, opts, async_op=opts.asyncOp, result=output_tensors, call=call)
         return self.calls.issue("reduce_scatter", seq,
                                 lambda s: self.calls.d.reduce_scatter(out, list(ins), op, factor, opts, s),
-                                output_tensors, opts.asyncOp)
+                                output_tensors, opts.asyncOp, call)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("reduce_scatter")
@@ -162,23 +171,29 @@ class Collectives:
                              f"{output.numel()} times the group size {self.calls.size}")
         if (self.calls.debug is None and input.dtype == output.dtype and input.is_contiguous()
                 and self.calls.fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
-            return self.calls.native_call("reduce_scatter_tensor", next(self.calls.seqs),
-                                          self.calls.native._reduce_scatter_base, _flat(output), _flat(input), opts,
-                                          async_op=opts.asyncOp, result=[output])
+            seq = next(self.calls.seqs)
+            return self.calls.native_call("reduce_scatter_tensor", seq, self.calls.native._reduce_scatter_base,
+                                          _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output],
+                                          call=self.calls.record(seq, "_reduce_scatter_base",
+                                                                 ((input.shape, input.dtype),),
+                                                                 ((output.shape, output.dtype),), (input,)))
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter_tensor", output, op)
+        call = self.calls.record(seq, "_reduce_scatter_base", ((input.shape, input.dtype),),
+                                 ((output.shape, output.dtype),), (input,))
 
         def build(s: Steps) -> None:
             chunks = list(input.reshape(self.calls.size, *output.shape).unbind(0)) if self.calls.size else []
             self.calls.d.reduce_scatter(output, chunks, op, factor, opts, s)
 
-        return self.calls.issue("reduce_scatter_tensor", seq, build, [output], opts.asyncOp)
+        return self.calls.issue("reduce_scatter_tensor", seq, build, [output], opts.asyncOp, call)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("reduce_scatter")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter_tensor_coalesced", list(outputs), op)
+        call = self.calls.record(seq, "reduce_scatter_tensor_coalesced", described(inputs), described(outputs), inputs)
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -188,7 +203,7 @@ class Collectives:
                 chunks = list(inp.reshape(self.calls.size, *out.shape).unbind(0))
                 self.calls.d.reduce_scatter(out, chunks, op, factor, opts, s)
 
-        return self.calls.issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp)
+        return self.calls.issue("reduce_scatter_tensor_coalesced", seq, build, outputs, opts.asyncOp, call)
 
     # ===========================================================================================
     # Data movement
@@ -199,11 +214,14 @@ class Collectives:
         t = one_tensor(tensors, "broadcast")
         root = opts.rootRank
         if self.calls.debug is None and self.calls.fast_native(Collective.BROADCAST, t):
-            return self.calls.native_call("broadcast", next(self.calls.seqs), self.calls.native.broadcast, tensors,
-                                          opts, async_op=opts.asyncOp, result=tensors)
+            seq = next(self.calls.seqs)
+            call = self.calls.record(seq, "broadcast", ((t.shape, t.dtype),), None, tensors)
+            return self.calls.native_call("broadcast", seq, self.calls.native.broadcast, tensors, opts,
+                                          async_op=opts.asyncOp, result=tensors, call=call)
         seq = self.calls.next("broadcast", t, root=root)
+        call = self.calls.record(seq, "broadcast", ((t.shape, t.dtype),), None, tensors)
         return self.calls.issue("broadcast", seq, lambda s: self.calls.d.broadcast(t, root, opts, s), tensors,
-                                opts.asyncOp)
+                                opts.asyncOp, call)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
@@ -212,12 +230,13 @@ class Collectives:
         outs = one_tensor(output_tensors, "all_gather")
         self._check_count(outs, "all_gather output list")
         seq = self.calls.next("all_gather", inp)
+        call = self.calls.record(seq, "all_gather", ((inp.shape, inp.dtype),), stacked(outs), input_tensors)
         if (self.calls.fast_native(Collective.ALL_GATHER, inp)
                 and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
-            return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors,
-                                          input_tensors, opts, async_op=opts.asyncOp, result=outs)
+            return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors, input_tensors,
+                                          opts, async_op=opts.asyncOp, result=outs, call=call)
         return self.calls.issue("all_gather", seq, lambda s: self.calls.d.all_gather(list(outs), inp, opts, s), outs,
-                                opts.asyncOp)
+                                opts.asyncOp, call)
 
     def allgather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         opts = opts if opts is not None else options("allgather")
@@ -226,10 +245,14 @@ class Collectives:
                              f"{input.numel()} times the group size {self.calls.size}")
         if (self.calls.debug is None and output.dtype == input.dtype and output.is_contiguous()
                 and self.calls.fast_native(Collective.ALL_GATHER, input)):
-            return self.calls.native_call("all_gather_into_tensor", next(self.calls.seqs),
-                                          self.calls.native._allgather_base, _flat(output), _flat(input), opts,
-                                          async_op=opts.asyncOp, result=[output])
+            seq = next(self.calls.seqs)
+            return self.calls.native_call("all_gather_into_tensor", seq, self.calls.native._allgather_base,
+                                          _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output],
+                                          call=self.calls.record(seq, "_all_gather_base", ((input.shape, input.dtype),),
+                                                                 ((output.shape, output.dtype),), (input,)))
         seq = self.calls.next("all_gather_into_tensor", input)
+        call = self.calls.record(seq, "_all_gather_base", ((input.shape, input.dtype),),
+                                 ((output.shape, output.dtype),), (input,))
 
         def build(s: Steps) -> None:
             buf = output if output.is_contiguous() else output.contiguous()
@@ -237,12 +260,14 @@ class Collectives:
             if buf is not output:
                 s.finish.append(partial(output.copy_, buf))
 
-        return self.calls.issue("all_gather_into_tensor", seq, build, [output], opts.asyncOp)
+        return self.calls.issue("all_gather_into_tensor", seq, build, [output], opts.asyncOp, call)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
         seq = self.calls.next("all_gather_coalesced", list(input_list))
+        call = self.calls.record(seq, "all_gather_into_tensor_coalesced", described(input_list),
+                                 tuple(((len(output_lists), *t.shape), t.dtype) for t in input_list), input_list)
         for outs in output_lists:
             if len(outs) != len(input_list):
                 raise ValueError("all_gather_coalesced: every output list needs one tensor per input tensor")
@@ -253,12 +278,13 @@ class Collectives:
                 self.calls.d.all_gather([outs[i] for outs in output_lists], inp, opts, s)
 
         flat = [t for outs in output_lists for t in outs]
-        return self.calls.issue("all_gather_coalesced", seq, build, flat, opts.asyncOp)
+        return self.calls.issue("all_gather_coalesced", seq, build, flat, opts.asyncOp, call)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allgather")
         seq = self.calls.next("all_gather_into_tensor_coalesced", list(inputs))
+        call = self.calls.record(seq, "all_gather_into_tensor_coalesced", described(inputs), described(outputs), inputs)
 
         def build(s: Steps) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -270,7 +296,7 @@ class Collectives:
                 if buf is not out:
                     s.finish.append(partial(out.copy_, buf))
 
-        return self.calls.issue("all_gather_into_tensor_coalesced", seq, build, outputs, opts.asyncOp)
+        return self.calls.issue("all_gather_into_tensor_coalesced", seq, build, outputs, opts.asyncOp, call)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> Any:
@@ -285,9 +311,15 @@ class Collectives:
                 raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
             outs = []
         seq = self.calls.next("gather", inp, root=root)
-        self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
+        call = self.calls.record(seq, "gather", ((inp.shape, inp.dtype),), stacked(outs), input_tensors)
+        try:
+            self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
+        except BaseException as e:
+            if call is not None:
+                call.end(e)
+            raise
         return self.calls.issue("gather", seq, lambda s: self.calls.d.gather(list(outs), inp, root, opts, s),
-                                list(outs), opts.asyncOp)
+                                list(outs), opts.asyncOp, call)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:
@@ -302,9 +334,15 @@ class Collectives:
                 raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
             ins = []
         seq = self.calls.next("scatter", out, root=root)
-        self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
+        call = self.calls.record(seq, "scatter", stacked(ins), ((out.shape, out.dtype),), ins)
+        try:
+            self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
+        except BaseException as e:
+            if call is not None:
+                call.end(e)
+            raise
         return self.calls.issue("scatter", seq, lambda s: self.calls.d.scatter(out, list(ins), root, opts, s), [out],
-                                opts.asyncOp)
+                                opts.asyncOp, call)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -318,13 +356,15 @@ class Collectives:
         seq = self.calls.next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
+        call = self.calls.record(seq, "all_to_all", ((input.shape, input.dtype),), ((output.shape, output.dtype),),
+                                 (input,))
         if _overlap(input, output):
             # In place (nccl-tests' in-place all_to_all): libraries read the input while peers' chunks
             # land in the output, so an aliased input would be overwritten before it is sent.
             input = input.clone()  # noqa: A001
         return self.calls.issue("all_to_all_single", seq,
                                 lambda s: self.calls.d.all_to_all(output, input, out_splits, in_splits, opts, s),
-                                [output], opts.asyncOp)
+                                [output], opts.asyncOp, call)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("alltoall")
@@ -334,6 +374,7 @@ class Collectives:
         dtypes_ = {t.dtype for t in [*output_tensors, *input_tensors]}
         if len(dtypes_) > 1:
             raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes_))}")
+        call = self.calls.record(seq, "all_to_all", described(input_tensors), described(output_tensors), input_tensors)
 
         def build(s: Steps) -> None:
             # One flat all_to_all_single: the lists become contiguous buffers split by element counts.
@@ -352,7 +393,7 @@ class Collectives:
 
             s.finish.append(scatter_back)
 
-        return self.calls.issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp)
+        return self.calls.issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp, call)
 
     # -- argument checks -------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from vcga import pypg
 from vcga.errors import VcgaCollectiveError, VcgaError
+from vcga.pg.recorder import Call, running
 
 __all__ = ["WorkQueue", "QueuedWork", "Continuation"]
 
@@ -72,8 +73,9 @@ class QueuedWork(dist._Work):
     the output tensors, as torch's own backends give it (DDP's reducer reads it).
     """
 
-    def __init__(self, result: Sequence[torch.Tensor], limit: float) -> None:
+    def __init__(self, result: Sequence[torch.Tensor], limit: float, call: Call | None = None) -> None:
         super().__init__()
+        self._call = call  # the flight recorder's entry and profiler span of this collective, or None
         self._result = list(result)
         self._event = threading.Event()
         self._error: BaseException | None = None
@@ -82,6 +84,8 @@ class QueuedWork(dist._Work):
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        if self._call is not None:
+            self._call.end(error)  # ended now: the recorder's state, and the span closes here
         # The future first, then the work, as torch's gloo does (finishWorkGloo: the future is
         # completed, then finish()): once wait() returns, get_future() is done and every callback
         # hung on it has run. Callers rely on it: torchft chains its callbacks with .then() on the
@@ -182,12 +186,13 @@ class WorkQueue:
     # -- issuing ----------------------------------------------------------------------------------
 
     def run(self, fn: Callable[[], Any], result: Sequence[torch.Tensor], async_op: bool,
-            touches: list[tuple[int, int]] | None = None) -> Any:
+            touches: list[tuple[int, int]] | None = None, call: Call | None = None) -> Any:
         """Run collective ``fn`` in issue order: now, in this thread, when the call is synchronous and
         nothing is queued or in a second stage (returns ``fn``'s value); else queued (returns a
         :class:`QueuedWork`; a synchronous call then waits for it). ``touches``: the byte ranges
         ``[start, end)`` the collective reads and writes, when it may return a :class:`Continuation`
-        (module docstring); then the two stages' value is the call's."""
+        (module docstring); then the two stages' value is the call's. ``call``: its flight
+        recorder entry and span (:mod:`vcga.pg.recorder`), the current call of the thread that runs it."""
         if getattr(self._local, "active", False):
             return _finish_in_place(fn())  # a collective of this queue calling another one: part of the same job
         if threading.current_thread() is self._thread or threading.current_thread() is self._thread2:
@@ -198,7 +203,7 @@ class WorkQueue:
             # (``_running``) while callbacks run, so the order is the same on every rank.
             with self._cv:
                 self._check()
-            return self._run_here(fn)
+            return self._run_here(fn, call)
         with self._cv:
             self._check()
             inline = not async_op and not self._running and not self._jobs and not self._in_stage2
@@ -206,7 +211,7 @@ class WorkQueue:
                 self._running = True
             else:
                 ahead = len(self._jobs) + 1 + self._running + len(self._in_stage2)
-                work = QueuedWork(result, self._timeout * ahead + self.MARGIN_S)
+                work = QueuedWork(result, self._timeout * ahead + self.MARGIN_S, call)
                 self._jobs.append((fn, work, touches))
                 pypg._hold()  # released when the work has ended (exit drain, module docstring)
                 self.queued += 1
@@ -217,18 +222,22 @@ class WorkQueue:
                 work.wait()
             return work
         try:
-            return self._run_here(fn)
+            return self._run_here(fn, call)
         finally:
             with self._cv:
                 self._running = False
                 self._cv.notify_all()
 
-    def _run_here(self, fn: Callable[[], Any]) -> Any:
+    def _run_here(self, fn: Callable[[], Any], call: Call | None = None) -> Any:
         """Run ``fn`` in the calling thread as this queue's current collective; a failure poisons
         the queue (the ranks no longer agree on the sequence) and is raised to the caller."""
         self._local.active = True
         try:
-            return _finish_in_place(fn())
+            if call is None:
+                return _finish_in_place(fn())
+            call.start()
+            with running(call):
+                return _finish_in_place(fn())
         except BaseException as e:
             self._poison(e)
             raise
@@ -320,7 +329,13 @@ class WorkQueue:
         """Run a queued collective (its first stage, when it has two); True when its second stage
         was handed to the second thread, which then finishes its work."""
         self._drain(touches)
-        out = fn()
+        call = work._call
+        if call is None:
+            out = fn()
+        else:
+            call.start()
+            with running(call):
+                out = fn()
         if not isinstance(out, Continuation):
             return False
         if touches is None:
@@ -372,8 +387,11 @@ class WorkQueue:
                 elif closed:
                     error = VcgaCollectiveError(f"{self.name}: the process group was destroyed with this "
                                                 "collective in flight")
-                else:
+                elif work._call is None:
                     _, error = self._run_active(cont.complete, "a collective's second stage")
+                else:
+                    with running(work._call):
+                        _, error = self._run_active(cont.complete, "a collective's second stage")
             finally:
                 try:
                     work._finish(error)  # callbacks run here; collectives they issue run in place

@@ -1,0 +1,163 @@
+"""Seeing inside a mixed-vendor job: profiler spans, the flight recorder and ``vcga trace``, typed
+errors through DDP.
+
+Two worlds (tests/observe_cases.py), each started once for the module:
+
+- four ranks, ``nccl:2,hccl:2`` (the asynchronous bridge): a profiled DDP step holds a
+  ``vcga:all_reduce`` span for every bucket's all_reduce with the bridge's steps inside; rank 3
+  skips an all_reduce -- the others raise VcgaTimeoutError, every rank leaves a dump, and
+  ``vcga trace`` names rank 3 and the collective's number; ranks gather different sizes --
+  ``vcga trace`` names the size mismatch; a DDP loop whose peer stops dead catches
+  ``VcgaTimeoutError`` (also torch's ``DistBackendError``) without ``vcga.errors.typed()``;
+- two ranks on one vendor: the same spans, without steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from observe_cases import mixed_world, single_world
+from pg_world import run_world
+
+STEP = re.compile(r"vcga:(in-vendor|cross-vendor) [a-z_]+ \(.+\)")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    d = tmp_path_factory.mktemp("mixed")
+    return d, run_world(mixed_world, 4, str(d), env={"VCGA_SIM_VENDORS": "nccl:2,hccl:2"}, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    d = tmp_path_factory.mktemp("single")
+    return run_world(single_world, 2, str(d), env={"VCGA_SIM_VENDORS": "nccl:2"}, timeout=120)
+
+
+def _slices(step: dict, name: str) -> list[dict]:
+    return [e for e in step["events"] if e["ph"] == "X" and e["name"] == name]
+
+
+def _covers(outer: dict, inner: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+
+
+def _check_calls(step: dict) -> list[dict]:
+    """A span per all_reduce the flight recorder saw in the step, with its input shape."""
+    calls = _slices(step, "vcga:all_reduce")
+    assert len(step["all_reduces"]) >= 2, step["all_reduces"]  # the model's two buckets
+    assert sorted(str(c["dims"]) for c in calls) == sorted(str(s) for s in step["all_reduces"])
+    return calls
+
+
+def _check_nesting(step: dict, kind: str, leader: bool) -> None:
+    """Every step lies inside a call's span and is linked to it by a flow arrow; ``kind``: the
+    category the steps must have (torch's user_annotation, or vcga_step where VCGA added them).
+    Which steps run depends on the algorithm the bridge's figures chose; every rank has one in its
+    vendor group, and a vendor group's leader (``leader``) crosses vendors in every algorithm."""
+    calls = _check_calls(step)
+    steps = [e for e in step["events"] if e["ph"] == "X" and STEP.fullmatch(e["name"])]
+    tiers = {s["name"].split(" ")[0] for s in steps}
+    assert "vcga:in-vendor" in tiers and ("vcga:cross-vendor" in tiers or not leader), steps
+    assert {s["cat"] for s in steps} == {kind}
+    for s in steps:
+        assert any(_covers(c, s) for c in calls), s
+    starts = {e["id"]: e for e in step["events"] if e["ph"] == "s" and e["cat"] == "vcga"}
+    ends = [e for e in step["events"] if e["ph"] == "f" and e["cat"] == "vcga"]
+    assert len(ends) == len(steps) == len(starts)
+    for f in ends:
+        s = starts[f["id"]]
+        # calls overlap on the caller's thread; a viewer binds an arrow to the latest slice begun before it
+        parent = max((c for c in calls if c["tid"] == s["tid"] and c["ts"] <= s["ts"] <= c["ts"] + c["dur"]),
+                     key=lambda c: c["ts"])
+        child = max((x for x in steps if x["tid"] == f["tid"] and x["ts"] <= f["ts"] <= x["ts"] + x["dur"]),
+                    key=lambda x: x["ts"])
+        assert _covers(parent, child)
+        assert child["tid"] != parent["tid"]  # the step ran on the group's communication thread
+
+
+def test_mixed_spans_every_bucket_with_the_bridge_steps_inside(mixed: tuple[Path, list[dict]]) -> None:
+    _, results = mixed
+    for rank, r in enumerate(results):
+        _check_nesting(r["all_threads"], "user_annotation", rank in (0, 2))  # torch recorded the communication thread
+        _check_nesting(r["default"], "vcga_step", rank in (0, 2))  # the caller's thread only: vcga.profiling added the steps
+
+
+def test_single_vendor_spans_every_bucket(single: list[dict]) -> None:
+    for r in single:
+        _check_calls(r)
+        assert not [e for e in r["events"] if STEP.fullmatch(e["name"] or "")]
+
+
+def test_nothing_of_the_recorder_dump_or_trace_loads_at_init(mixed: tuple[Path, list[dict]]) -> None:
+    assert [r["loaded_at_init"] for r in mixed[1]] == [[]] * 4
+
+
+def _trace(directory: Path, *extra: str) -> tuple[int, str]:
+    from vcga.cli import cli
+
+    res = CliRunner().invoke(cli, ["trace", str(directory), *extra])
+    return res.exit_code, res.output
+
+
+def test_a_skipped_all_reduce_times_out_dumps_and_vcga_trace_names_the_rank(mixed: tuple[Path, list[dict]]) -> None:
+    d, results = mixed
+    assert [r["skip"] for r in results] == ["VcgaTimeoutError"] * 3 + ["skipped"]
+    assert all(r["skip_is_dist_backend_error"] for r in results[:3])
+    assert sorted(p.name for p in (d / "skip").iterdir()) == [f"vcga_fr_trace_rank_{r}" for r in range(4)]
+    code, out = _trace(d / "skip", "--json")
+    assert code == 1, out
+    report = json.loads(out)
+    (problem,) = report["problems"]
+    assert (problem["kind"], problem["missing_ranks"], problem["seq"], problem["op"]) == ("missing ranks", [3], 2,
+                                                                                           "all_reduce")
+    assert [problem["ranks"][str(r)]["vendor"] for r in range(4)] == ["nvidia", "nvidia", "huawei", "huawei"]
+    assert report["torchfrtrace_reads"]
+    code, text = _trace(d / "skip")
+    assert code == 1 and "collective #2 (all_reduce) was not joined by rank(s) [3]" in text, text
+    assert "rank 3 (huawei, sim-hccl on hccl): never called it" in text, text
+
+
+def test_a_size_mismatch_is_named_as_one(mixed: tuple[Path, list[dict]]) -> None:
+    d, results = mixed
+    assert [r["mismatch"] for r in results] == ["VcgaMismatchError"] * 4
+    code, out = _trace(d / "mismatch", "--json")
+    assert code == 1, out
+    # the dumps also hold the group of the skipped all_reduce, still open: its problem comes first
+    skipped, problem = json.loads(out)["problems"]
+    assert (skipped["op"], skipped["missing_ranks"]) == ("all_reduce", [3])
+    assert (problem["kind"], problem["seq"], problem["op"], problem["odd_ranks"]) == ("size mismatch", 2, "gather", [1])
+    assert problem["ranks"]["1"]["input_sizes"] == [[8]] and problem["ranks"]["0"]["input_sizes"] == [[4]]
+
+
+def test_ddp_loop_catches_a_dead_peer_as_vcga_timeout_error(mixed: tuple[Path, list[dict]]) -> None:
+    results = mixed[1]
+    for r in results[:3]:
+        assert r["ddp"] is not None, r
+        assert (r["ddp"]["type"], r["ddp"]["step"]) == ("VcgaTimeoutError", 2), r["ddp"]
+        assert r["ddp"]["dist_backend_error"] and r["ddp"]["dist_error"], r["ddp"]
+    assert results[3]["ddp"] is None
+
+
+def test_vcga_trace_without_dumps_is_a_one_line_error(tmp_path: Path) -> None:
+    code, out = _trace(tmp_path)
+    assert code == 2 and out.startswith("vcga: error:") and out.count("\n") == 1, out
+
+
+def test_ring_keeps_the_newest_entries_and_torch_fr_buffer_size_is_validated() -> None:
+    from vcga.errors import VcgaConfigError
+    from vcga.pg.recorder import DEFAULT_ENTRIES, FlightRecorder, buffer_size, new_call
+
+    assert buffer_size({}) == DEFAULT_ENTRIES
+    assert buffer_size({"TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}) == 7
+    assert buffer_size({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}) == 0
+    with pytest.raises(VcgaConfigError, match="TORCH_FR_BUFFER_SIZE"):
+        buffer_size({"TORCH_FR_BUFFER_SIZE": "-1"})
+    rec = FlightRecorder(3, "g", "d", [0, 1], 0, "gloo", {}, 1.0)
+    for seq in range(1, 6):
+        new_call(rec, seq, "all_reduce", (), ())
+    assert [c.seq for c in rec.calls()] == [3, 4, 5]

@@ -1,0 +1,284 @@
+"""What each ``vcga`` group's last collectives were, and where they went: the flight recorder and
+the profiler spans of one call.
+
+Every collective of a :class:`~vcga.process_group.VcgaProcessGroup` becomes a :class:`Call` when
+it is issued (:meth:`vcga.pg.calls.CallPath.record`): an entry of the group's ring buffer
+(:class:`FlightRecorder`) holding its sequence number, op, sizes and dtypes, where it was called
+from and when, its state (scheduled, started, completed) and -- on the bridge -- the stage it is
+in. While torch's profiler records the calling thread the same object holds the call's span
+(:mod:`vcga.pg.spans`). Entries are formatted (frames symbolized, sizes listed) only when a dump
+is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read, a
+captured traceback (code objects and instruction offsets, ~0.7 us) and one small object.
+
+The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
+
+Stages (:func:`stage`): the bridge's steps (in-vendor reduce-scatter, cross-vendor exchange,
+in-vendor all-gather, ...) and compression's (encode, exchange, decode) run on the group's
+communication threads; the call they belong to travels there as this module's thread-local
+current call (:func:`current`, set by the work queue), so each step updates its call's entry and,
+while a profiler records, opens a child span.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from vcga.errors import VcgaConfigError
+
+__all__ = ["Call", "FlightRecorder", "buffer_size", "configure", "current", "running", "stage", "recorders",
+           "described", "stacked", "new_call", "DEFAULT_ENTRIES", "DUMP_SIGNAL", "FILE_PREFIX"]
+
+#: Entries per group where neither TORCH_FR_BUFFER_SIZE nor TORCH_NCCL_TRACE_BUFFER_SIZE is set
+#: (torch's own default, FlightRecorder.hpp).
+DEFAULT_ENTRIES = 2000
+
+#: Every recorder of this process, for a dump (a group's recorder lives as long as the group).
+_RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+#: Entry ids, process-wide and increasing, as torch numbers the entries of its one recorder: its
+#: analyzer aligns the ranks' buffers on them.
+_RECORD_IDS = itertools.count()
+local = threading.local()  # .call: the Call whose stages this thread runs now
+
+_gather: Any = None  # torch._C._profiler.gather_traceback, bound on first use (torch is loaded by then)
+
+
+def buffer_size(env: Any = None) -> int:
+    """Entries per group: ``TORCH_FR_BUFFER_SIZE`` (else ``TORCH_NCCL_TRACE_BUFFER_SIZE``, else
+    :data:`DEFAULT_ENTRIES`); 0 switches the recorder off.
+
+    :raises VcgaConfigError: a value that is not an integer >= 0."""
+    env = os.environ if env is None else env
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        text = env.get(var)
+        if text is None or not text.strip():
+            continue
+        try:
+            n = int(text)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise VcgaConfigError(var, text, "an integer number of entries per group, >= 0 (0: no flight recorder)",
+                                  f"env {var}")
+        return n
+    return DEFAULT_ENTRIES
+
+
+#: config ``trace_dir`` of the last group created (None: TORCH_FR_DUMP_TEMP_FILE's prefix, else the temp dir)
+trace_dir: str | None = None
+#: the signal that makes every rank dump its recorder (installed where nothing else handles it)
+DUMP_SIGNAL = "SIGUSR1"
+#: dump file names: this prefix and the rank (torch's analyzer infers the prefix from the names)
+FILE_PREFIX = "vcga_fr_trace_rank_"
+_signal_installed = False
+
+
+def configure(directory: str | None, on_signal: Callable[[int, Any], None]) -> None:
+    """Where dumps go (config ``trace_dir``), and from the first group on :data:`DUMP_SIGNAL`
+    runs ``on_signal`` (which writes a dump).
+
+    The handler is installed only from the main thread and only where SIGUSR1 still has its
+    default action: a handler the application (or its launcher) set stays. SIGTERM is never
+    touched (torchrun stops workers with it). Python runs the handler in the main thread at its
+    next bytecode: a rank blocked inside a native call dumps when that call returns or times out."""
+    global trace_dir, _signal_installed
+    trace_dir = directory
+    if _signal_installed:
+        return
+    _signal_installed = True
+    import signal
+
+    sig = getattr(signal, DUMP_SIGNAL, None)
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, on_signal)
+    except (ValueError, OSError):  # not the main interpreter, or the platform refuses
+        pass
+
+
+def recorders() -> list[FlightRecorder]:
+    """The recorders of every group still open in this process, oldest first."""
+    return sorted(_RECORDERS, key=lambda r: r.created)
+
+
+def current() -> Call | None:
+    """The call whose stages this thread runs now (set by the work queue and the call path)."""
+    return getattr(local, "call", None)
+
+
+@contextmanager
+def running(call: Call | None) -> Iterator[None]:
+    """Make ``call`` this thread's current call while the block runs (the previous one after)."""
+    was = getattr(local, "call", None)
+    local.call = call
+    try:
+        yield
+    finally:
+        local.call = was
+
+
+class stage:  # noqa: N801 - used as a context manager, as contextlib's are
+    """One step of the current call: ``name`` (reduce_scatter, exchange, encode, ...) in ``tier``
+    (in-vendor, cross-vendor, compress) by ``library`` (nccl, gloo, shared memory, topk, ...)::
+
+        with stage("reduce_scatter", "in-vendor", "nccl"):
+            ...
+
+    Updates the call's entry (the step and its times: where it is when a dump is taken) and, while
+    the call has a span, opens a child span on this thread (:mod:`vcga.pg.spans`). Without a current
+    call (a step outside any ``vcga`` collective: calibration) it does nothing."""
+
+    __slots__ = ("_what", "_call", "_step", "_span")
+
+    def __init__(self, name: str, tier: str, library: str) -> None:
+        self._what = (name, tier, library)
+        self._call: Call | None = getattr(local, "call", None)
+
+    def __enter__(self) -> None:
+        call = self._call
+        if call is None:
+            return
+        self._step = step = [*self._what, time.time_ns(), None]
+        call.steps.append(step)
+        self._span = call.span.child(call, step) if call.span is not None else None
+
+    def __exit__(self, *exc: Any) -> None:
+        call = self._call
+        if call is None:
+            return
+        step = self._step
+        step[4] = time.time_ns()
+        if self._span is not None:
+            call.span.end_child(self._span, step)
+
+
+class Call:
+    """One collective as the recorder and the profiler see it (see the module docstring).
+
+    Times are ``time.time_ns()`` (the clock of torch's flight recorder); ``steps`` lists the bridge
+    or compression steps run so far as ``[name, tier, library, start_ns, end_ns or None]``.
+    """
+
+    __slots__ = ("record_id", "seq", "op", "inputs", "outputs", "created_ns", "started_ns", "ended_ns",
+                 "error", "traceback", "thread", "steps", "span", "work", "recorder", "__weakref__")
+
+    def __init__(self, recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
+                 outputs: tuple[Any, ...], traceback: Any) -> None:
+        self.record_id = next(_RECORD_IDS)
+        self.seq, self.op = seq, op
+        #: ((shape, dtype), ...) of the inputs and the outputs, in torch's recorder's convention
+        self.inputs, self.outputs = inputs, outputs
+        self.created_ns = time.time_ns()
+        self.started_ns: int | None = None
+        self.ended_ns: int | None = None
+        self.error: BaseException | None = None
+        self.traceback = traceback
+        self.thread = threading.get_ident()
+        self.steps: list[list[Any]] = []
+        #: the profiler span (vcga.pg.spans.Span) while one records this call, else None
+        self.span: Any = None
+        #: a weak reference to the work of an asynchronous native call (its state is read at a dump)
+        self.work: Any = None
+        self.recorder = recorder
+
+    @property
+    def state(self) -> str:
+        """torch's recorder's states: completed, started or scheduled (a failed call stays where it failed)."""
+        if self.ended_ns is not None and self.error is None:
+            return "completed"
+        return "started" if self.started_ns is not None else "scheduled"
+
+    def start(self) -> None:
+        if self.started_ns is None:
+            self.started_ns = time.time_ns()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The call ended (``error`` None: completed). Idempotent: the first report counts."""
+        if self.ended_ns is not None:
+            return
+        self.ended_ns = time.time_ns()
+        self.error = error
+        if self.span is not None:
+            self.span.close(self)
+
+    def __repr__(self) -> str:
+        return f"Call(#{self.seq} {self.op} {self.state})"
+
+
+class FlightRecorder:
+    """One group's ring buffer of :class:`Call` entries.
+
+    :param entries: ring size (> 0).
+    :param group_name: the group's name (torch's ``pg_name``); :param group_desc: its description.
+    :param ranks: the group's global ranks; :param rank: this rank in the group.
+    :param library: the collective library this rank's calls run on, in torch's recorder's names
+        (nccl, hccl, gloo, ...): the prefix of every entry's ``profiling_name``.
+    :param facts: what a dump adds about this rank (backend, vendor, transport).
+    :param timeout_s: the group's collective timeout.
+    """
+
+    def __init__(self, entries: int, group_name: str, group_desc: str, ranks: Sequence[int], rank: int,
+                 library: str, facts: dict[str, Any], timeout_s: float) -> None:
+        self.size = entries
+        self.ring: list[Call | None] = [None] * entries
+        self.count = 0  # calls recorded so far (the next slot is count % size)
+        self.group_name, self.group_desc = group_name, group_desc
+        self.ranks, self.rank = list(ranks), rank
+        self.library = library
+        self.facts = dict(facts)
+        self.timeout_s = timeout_s
+        self.created = next(_RECORD_IDS)
+        _RECORDERS.add(self)
+
+    def add(self, call: Call) -> None:
+        # two threads recording at once may share a slot; each call still has its own record_id
+        # and the ring stays a list of calls (torch's recorder takes a mutex for the same race)
+        i = self.count
+        self.count = i + 1
+        self.ring[i % self.size] = call
+
+    def calls(self) -> list[Call]:
+        """The calls in the ring, oldest first."""
+        ring = list(self.ring)  # a copy taken under the GIL: a call recorded meanwhile is left out or in
+        return sorted((c for c in ring if c is not None), key=lambda c: c.record_id)
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank] if self.rank < len(self.ranks) else self.rank
+
+
+def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
+             outputs: tuple[Any, ...]) -> Call:
+    """A :class:`Call` with this thread's Python stack, added to ``recorder``'s ring if given."""
+    global _gather
+    if _gather is None:
+        from torch._C._profiler import gather_traceback
+
+        _gather = gather_traceback
+    call = Call(recorder, seq, op, inputs, outputs, _gather(True, False, False))
+    if recorder is not None:
+        recorder.add(call)
+    return call
+
+
+def described(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """``((shape, dtype), ...)`` of ``tensors``: an entry's inputs or outputs."""
+    return tuple((t.shape, t.dtype) for t in tensors)
+
+
+def stacked(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """A list of equal tensors as torch's recorder lists it: one ``(n, *shape)`` entry (all_gather's
+    outputs, reduce_scatter's inputs; the analyzer checks their element count against the group size)."""
+    if not tensors:
+        return ()
+    t = tensors[0]
+    return (((len(tensors), *t.shape), t.dtype),)
