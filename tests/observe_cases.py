@@ -97,7 +97,6 @@ def mixed_world(rank: int, world: int, init: str, outdir: str) -> dict[str, Any]
     # -- rank 3 skips the group's second all_reduce
     import vcga.flight_recorder as fr
     from vcga.errors import VcgaMismatchError, VcgaTimeoutError
-    from vcga.pg import recorder
 
     os.environ["VCGA_TRACE_DIR"] = os.path.join(outdir, "skip")  # config trace_dir, read as the group is made
     group = dist.new_group(backend="vcga", timeout=CASE_TIMEOUT)
@@ -145,7 +144,8 @@ def mixed_world(rank: int, world: int, init: str, outdir: str) -> dict[str, Any]
         try:
             loss.backward()
         except VcgaTimeoutError as e:  # no vcga.errors.typed(): the exception is the typed error itself
-            caught = {"type": type(e).__name__, "step": step, "dist_backend_error": isinstance(e, dist.DistBackendError),
+            caught = {"type": type(e).__name__, "step": step,
+                      "dist_backend_error": isinstance(e, dist.DistBackendError),
                       "dist_error": isinstance(e, dist.DistError), "message": str(e).splitlines()[0][:300]}
             break
         opt.step()

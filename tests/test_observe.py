@@ -83,8 +83,9 @@ def _check_nesting(step: dict, kind: str, leader: bool) -> None:
 def test_mixed_spans_every_bucket_with_the_bridge_steps_inside(mixed: tuple[Path, list[dict]]) -> None:
     _, results = mixed
     for rank, r in enumerate(results):
-        _check_nesting(r["all_threads"], "user_annotation", rank in (0, 2))  # torch recorded the communication thread
-        _check_nesting(r["default"], "vcga_step", rank in (0, 2))  # the caller's thread only: vcga.profiling added the steps
+        leader = rank in (0, 2)
+        _check_nesting(r["all_threads"], "user_annotation", leader)  # torch recorded the communication thread
+        _check_nesting(r["default"], "vcga_step", leader)  # only the caller's: vcga.profiling added the steps
 
 
 def test_single_vendor_spans_every_bucket(single: list[dict]) -> None:

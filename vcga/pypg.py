@@ -158,7 +158,7 @@ class PyWork(dist._Work):
         if on_end is not None:
             try:
                 on_end(self._error)
-            except Exception:  # noqa: BLE001 - bookkeeping must never fail the collective
+            except Exception:  # logged: bookkeeping must never fail the collective
                 log.debug("vcga: a work's end hook failed", exc_info=True)
 
     # -- completion ------------------------------------------------------------------------------

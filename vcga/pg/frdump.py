@@ -152,7 +152,7 @@ def build(reason: str = "on demand") -> dict[str, Any]:
     rows.sort(key=lambda r: r[0].record_id)
     frames = symbolize_tracebacks([c.traceback for c, _, _ in rows]) if rows else []
     names = _thread_names()
-    entries = [_entry(c, rec, pg_id, fr, names) for (c, rec, pg_id), fr in zip(rows, frames)]
+    entries = [_entry(c, rec, pg_id, fr, names) for (c, rec, pg_id), fr in zip(rows, frames, strict=True)]
     pg_config, pg_status, groups = {}, {}, {}
     for pg_id, rec in enumerate(recs):
         pg_config[rec.group_name] = {"name": rec.group_name, "desc": rec.group_desc, "ranks": str(rec.ranks)}
@@ -191,7 +191,7 @@ def dump_quietly(reason: str) -> Path | None:
     """:func:`dump`, logging instead of raising (a dump must never be what fails a job)."""
     try:
         path = dump(reason)
-    except Exception:  # noqa: BLE001 - logged; the failure being reported matters more
+    except Exception:  # logged: the failure being reported matters more
         log.warning("vcga: writing the flight recorder's dump (%s) failed", reason, exc_info=True)
         return None
     log.warning("vcga: flight recorder dumped to %s (%s); `vcga trace %s` analyzes every rank's dump",

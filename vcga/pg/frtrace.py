@@ -169,7 +169,7 @@ def analyze(directory: str | os.PathLike[str], prefix: str | None = None) -> dic
         v = _vcga_keys(Path(directory), name)
         facts[r] = v
         groups = v.get("groups", {})
-        one = next(iter(groups.values()), {})
+        one: dict[str, Any] = next(iter(groups.values()), {})
         ranks[r] = {"file": name, "entries": len(raw[r]), "backend": one.get("backend"), "vendor": one.get("vendor"),
                     "library": one.get("library") or _library_of(raw[r]), "reason": v.get("reason"),
                     "groups": {g: {k: f.get(k) for k in ("backend", "vendor", "library", "transport")}
@@ -258,13 +258,14 @@ def _problem(c: Any, group: str, at_seq: dict[int, dict[str, Any]], ranks: dict[
     for r, other in sorted((c.mismatch_collectives or {}).items()):
         info = other.type_of_mismatch
         state = getattr(getattr(info, "state", None), "name", "")
-        mismatches.append({"rank": r, "kind": _KINDS.get(state, state.lower()), "detail": getattr(info, "culprit", None),
-                           "op": other.collective_name, "input_sizes": other.input_sizes,
-                           "output_sizes": other.output_sizes})
+        mismatches.append({"rank": r, "kind": _KINDS.get(state, state.lower()),
+                           "detail": getattr(info, "culprit", None), "op": other.collective_name,
+                           "input_sizes": other.input_sizes, "output_sizes": other.output_sizes})
     # who differs from whom: the ranks whose call differs from the most common one at this sequence number
     signatures = {r: _signature(e) for r, e in at_seq.items()}
     common = collections.Counter(signatures.values()).most_common(1)
-    odd = sorted(r for r, s in signatures.items() if common and s != common[0][0]) if len(set(signatures.values())) > 1 else []
+    odd = (sorted(r for r, s in signatures.items() if s != common[0][0])
+           if common and len(set(signatures.values())) > 1 else [])
     if missing:
         kind = "missing ranks"
     elif mismatches:
@@ -276,14 +277,15 @@ def _problem(c: Any, group: str, at_seq: dict[int, dict[str, Any]], ranks: dict[
     for r in expected:
         e = at_seq.get(r)
         info = ranks.get(r, {})
-        row: dict[str, Any] = {"vendor": info.get("vendor"), "backend": info.get("backend"),
-                               "library": (info.get("groups", {}).get(group) or {}).get("library") or info.get("library")}
+        library = (info.get("groups", {}).get(group) or {}).get("library") or info.get("library")
+        row: dict[str, Any] = {"vendor": info.get("vendor"), "backend": info.get("backend"), "library": library}
         if e is None:
             row["joined"] = False
             row["dump"] = r in ranks
         else:
-            row.update(joined=True, op=e["profiling_name"], input_sizes=e["input_sizes"], output_sizes=e["output_sizes"],
-                       input_dtypes=e["input_dtypes"], state=e["state"], stage=e.get("vcga_stage"),
+            row.update(joined=True, op=e["profiling_name"], input_sizes=e["input_sizes"],
+                       output_sizes=e["output_sizes"], input_dtypes=e["input_dtypes"], state=e["state"],
+                       stage=e.get("vcga_stage"),
                        error=e.get("vcga_error"), called_from=_user_frame(e.get("frames", [])))
         per_rank[r] = row
     return {"group": group, "desc": c.pg_desc, "seq": c.collective_seq_id, "op": c.collective_name.partition(":")[2],
