@@ -40,12 +40,13 @@ def _profiled_step(ddp: Any, x: Any, path: str, all_threads: bool) -> dict[str, 
     from vcga.pg.recorder import recorders
     from vcga.profiling import export_chrome_trace
 
-    rec = next(r for r in recorders() if r.group_name == "0")
-    before = rec.count
+    rec = next((r for r in recorders() if r.group_name == "0"), None)  # None: TORCH_FR_BUFFER_SIZE=0
+    before = rec.count if rec is not None else 0
     kw = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)} if all_threads else {}
     with torch.profiler.profile(record_shapes=True, **kw) as prof:
         ddp(x).sum().backward()
-    calls = [c for c in rec.calls()[-(rec.count - before):] if c.op == "all_reduce"] if rec.count > before else []
+    calls = ([c for c in rec.calls()[-(rec.count - before):] if c.op == "all_reduce"]
+             if rec is not None and rec.count > before else [])
     export_chrome_trace(prof, path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]

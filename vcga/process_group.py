@@ -130,6 +130,7 @@ def _new_recorder(transport: Transport, config: Config, group_name: str, global_
     gloo, ...): a vendor's own, the one a simulated vendor stands for."""
     from vcga.pg import recorder
 
+    recorder.configure(config.trace_dir, _dump_on_signal)  # an on-demand dump goes there even with no recorder
     entries = recorder.buffer_size()
     if entries <= 0:
         return None
@@ -138,7 +139,6 @@ def _new_recorder(transport: Transport, config: Config, group_name: str, global_
                or transport.backend_name)
     facts = {"backend": getattr(backend, "name", transport.backend_name), "vendor": getattr(backend, "vendor", ""),
              "transport": transport.backend_name, "library": library}
-    recorder.configure(config.trace_dir, _dump_on_signal)
     return recorder.FlightRecorder(entries, group_name, "undefined", global_ranks, rank, str(library), facts, timeout_s)
 
 
