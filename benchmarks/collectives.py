@@ -18,6 +18,12 @@ Usage::
     python benchmarks/collectives.py --min-bytes 4096 --max-bytes 1048576 --ops all_reduce
     python benchmarks/collectives.py --markdown           # the table for docs/benchmarks.md
     python benchmarks/collectives.py --aa                 # gloo vs gloo: how far from 1.0 noise alone gets
+    python benchmarks/collectives.py --hooks-off --vendors nccl:1,hccl:1 --ops all_reduce
+        # the bridged all_reduce against itself with the flight recorder and span hooks off
+
+``--hooks-off`` replaces the gloo group by the ``vcga`` group itself with its flight recorder and
+profiler-span hooks switched off for each such call (the "gloo" columns), so the ratio is what
+the hooks cost; ``--vendors`` runs the ranks as simulated vendors (a mixed-vendor group: the bridge).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Any
 
 from vcga.pg.comm import all_gather_single, reduce_scatter_single  # torch 2.13's names (no FutureWarning)
@@ -92,6 +99,10 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     if args.aa:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
         vcga_group = dist.new_group(backend="gloo")
     clock = time.perf_counter
+    before = {"gloo": _nothing, "vcga": _nothing}
+    if args.hooks_off:
+        gloo_group = vcga_group
+        before = {"gloo": partial(_hooks, vcga_group, False), "vcga": partial(_hooks, vcga_group, True)}
     cells = [(op, nbytes) for op in args.ops for nbytes in sizes(args.min_bytes, args.max_bytes)
              if _buffers(op, nbytes, world) is not None]
     times: dict[tuple[str, int], dict[str, list[float]]] = {c: {"gloo": [], "vcga": []} for c in cells}
@@ -114,12 +125,14 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
             for i in range(int(n.item())):
                 one = {}
                 for name, g in (pair if i % 2 == 0 else pair[::-1]):
+                    before[name]()
                     t = clock()
                     _call(op, bufs, g)
                     one[name] = clock() - t
                     times[(op, nbytes)][name].append(one[name])
                 ratios[(op, nbytes)].append(one["vcga"] / one["gloo"])
             del bufs
+    before["vcga"]()
     rows = []
     if rank == 0:
         for op, nbytes in cells:
@@ -133,6 +146,31 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
             if not args.quiet:
                 print(_row(rows[-1]), flush=True)
     return rows
+
+
+def _nothing() -> None:
+    pass
+
+
+_SAVED: dict[int, Any] = {}
+
+
+def _hooks(group: Any, on: bool) -> None:
+    """Switch the ``vcga`` group's flight recorder and span hooks on or off: off, its call path
+    records nothing and checks for no profiler (vcga.pg.calls.CallPath.record returns None)."""
+    calls = group._calls
+    if id(calls) not in _SAVED:
+        _SAVED[id(calls)] = calls.recorder
+    if on:
+        calls.recorder = _SAVED[id(calls)]
+        calls.__dict__.pop("record", None)
+    else:
+        calls.recorder = None
+        calls.record = _no_record
+
+
+def _no_record(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _fmt_size(n: int) -> str:
@@ -200,10 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU core")
     p.add_argument("--aa", action="store_true",
                    help="A/A check: compare gloo with a second gloo group (the ratio's noise floor)")
+    p.add_argument("--hooks-off", action="store_true",
+                   help="compare vcga with itself, the flight recorder and span hooks off (the 'gloo' columns)")
+    p.add_argument("--vendors", metavar="SPEC", help="simulated vendors per rank, e.g. nccl:1,hccl:1 (the bridge)")
     args = p.parse_args(argv)
+    if args.vendors:
+        os.environ["VCGA_SIM_VENDORS"] = args.vendors
 
     if not args.quiet:
-        print(f"vcga vs {'a second gloo group (A/A)' if args.aa else 'gloo'}, {args.world_size} ranks, float32, "
+        other = ("a second gloo group (A/A)" if args.aa else "itself with the recorder and span hooks off"
+                 if args.hooks_off else "gloo")
+        print(f"vcga{' (' + args.vendors + ')' if args.vendors else ''} vs {other}, {args.world_size} ranks, float32, "
               f"alternating single calls, ~{args.seconds:g} s per size")
         print(HEADER, flush=True)
     if "RANK" in os.environ:  # under torchrun

@@ -9,8 +9,9 @@ pickled dict as torch's ``FlightRecorder::dump`` writes it, version 2.10 (torch 
 Each entry is named ``<library>:<op>`` after the collective library this rank's calls run on --
 nccl, hccl, gloo, ... (torch's analyzer accepts those prefixes; ``vcga trace`` also others, such as
 cncl). VCGA adds what torch's schema has no field for, under keys torch's analyzer does not read:
-per entry ``vcga_steps`` (the bridge's or compression's steps with their times), ``vcga_stage``
-(the step it was in when the dump was taken) and ``vcga_error``; per dump ``vcga`` (this rank's
+per entry ``vcga_stage`` (the bridge's or compression's step it was in when the dump was taken, or
+failed in), ``vcga_steps`` (the steps with their times, for a call a profiler recorded) and
+``vcga_error``; per dump ``vcga`` (this rank's
 backend, vendor and library per group, and why the dump was written).
 """
 
@@ -125,14 +126,12 @@ def _entry(call: _recorder.Call, rec: _recorder.FlightRecorder, pg_id: int, fram
     }
     if completed:
         e["duration_ms"] = (call.ended_ns - (call.started_ns or call.created_ns)) / 1e6  # type: ignore[operator]
-    steps = list(call.steps)
-    if steps:
+    if call.steps:
         e["vcga_steps"] = [{"name": n, "tier": t, "library": lib, "start_ns": a, "end_ns": b}
-                           for n, t, lib, a, b in steps]
-        if call.ended_ns is None or call.error is not None:  # where it is, or where it failed
-            open_steps = [s for s in steps if s[4] is None]
-            n, t, lib = (open_steps[-1] if open_steps else steps[-1])[:3]
-            e["vcga_stage"] = f"{t} {n} ({lib})"
+                           for n, t, lib, a, b in list(call.steps)]
+    if call.stage is not None and (call.ended_ns is None or call.error is not None):  # where it is, or failed
+        n, t, lib = call.stage
+        e["vcga_stage"] = f"{t} {n} ({lib})"
     if call.error is not None:
         first = str(call.error).splitlines()
         e["vcga_error"] = f"{type(call.error).__name__}: {first[0] if first else ''}"

@@ -126,50 +126,73 @@ def running(call: Call | None) -> Iterator[None]:
         local.call = was
 
 
-class stage:  # noqa: N801 - used as a context manager, as contextlib's are
+class _Quiet:
+    """What :func:`stage` returns when nothing times the step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_QUIET = _Quiet()
+
+
+class _Timed:
+    """A step of a profiled call: its times, and a child span on this thread."""
+
+    __slots__ = ("_call", "_step", "_span")
+
+    def __init__(self, call: Call, name: str, tier: str, library: str) -> None:
+        self._call = call
+        self._step: list[Any] = [name, tier, library, 0, None]
+
+    def __enter__(self) -> None:
+        call, step = self._call, self._step
+        step[3] = time.time_ns()
+        if call.steps is None:
+            call.steps = []
+        call.steps.append(step)
+        self._span = call.span.child(call, step)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._step[4] = time.time_ns()
+        self._call.span.end_child(self._span, self._step)
+
+
+def stage(name: str, tier: str, library: str) -> Any:
     """One step of the current call: ``name`` (reduce_scatter, exchange, encode, ...) in ``tier``
     (in-vendor, cross-vendor, compress) by ``library`` (nccl, gloo, shared memory, topk, ...)::
 
         with stage("reduce_scatter", "in-vendor", "nccl"):
             ...
 
-    Updates the call's entry (the step and its times: where it is when a dump is taken) and, while
-    the call has a span, opens a child span on this thread (:mod:`vcga.pg.spans`). Without a current
-    call (a step outside any ``vcga`` collective: calibration) it does nothing."""
-
-    __slots__ = ("_what", "_call", "_step", "_span")
-
-    def __init__(self, name: str, tier: str, library: str) -> None:
-        self._what = (name, tier, library)
-        self._call: Call | None = getattr(local, "call", None)
-
-    def __enter__(self) -> None:
-        call = self._call
-        if call is None:
-            return
-        self._step = step = [*self._what, time.time_ns(), None]
-        call.steps.append(step)
-        self._span = call.span.child(call, step) if call.span is not None else None
-
-    def __exit__(self, *exc: Any) -> None:
-        call = self._call
-        if call is None:
-            return
-        step = self._step
-        step[4] = time.time_ns()
-        if self._span is not None:
-            call.span.end_child(self._span, step)
+    The call's entry notes the step as the one it is in (a dump says where a hung call waits);
+    while the call has a span, the step is timed and opens a child span on this thread
+    (:mod:`vcga.pg.spans`). Without a current call (a step outside any ``vcga`` collective:
+    calibration) it does nothing."""
+    call = getattr(local, "call", None)
+    if call is None:
+        return _QUIET
+    call.stage = (name, tier, library)
+    if call.span is None:
+        return _QUIET
+    return _Timed(call, name, tier, library)
 
 
 class Call:
     """One collective as the recorder and the profiler see it (see the module docstring).
 
-    Times are ``time.time_ns()`` (the clock of torch's flight recorder); ``steps`` lists the bridge
-    or compression steps run so far as ``[name, tier, library, start_ns, end_ns or None]``.
+    Times are ``time.time_ns()`` (the clock of torch's flight recorder); ``stage`` is the bridge or
+    compression step entered last, ``(name, tier, library)``; a profiled call (``span``) also keeps
+    its steps' times in ``steps``, ``[name, tier, library, start_ns, end_ns or None]`` each.
     """
 
     __slots__ = ("record_id", "seq", "op", "inputs", "outputs", "created_ns", "started_ns", "ended_ns",
-                 "error", "traceback", "thread", "steps", "span", "work", "recorder", "__weakref__")
+                 "error", "traceback", "thread", "stage", "steps", "span", "work", "recorder", "__weakref__")
 
     def __init__(self, recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
                  outputs: tuple[Any, ...], traceback: Any) -> None:
@@ -183,7 +206,8 @@ class Call:
         self.error: BaseException | None = None
         self.traceback = traceback
         self.thread = threading.get_ident()
-        self.steps: list[list[Any]] = []
+        self.stage: tuple[str, str, str] | None = None
+        self.steps: list[list[Any]] | None = None
         #: the profiler span (vcga.pg.spans.Span) while one records this call, else None
         self.span: Any = None
         #: a weak reference to the work of an asynchronous native call (its state is read at a dump)

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from vcga import pypg
 from vcga.errors import VcgaCollectiveError, VcgaError
-from vcga.pg.recorder import Call, running
+from vcga.pg.recorder import Call, local
 
 __all__ = ["WorkQueue", "QueuedWork", "Continuation"]
 
@@ -236,8 +236,11 @@ class WorkQueue:
             if call is None:
                 return _finish_in_place(fn())
             call.start()
-            with running(call):
+            was, local.call = getattr(local, "call", None), call
+            try:
                 return _finish_in_place(fn())
+            finally:
+                local.call = was
         except BaseException as e:
             self._poison(e)
             raise
@@ -334,8 +337,11 @@ class WorkQueue:
             out = fn()
         else:
             call.start()
-            with running(call):
+            local.call = call  # this thread's current call: its steps are this call's
+            try:
                 out = fn()
+            finally:
+                local.call = None
         if not isinstance(out, Continuation):
             return False
         if touches is None:
@@ -387,11 +393,12 @@ class WorkQueue:
                 elif closed:
                     error = VcgaCollectiveError(f"{self.name}: the process group was destroyed with this "
                                                 "collective in flight")
-                elif work._call is None:
-                    _, error = self._run_active(cont.complete, "a collective's second stage")
                 else:
-                    with running(work._call):
+                    local.call = work._call
+                    try:
                         _, error = self._run_active(cont.complete, "a collective's second stage")
+                    finally:
+                        local.call = None
             finally:
                 try:
                     work._finish(error)  # callbacks run here; collectives they issue run in place
