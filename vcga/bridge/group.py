@@ -145,6 +145,10 @@ class BridgeGroup:
         peers on this node), or None: they reduce through ``shard``.
     """
 
+    #: its collectives run steps the flight recorder and the profiler note (vcga.pg.recorder.stage):
+    #: the call path makes each call this thread's current call while it issues it
+    records_steps = True
+
     def __init__(self, plan: Plan, rank: int, inner: Dispatcher | None, shard: Any, world: Any,
                  tables: Sequence[CapabilityTable], shm: SharedMemoryBridge | None = None) -> None:
         self.plan, self.rank, self.size = plan, rank, plan.size

@@ -28,6 +28,8 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch._C._profiler import gather_traceback
+from torch.autograd import profiler as _profiler
 
 from vcga.contract import Collective, ReduceOp
 from vcga.errors import VcgaCollectiveError, VcgaError, VcgaTimeoutError
@@ -59,8 +61,8 @@ class CallPath:
     def __init__(self, rank: int, size: int, native: Any, dispatcher: Dispatcher, backend: str, timeout_s: float,
                  debug: FingerprintCheck | None = None, recorder: FlightRecorder | None = None) -> None:
         self.rank, self.size = rank, size
-        self.native = native
         self.d = dispatcher
+        self.use_native(native)
         self.backend = backend
         self.timeout_s = timeout_s
         self.debug = debug
@@ -74,6 +76,8 @@ class CallPath:
     def use_native(self, group: Any) -> None:
         """Call ``group`` from now on, on the hot path and through the dispatcher alike."""
         self.native = self.d.group = group
+        #: the native group runs steps the flight recorder notes (vcga.pg.recorder.stage): the bridge
+        self.steps_below = bool(getattr(type(group), "records_steps", False))  # a closed group raises on any attribute
 
     def next(self, name: str, tensors: Any = None, op: ReduceOp | None = None, root: int | None = None) -> int:
         """The next sequence number; in debug mode, first compare this call's fingerprint
@@ -89,10 +93,15 @@ class CallPath:
         ``((shape, dtype), ...)``, outputs None: the inputs) in the flight recorder, and open its
         span with ``tensors`` while a profiler records this thread. None when neither records."""
         rec = self.recorder
-        profiled = _spans.recording()
+        profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
-        call = _recorder.new_call(rec, seq, op, inputs, inputs if outputs is None else outputs)
+        # Python's stack as code objects and offsets (torch's recorder's own capture); symbolized at a dump
+        call = Call(seq, op, inputs, inputs if outputs is None else outputs, gather_traceback(True, False, False))
+        if rec is not None:  # FlightRecorder.add, inline
+            i = rec.count
+            rec.count = i + 1
+            rec.ring[i % rec.size] = call
         if profiled:
             call.span = _spans.open_span(call, tensors)
         return call
@@ -200,11 +209,13 @@ class CallPath:
 
     def native_call(self, name: str, seq: int | None, fn: Callable[..., Any], *args: Any, async_op: bool,
                     result: Sequence[torch.Tensor], call: Call | None = None) -> Any:
-        """The hot path: one native call, no staging. ``call`` is this thread's current call
-        meanwhile (the bridge carries it to the thread that runs the collective)."""
+        """The hot path: one native call, no staging. Where the native group runs steps of its own
+        (the bridge), ``call`` is this thread's current call meanwhile: the bridge carries it to
+        the thread that runs the collective."""
         local = _recorder.local
-        was = getattr(local, "call", None)
-        local.call = call
+        if self.steps_below:
+            was = getattr(local, "call", None)
+            local.call = call
         try:
             work = fn(*args)
         except (ValueError, TypeError) as e:
@@ -217,7 +228,8 @@ class CallPath:
                 call.end(err)
             raise err from e
         finally:
-            local.call = was
+            if self.steps_below:
+                local.call = was
         if not async_op:
             return self.wait_inline(work, name, seq, call)
         return self.wrap_async(work, name, seq, result, call)

@@ -192,14 +192,15 @@ class Call:
     """
 
     __slots__ = ("record_id", "seq", "op", "inputs", "outputs", "created_ns", "started_ns", "ended_ns",
-                 "error", "traceback", "thread", "stage", "steps", "span", "work", "recorder", "__weakref__")
+                 "error", "traceback", "thread", "stage", "steps", "span", "work", "__weakref__")
 
-    def __init__(self, recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
-                 outputs: tuple[Any, ...], traceback: Any) -> None:
+    def __init__(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
         self.record_id = next(_RECORD_IDS)
-        self.seq, self.op = seq, op
+        self.seq = seq
+        self.op = op
         #: ((shape, dtype), ...) of the inputs and the outputs, in torch's recorder's convention
-        self.inputs, self.outputs = inputs, outputs
+        self.inputs = inputs
+        self.outputs = outputs
         self.created_ns = time.time_ns()
         self.started_ns: int | None = None
         self.ended_ns: int | None = None
@@ -212,7 +213,6 @@ class Call:
         self.span: Any = None
         #: a weak reference to the work of an asynchronous native call (its state is read at a dump)
         self.work: Any = None
-        self.recorder = recorder
 
     @property
     def state(self) -> str:
@@ -288,7 +288,7 @@ def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[A
         from torch._C._profiler import gather_traceback
 
         _gather = gather_traceback
-    call = Call(recorder, seq, op, inputs, outputs, _gather(True, False, False))
+    call = Call(seq, op, inputs, outputs, _gather(True, False, False))
     if recorder is not None:
         recorder.add(call)
     return call
