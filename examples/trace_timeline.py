@@ -2,9 +2,10 @@
 
     python examples/trace_timeline.py /tmp/hang/step0.json docs/debugging-step.png
 
-One row per thread: the calling thread's ``vcga:<op>`` spans (and the autograd operations they
-overlap, in grey), the communication threads' bridge and compression steps, and the flow arrows
-vcga.profiling added from each call to its steps.
+One row per thread: the calling thread's ``vcga:<op>`` spans (one lane each where they overlap --
+a call lasts until its work completes -- over the backward pass's autograd operations, in grey),
+the communication threads' bridge and compression steps, and the flow arrows vcga.profiling
+added from each call to its steps.
 """
 
 from __future__ import annotations
@@ -33,37 +34,64 @@ def draw(trace_path: str, png_path: str) -> None:
                 and str(e.get("name", "")).startswith("autograd::engine::evaluate_function")
                 and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
     tids = sorted({e["tid"] for e in vcga}, key=lambda t: (t not in callers, t))
-    row = {t: i for i, t in enumerate(tids)}
+    # calls overlap on the calling thread (each lasts until its work completes): one lane each
+    lanes: dict[int, list[float]] = {t: [] for t in tids}
+    lane_of: dict[int, int] = {}
+    for e in sorted(vcga, key=lambda e: e["ts"]):
+        ends = lanes[e["tid"]]
+        free = next((i for i, end in enumerate(ends) if end <= e["ts"]), len(ends))
+        if free == len(ends):
+            ends.append(0.0)
+        ends[free] = e["ts"] + e["dur"]
+        lane_of[id(e)] = free
+    base, y = {}, 0.0
+    for t in tids:
+        base[t] = y
+        y += max(len(lanes[t]), 1) * 0.6 + 0.6
     colours = {"vcga:in-vendor": "tab:blue", "vcga:cross-vendor": "tab:orange", "vcga:compress": "tab:green"}
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * len(tids)))
+    fig, ax = plt.subplots(figsize=(12, 1.5 + 0.75 * y))
+    span_ms = (t1 - t0) / 1e3
+    ms_per_char = span_ms * 6.5 / 1000  # fontsize 7 on a ~1000 px wide axis
+
+    def at(e: dict[str, Any]) -> float:
+        return base[e["tid"]] + 0.6 * lane_of.get(id(e), 0)
+
     for e in autograd:
-        ax.barh(row[e["tid"]] + 0.3, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.25, color="0.8")
+        ax.barh(base[e["tid"]] - 0.45, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.2, color="0.75")
     labelled: set[str] = set()
     for e in vcga:
         key = next((k for k in colours if e["name"].startswith(k)), "call")
-        colour = colours.get(key, "tab:red")
-        label = {"call": "vcga:<op> (the call, on the calling thread)"}.get(key, key + " steps")
-        ax.barh(row[e["tid"]], e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.5, color=colour, edgecolor="k",
-                linewidth=0.4, alpha=0.85, label=None if label in labelled else label)
+        label = "vcga:<op>: the call, on the calling thread" if key == "call" else key + " steps"
+        ax.barh(at(e), e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.5, color=colours.get(key, "tab:red"),
+                edgecolor="k", linewidth=0.4, alpha=0.85, label=None if label in labelled else label)
         labelled.add(label)
-        if e["dur"] > 0.06 * (t1 - t0):
-            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, row[e["tid"]], e["name"].removeprefix("vcga:"),
-                    ha="center", va="center", fontsize=7)
+        # a step's tier is its colour: its name alone ("reduce_scatter", "exchange")
+        text = e["name"].removeprefix("vcga:") if key == "call" else e["name"].split(" ")[1]
+        if e["dur"] / 1e3 > ms_per_char * (len(text) + 2):
+            ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, at(e), text, ha="center", va="center", fontsize=7)
+    slices = {(e["tid"], round(e["ts"], 3)): e for e in vcga}
     flows: dict[Any, dict[str, dict[str, Any]]] = defaultdict(dict)
     for e in events:
         if e.get("cat") == "vcga" and e.get("ph") in ("s", "f"):
             flows[e["id"]][e["ph"]] = e
+
+    def owner(p: dict[str, Any]) -> dict[str, Any] | None:
+        inside = [x for (tid, _), x in slices.items() if tid == p["tid"] and x["ts"] <= p["ts"] <= x["ts"] + x["dur"]]
+        return max(inside, key=lambda x: x["ts"]) if inside else None
+
     for pair in flows.values():
-        if "s" in pair and "f" in pair and pair["s"]["tid"] in row and pair["f"]["tid"] in row:
-            s, f = pair["s"], pair["f"]
-            ax.annotate("", xy=((f["ts"] - t0) / 1e3, row[f["tid"]] - 0.25),
-                        xytext=((s["ts"] - t0) / 1e3, row[s["tid"]] + 0.25),
-                        arrowprops={"arrowstyle": "->", "color": "0.35", "lw": 0.6})
-    ax.set_yticks(range(len(tids)))
+        if "s" in pair and "f" in pair:
+            a, b = owner(pair["s"]), owner(pair["f"])
+            if a is None or b is None:
+                continue
+            ax.annotate("", xy=((pair["f"]["ts"] - t0) / 1e3, at(b) - 0.25),
+                        xytext=((pair["s"]["ts"] - t0) / 1e3, at(a) + 0.25),
+                        arrowprops={"arrowstyle": "->", "color": "0.3", "lw": 0.6})
+    ax.set_yticks([base[t] + 0.3 * (max(len(lanes[t]), 1) - 1) for t in tids])
     ax.set_yticklabels([f"{'calling thread' if t in callers else 'communication thread'}\n(tid {t})" for t in tids])
-    ax.invert_yaxis()
+    ax.set_ylim(y - 0.2, -1.0)
     ax.set_xlabel("ms since the step's first collective")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8, frameon=False)
     ax.set_title(f"vcga collectives of one DDP step ({trace_path.rsplit('/', 1)[-1]})")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)

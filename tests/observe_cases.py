@@ -1,5 +1,5 @@
 """What each rank of tests/test_observe.py's worlds does: profiled DDP steps, a rank that skips a
-collective, ranks that call one differently, and a DDP loop whose peer stops dead.
+collective, ranks that call one differently, and DDP and FSDP2 loops whose peer stops dead.
 
 Every case runs on a group of its own (a group a timeout poisoned is not used again); timeouts
 are the case's own (3 s), so a case that hangs fails in seconds. Ranks wait for each other through
@@ -76,7 +76,7 @@ def single_world(rank: int, world: int, init: str, outdir: str) -> dict[str, Any
 
 def mixed_world(rank: int, world: int, init: str, outdir: str) -> dict[str, Any]:
     """nccl:2,hccl:2 (asynchronous bridge): profiled DDP steps, a skipped all_reduce, a size
-    mismatch, and DDP with a peer that stops dead."""
+    mismatch, and DDP and FSDP2 with a peer that stops dead."""
     import torch
     import torch.distributed as dist
 
@@ -151,13 +151,47 @@ def mixed_world(rank: int, world: int, init: str, outdir: str) -> dict[str, Any]
             break
         opt.step()
     out["ddp"] = caught
-    if rank != 3:
-        _all_arrive(store, "ddp_caught", rank, world - 1)
-        if rank == 0:
-            os.kill(int(store.get("pid3")), signal.SIGCONT)
-    _all_arrive(store, "ddp_done", rank, world)
+    _stopped_peer_resumes(store, "ddp", rank, world)
+
+    # -- the same with FSDP2 (fully_shard over the group's mesh): rank 3 stops before its second step
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["VCGA_TRACE_DIR"] = os.path.join(outdir, "fsdp")
+    group4 = dist.new_group(backend="vcga", timeout=CASE_TIMEOUT)
+    mesh = DeviceMesh.from_group(group4, "cpu")
+    sharded = _model()
+    for layer in sharded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    caught = None
+    for step in range(3):
+        if rank == 3 and step == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            break
+        try:
+            opt.zero_grad()
+            sharded(x).sum().backward()  # FSDP all-gathers parameters, reduce-scatters gradients
+            opt.step()
+        except VcgaTimeoutError as e:
+            caught = {"type": type(e).__name__, "step": step,
+                      "dist_backend_error": isinstance(e, dist.DistBackendError)}
+            break
+    out["fsdp"] = caught
+    _stopped_peer_resumes(store, "fsdp", rank, world)
     out["cpu_s"] = time.process_time()
     return out
+
+
+def _stopped_peer_resumes(store: Any, case: str, rank: int, world: int) -> None:
+    """Once every other rank caught its error, rank 0 resumes rank 3 (stopped with SIGSTOP)."""
+    if rank != 3:
+        _all_arrive(store, f"{case}_caught", rank, world - 1)
+        if rank == 0:
+            os.kill(int(store.get("pid3")), signal.SIGCONT)
+    _all_arrive(store, f"{case}_done", rank, world)
 
 
 def _all_arrive(store: Any, key: str, rank: int, world: int) -> None:

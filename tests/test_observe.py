@@ -7,7 +7,7 @@ Two worlds (tests/observe_cases.py), each started once for the module:
   ``vcga:all_reduce`` span for every bucket's all_reduce with the bridge's steps inside; rank 3
   skips an all_reduce -- the others raise VcgaTimeoutError, every rank leaves a dump, and
   ``vcga trace`` names rank 3 and the collective's number; ranks gather different sizes --
-  ``vcga trace`` names the size mismatch; a DDP loop whose peer stops dead catches
+  ``vcga trace`` names the size mismatch; DDP and FSDP2 loops whose peer stops dead catch
   ``VcgaTimeoutError`` (also torch's ``DistBackendError``) without ``vcga.errors.typed()``;
 - two ranks on one vendor: the same spans, without steps.
 """
@@ -142,6 +142,14 @@ def test_ddp_loop_catches_a_dead_peer_as_vcga_timeout_error(mixed: tuple[Path, l
         assert (r["ddp"]["type"], r["ddp"]["step"]) == ("VcgaTimeoutError", 2), r["ddp"]
         assert r["ddp"]["dist_backend_error"] and r["ddp"]["dist_error"], r["ddp"]
     assert results[3]["ddp"] is None
+
+
+def test_fsdp_loop_catches_a_dead_peer_as_vcga_timeout_error(mixed: tuple[Path, list[dict]]) -> None:
+    results = mixed[1]
+    for r in results[:3]:
+        assert r["fsdp"] is not None, r
+        assert (r["fsdp"]["type"], r["fsdp"]["step"], r["fsdp"]["dist_backend_error"]) == ("VcgaTimeoutError", 1, True)
+    assert results[3]["fsdp"] is None
 
 
 def test_vcga_trace_without_dumps_is_a_one_line_error(tmp_path: Path) -> None:

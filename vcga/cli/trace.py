@@ -11,15 +11,13 @@ import click
 from vcga.cli._common import errors_as_one_line
 
 
-def _shape(x: Any) -> str:
-    return "-" if x is None else str(x)
-
-
 def _rank_line(r: int, row: dict[str, Any]) -> str:
     who = f"rank {r} ({row.get('vendor') or '?'}, {row.get('backend') or '?'} on {row.get('library') or '?'})"
     if not row.get("joined"):
         return f"{who}: never called it" + ("" if row.get("dump", True) else " (and left no dump)")
-    text = f"{who}: {row['op']} in {_shape(row.get('input_sizes'))} {row.get('input_dtypes')}, {row['state']}"
+    sizes = row.get("input_sizes")
+    text = f"{who}: {row['op']} " + (f"of {sizes} {row.get('input_dtypes')}" if sizes else "(no tensors)")
+    text += f", {row['state']}"
     if row.get("stage"):
         text += f", in {row['stage']}"
     if row.get("error"):

@@ -288,7 +288,8 @@ def _problem(c: Any, group: str, at_seq: dict[int, dict[str, Any]], ranks: dict[
                        stage=e.get("vcga_stage"),
                        error=e.get("vcga_error"), called_from=_user_frame(e.get("frames", [])))
         per_rank[r] = row
-    return {"group": group, "desc": c.pg_desc, "seq": c.collective_seq_id, "op": c.collective_name.partition(":")[2],
+    desc = c.pg_desc.split(":", 1)[1] if ":" in c.pg_desc else ""  # torch's "<name>:<desc>"
+    return {"group": group, "desc": desc, "seq": c.collective_seq_id, "op": c.collective_name.partition(":")[2],
             "kind": kind, "missing_ranks": missing, "odd_ranks": odd, "mismatches": mismatches,
             "expected_ranks": expected, "ranks": per_rank,
             "first_created_ns": min((e["time_created_ns"] for e in at_seq.values()), default=None)}

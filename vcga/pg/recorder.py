@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from vcga.errors import VcgaConfigError
+from vcga.errors import VcgaConfigError, VcgaError
 
 __all__ = ["Call", "FlightRecorder", "buffer_size", "configure", "current", "running", "stage", "recorders",
            "described", "stacked", "new_call", "DEFAULT_ENTRIES", "DUMP_SIGNAL", "FILE_PREFIX"]
@@ -226,8 +226,11 @@ class Call:
             self.started_ns = time.time_ns()
 
     def end(self, error: BaseException | None = None) -> None:
-        """The call ended (``error`` None: completed). Idempotent: the first report counts."""
+        """The call ended (``error`` None: completed). The first report counts; a typed error reported
+        later replaces the library's own (the work queue sees the raw failure first)."""
         if self.ended_ns is not None:
+            if isinstance(error, VcgaError) and self.error is not None and not isinstance(self.error, VcgaError):
+                self.error = error
             return
         self.ended_ns = time.time_ns()
         self.error = error
