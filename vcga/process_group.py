@@ -131,6 +131,7 @@ def _new_recorder(transport: Transport, config: Config, group_name: str, global_
     from vcga.pg import recorder
 
     recorder.configure(config.trace_dir, _dump_on_signal)  # an on-demand dump goes there even with no recorder
+    recorder.on_failure = _dump_on_failure
     entries = recorder.buffer_size()
     if entries <= 0:
         return None
@@ -140,6 +141,21 @@ def _new_recorder(transport: Transport, config: Config, group_name: str, global_
     facts = {"backend": getattr(backend, "name", transport.backend_name), "vendor": getattr(backend, "vendor", ""),
              "transport": transport.backend_name, "library": library}
     return recorder.FlightRecorder(entries, group_name, "undefined", global_ranks, rank, str(library), facts, timeout_s)
+
+
+def _dump_on_failure(call: Any, error: BaseException) -> None:
+    """A recorded collective failed: a timeout dumps every group's recorder, and so does the first
+    other collective failure of a group (a peer's process gone, a connection reset: the peers that
+    do not time out leave a dump too). Argument errors and refusals do not."""
+    from vcga.errors import VcgaCollectiveError
+
+    first = not call.recorder.failed
+    if not isinstance(error, VcgaTimeoutError) and not (isinstance(error, VcgaCollectiveError) and first):
+        return
+    call.recorder.failed = True
+    from vcga.pg.frdump import dump_on_failure
+
+    dump_on_failure(error)
 
 
 def _dump_on_signal(signum: int, frame: Any) -> None:
@@ -542,10 +558,6 @@ class VcgaProcessGroup(dist.ProcessGroup):
         except BaseException as e:
             if call is not None:
                 call.end(e)
-            if isinstance(e, VcgaTimeoutError) and self.flight_recorder is not None:
-                from vcga.pg.frdump import dump_on_failure
-
-                dump_on_failure(e)
             raise
         if call is not None:
             call.end()

@@ -102,22 +102,13 @@ class CallPath:
             i = rec.count
             rec.count = i + 1
             rec.ring[i % rec.size] = call
+            call.recorder = rec
         if profiled:
             call.span = _spans.open_span(call, tensors)
         return call
 
     def translate(self, e: BaseException, name: str, seq: int | None) -> BaseException:
-        """The typed error for a failure of the native library in call ``name``; a timeout dumps
-        the flight recorder (once per error)."""
-        out = self._typed(e, name, seq)
-        if isinstance(out, VcgaTimeoutError) and self.recorder is not None and not getattr(out, "_vcga_dumped", False):
-            out._vcga_dumped = True  # type: ignore[attr-defined]
-            from vcga.pg.frdump import dump_on_failure
-
-            dump_on_failure(out)
-        return out
-
-    def _typed(self, e: BaseException, name: str, seq: int | None) -> BaseException:
+        """The typed error for a failure of the native library in call ``name``."""
         if isinstance(e, VcgaError):
             return e
         msg = str(e).strip()

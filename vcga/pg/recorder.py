@@ -78,6 +78,9 @@ DUMP_SIGNAL = "SIGUSR1"
 #: dump file names: this prefix and the rank (torch's analyzer infers the prefix from the names)
 FILE_PREFIX = "vcga_fr_trace_rank_"
 _signal_installed = False
+#: called with a recorded call and the typed error it ended with (the process group's: a timeout,
+#: or a group's first failure, dumps the recorder)
+on_failure: Callable[[Call, BaseException], None] | None = None
 
 
 def configure(directory: str | None, on_signal: Callable[[int, Any], None]) -> None:
@@ -192,7 +195,7 @@ class Call:
     """
 
     __slots__ = ("record_id", "seq", "op", "inputs", "outputs", "created_ns", "started_ns", "ended_ns",
-                 "error", "traceback", "thread", "stage", "steps", "span", "work", "__weakref__")
+                 "error", "traceback", "thread", "stage", "steps", "span", "work", "recorder", "__weakref__")
 
     def __init__(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
         self.record_id = next(_RECORD_IDS)
@@ -213,6 +216,8 @@ class Call:
         self.span: Any = None
         #: a weak reference to the work of an asynchronous native call (its state is read at a dump)
         self.work: Any = None
+        #: the ring it is in (None: not recorded, only profiled)
+        self.recorder: FlightRecorder | None = None
 
     @property
     def state(self) -> str:
@@ -231,11 +236,15 @@ class Call:
         if self.ended_ns is not None:
             if isinstance(error, VcgaError) and self.error is not None and not isinstance(self.error, VcgaError):
                 self.error = error
+                if on_failure is not None and self.recorder is not None:
+                    on_failure(self, error)
             return
         self.ended_ns = time.time_ns()
         self.error = error
         if self.span is not None:
             self.span.close(self)
+        if error is not None and on_failure is not None and self.recorder is not None:
+            on_failure(self, error)
 
     def __repr__(self) -> str:
         return f"Call(#{self.seq} {self.op} {self.state})"
@@ -263,6 +272,8 @@ class FlightRecorder:
         self.library = library
         self.facts = dict(facts)
         self.timeout_s = timeout_s
+        #: a collective of this group failed (its first failure dumped the recorder)
+        self.failed = False
         self.created = next(_RECORD_IDS)
         _RECORDERS.add(self)
 
@@ -294,6 +305,7 @@ def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[A
     call = Call(seq, op, inputs, outputs, _gather(True, False, False))
     if recorder is not None:
         recorder.add(call)
+        call.recorder = recorder
     return call
 
 
