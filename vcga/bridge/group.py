@@ -492,7 +492,8 @@ class BridgeGroup:
     @_on_queue(_nothing)
     def barrier(self, opts: Any = None) -> Any:
         # On the queue it must also wait for every collective issued before it (gloo's barrier does)
-        (self.world.barrier(opts) if opts is not None else self.world.barrier()).wait()
+        with stage("barrier", "cross-vendor", "gloo"):
+            (self.world.barrier(opts) if opts is not None else self.world.barrier()).wait()
         return PyWork()
 
 
