@@ -170,3 +170,34 @@ def test_ring_keeps_the_newest_entries_and_torch_fr_buffer_size_is_validated() -
     for seq in range(1, 6):
         new_call(rec, seq, "all_reduce", (), ())
     assert [c.seq for c in rec.calls()] == [3, 4, 5]
+
+
+def test_vcga_trace_reads_a_library_torchs_analyzer_does_not_know(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks on CNCL (a prefix torch's analyzer refuses): the dumps, written in this process one
+    rank at a time, are analyzed all the same; rank 1 never called collective #2."""
+    import gc
+    import weakref
+
+    import torch
+
+    from vcga.pg import frdump, recorder
+    from vcga.pg.recorder import FlightRecorder, new_call
+
+    monkeypatch.setattr(recorder, "_RECORDERS", weakref.WeakSet())  # none of other tests' groups
+
+    shape = ((torch.Size([4]), torch.float32),)
+    for rank, calls in ((0, 2), (1, 1)):
+        rec = FlightRecorder(8, "0", "default_pg", [0, 1], rank, "cncl",
+                             {"backend": "mlu", "vendor": "cambricon", "library": "cncl"}, 1.0)
+        for seq in range(1, calls + 1):
+            new_call(rec, seq, "all_reduce", shape, shape).end()
+        frdump.dump("test", tmp_path / f"vcga_fr_trace_rank_{rank}")
+        del rec
+        gc.collect()  # the next dump holds the next rank's recorder only
+    code, out = _trace(tmp_path, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["torchfrtrace_reads"] and report["libraries"] == ["cncl"]
+    (problem,) = report["problems"]
+    assert (problem["kind"], problem["missing_ranks"], problem["seq"]) == ("missing ranks", [1], 2)
+    assert problem["ranks"]["0"]["vendor"] == "cambricon" and problem["ranks"]["0"]["op"] == "cncl:all_reduce"

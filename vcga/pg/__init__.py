@@ -6,7 +6,10 @@
 - :mod:`~vcga.pg.discovery` -- every rank of a new group learns what every other rank runs;
 - :mod:`~vcga.pg.workqueue` -- one ordered queue of collectives per group, on its own thread;
 - :mod:`~vcga.pg.debug` -- ``VCGA_DEBUG`` fingerprints;
-- :mod:`~vcga.pg.comm` -- :func:`vcga.init` and the :class:`~vcga.pg.comm.Communicator`.
+- :mod:`~vcga.pg.comm` -- :func:`vcga.init` and the :class:`~vcga.pg.comm.Communicator`;
+- :mod:`~vcga.pg.recorder` -- the flight recorder's ring and each thread's current call; its dump
+  :mod:`~vcga.pg.frdump` and ``vcga trace``'s analysis :mod:`~vcga.pg.frtrace` load on use;
+- :mod:`~vcga.pg.spans` -- torch profiler spans of the calls and their steps.
 
 Internal: plugins import :mod:`vcga.process_group` and :mod:`vcga.pypg`, never this package.
 """

@@ -13,9 +13,9 @@ traffic and no copies; a synchronous call waits inline (failures become typed er
 returns an already completed work.
 
 Each collective is also recorded (:meth:`CallPath.record`): an entry of the group's flight
-recorder, and a profiler span while torch's profiler records the calling thread
-(:mod:`vcga.pg.recorder`, :mod:`vcga.pg.spans`). The call path reports when it ended; a timeout
-dumps every group's recorder (:mod:`vcga.pg.frdump`).
+recorder, and a profiler span while a torch profiler runs (:mod:`vcga.pg.recorder`,
+:mod:`vcga.pg.spans`). The call path reports when the call ended and with which typed error; the
+process group dumps every recorder on a timeout (:mod:`vcga.pg.frdump`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class CallPath:
                tensors: Sequence[torch.Tensor] = ()) -> Call | None:
         """Record call ``seq`` (torch's recorder's ``op`` name; ``inputs`` and ``outputs`` as
         ``((shape, dtype), ...)``, outputs None: the inputs) in the flight recorder, and open its
-        span with ``tensors`` while a profiler records this thread. None when neither records."""
+        span with ``tensors`` while a torch profiler runs. None when neither records."""
         rec = self.recorder
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:

@@ -191,7 +191,11 @@ def analyze(directory: str | os.PathLike[str], prefix: str | None = None) -> dic
     args = argparse.Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10,
                               selected_ranks=None, pg_filters=None, print_stack_trace=False)
     with _libraries_accepted(extra), _captured(log_lines):
-        db = build_db(prepared, args, version)
+        try:
+            db = build_db(prepared, args, version)
+        except (AssertionError, KeyError, ValueError) as e:  # the analyzer asserts what it expects
+            raise VcgaFormatError(directory, f"torch's flight-recorder analyzer refused the dumps: "
+                                             f"{type(e).__name__}: {e}") from None
 
     by_seq: dict[tuple[str, int], dict[int, dict[str, Any]]] = collections.defaultdict(dict)
     for r, rows in aligned.items():
