@@ -28,7 +28,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch._C._profiler import gather_traceback
 from torch.autograd import profiler as _profiler
 
 from vcga.contract import Collective, ReduceOp
@@ -88,16 +87,17 @@ class CallPath:
         return seq
 
     def record(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...] | None = None,
-               tensors: Sequence[torch.Tensor] = ()) -> Call | None:
+               tensors: Sequence[torch.Tensor] = (), depth: int = 2) -> Call | None:
         """Record call ``seq`` (torch's recorder's ``op`` name; ``inputs`` and ``outputs`` as
         ``((shape, dtype), ...)``, outputs None: the inputs) in the flight recorder, and open its
-        span with ``tensors`` while a torch profiler runs. None when neither records."""
+        span with ``tensors`` while a torch profiler runs. None when neither records. ``depth``:
+        frames between this method's caller and the caller of the process group's method (the
+        collectives' methods are called by the group's: 2)."""
         rec = self.recorder
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
-        # Python's stack as code objects and offsets (torch's recorder's own capture); symbolized at a dump
-        call = Call(seq, op, inputs, inputs if outputs is None else outputs, gather_traceback(True, False, False))
+        call = Call(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
         if rec is not None:  # FlightRecorder.add, inline
             i = rec.count
             rec.count = i + 1

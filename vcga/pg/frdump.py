@@ -138,10 +138,22 @@ def _entry(call: _recorder.Call, rec: _recorder.FlightRecorder, pg_id: int, fram
     return e
 
 
+def _line(code: Any, offset: int) -> int:
+    """The line of ``code`` that its instruction at byte ``offset`` belongs to."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end and line is not None:
+            return int(line)
+    return int(code.co_firstlineno)
+
+
+def _frames(stack: list[tuple[Any, int]]) -> list[dict[str, Any]]:
+    """A call's frames as torch's recorder writes them, innermost first."""
+    return [{"name": code.co_name, "filename": code.co_filename, "line": _line(code, offset)}
+            for code, offset in stack]
+
+
 def build(reason: str = "on demand") -> dict[str, Any]:
     """This rank's dump as a dict (torch's schema plus VCGA's keys; see the module docstring)."""
-    from torch._C._profiler import symbolize_tracebacks
-
     recs = _recorder.recorders()
     rows: list[tuple[_recorder.Call, _recorder.FlightRecorder, int]] = []
     for pg_id, rec in enumerate(recs):
@@ -149,9 +161,8 @@ def build(reason: str = "on demand") -> dict[str, Any]:
             _observe(call)
             rows.append((call, rec, pg_id))
     rows.sort(key=lambda r: r[0].record_id)
-    frames = symbolize_tracebacks([c.traceback for c, _, _ in rows]) if rows else []
     names = _thread_names()
-    entries = [_entry(c, rec, pg_id, fr, names) for (c, rec, pg_id), fr in zip(rows, frames, strict=True)]
+    entries = [_entry(c, rec, pg_id, _frames(c.traceback), names) for c, rec, pg_id in rows]
     pg_config, pg_status, groups = {}, {}, {}
     for pg_id, rec in enumerate(recs):
         pg_config[rec.group_name] = {"name": rec.group_name, "desc": rec.group_desc, "ranks": str(rec.ranks)}

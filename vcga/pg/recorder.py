@@ -7,8 +7,8 @@ it is issued (:meth:`vcga.pg.calls.CallPath.record`): an entry of the group's ri
 from and when, its state (scheduled, started, completed) and -- on the bridge -- the stage it is
 in. While torch's profiler records the calling thread the same object holds the call's span
 (:mod:`vcga.pg.spans`). Entries are formatted (frames symbolized, sizes listed) only when a dump
-is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read, a
-captured traceback (code objects and instruction offsets, ~0.7 us) and one small object.
+is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read, the
+caller's frames as code objects and instruction offsets (:func:`where`) and one small object.
 
 The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
 ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -47,7 +48,8 @@ _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _RECORD_IDS = itertools.count()
 local = threading.local()  # .call: the Call whose stages this thread runs now
 
-_gather: Any = None  # torch._C._profiler.gather_traceback, bound on first use (torch is loaded by then)
+#: frames kept per call, from the caller of the process group's method outwards
+FRAMES = 10
 
 
 def buffer_size(env: Any = None) -> int:
@@ -294,15 +296,29 @@ class FlightRecorder:
         return self.ranks[self.rank] if self.rank < len(self.ranks) else self.rank
 
 
-def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
-             outputs: tuple[Any, ...]) -> Call:
-    """A :class:`Call` with this thread's Python stack, added to ``recorder``'s ring if given."""
-    global _gather
-    if _gather is None:
-        from torch._C._profiler import gather_traceback
+def where(depth: int) -> list[tuple[Any, int]]:
+    """The frames of this thread from ``depth`` frames above the caller outwards, at most
+    :data:`FRAMES`: ``(code object, instruction offset)`` each, turned into file, function and line
+    only at a dump. (torch's own capture, ``gather_traceback``, is faster, but its symbolization
+    imports torch._inductor and torch._dynamo -- seconds, at the moment a collective timed out.)"""
+    try:
+        f: Any = sys._getframe(depth + 1)
+    except ValueError:  # not that deep
+        return []
+    out = []
+    for _ in range(FRAMES):
+        if f is None:
+            break
+        out.append((f.f_code, f.f_lasti))
+        f = f.f_back
+    return out
 
-        _gather = gather_traceback
-    call = Call(seq, op, inputs, outputs, _gather(True, False, False))
+
+def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
+             outputs: tuple[Any, ...], depth: int = 1) -> Call:
+    """A :class:`Call` with its caller's frames (``depth`` frames above this function's caller),
+    added to ``recorder``'s ring if given."""
+    call = Call(seq, op, inputs, outputs, where(depth + 1) if recorder is not None else [])
     if recorder is not None:
         recorder.add(call)
         call.recorder = recorder
