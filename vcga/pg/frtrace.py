@@ -199,8 +199,8 @@ def analyze(directory: str | os.PathLike[str], prefix: str | None = None) -> dic
 
     by_seq: dict[tuple[str, int], dict[int, dict[str, Any]]] = collections.defaultdict(dict)
     for r, rows in aligned.items():
-        for e in rows:
-            by_seq[(e["process_group"][0], e["collective_seq_id"])][r] = e
+        for entry in rows:
+            by_seq[(entry["process_group"][0], entry["collective_seq_id"])][r] = entry
     group_of = {g.id: g for g in db.groups}
     problems: list[dict[str, Any]] = []
     seen_groups: set[str] = set()
