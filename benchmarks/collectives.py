@@ -142,10 +142,17 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
                          "gloo_us": tg * 1e6, "vcga_us": tv * 1e6,
                          "gloo_algbw": nbytes / tg / 1e9, "vcga_algbw": nbytes / tv / 1e9,
                          "gloo_busbw": nbytes / tg / 1e9 * f, "vcga_busbw": nbytes / tv / 1e9 * f,
-                         "ratio": statistics.median(ratios[(op, nbytes)])})
+                         "ratio": statistics.median(ratios[(op, nbytes)]),
+                         "ratio_quartiles": _quartiles(ratios[(op, nbytes)])})
             if not args.quiet:
                 print(_row(rows[-1]), flush=True)
     return rows
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    """The first and third quartiles of the per-pair ratios (the spread within a run)."""
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return [q[0], q[2]]
 
 
 def _nothing() -> None:
