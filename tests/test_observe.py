@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from observe_cases import mixed_world, single_world
-from pg_world import run_world
+from vcga.testing import run_world
 
 STEP = re.compile(r"vcga:(in-vendor|cross-vendor) [a-z_]+ \(.+\)")
 
@@ -175,6 +175,39 @@ def test_ring_keeps_the_newest_entries_and_torch_fr_buffer_size_is_validated() -
     for seq in range(1, 6):
         new_call(rec, seq, "all_reduce", (), ())
     assert [c.seq for c in rec.calls()] == [3, 4, 5]
+
+
+def test_a_full_ring_refills_ended_entries_and_keeps_nothing_for_the_collector() -> None:
+    """Once the ring is full, an ended entry's object is refilled in place and what an entry holds
+    is untracked by the garbage collector: a long job adds no objects that would make it run full
+    collections. An entry still running keeps its object (whoever waits on it still holds it)."""
+    import gc
+
+    import torch
+
+    from vcga.pg.recorder import FRAMES, FlightRecorder, described, new_call, where
+
+    rec = FlightRecorder(4, "g", "d", [0, 1], 0, "gloo", {}, 1.0)
+    t = torch.zeros(2, 3)
+    running = new_call(rec, 0, "all_reduce", described([t]), described([t]))  # never ends
+    for seq in range(1, 4):
+        new_call(rec, seq, "all_reduce", described([t]), described([t])).end()
+    first = list(rec.ring)
+    for seq in range(4, 12):
+        new_call(rec, seq, "all_reduce", described([t]), described([t])).end()
+    assert [c.seq for c in rec.calls()] == [8, 9, 10, 11]
+    assert [id(c) for c in rec.ring[1:]] == [id(c) for c in first[1:]]  # ended ones: refilled
+    assert running.seq == 0 and running.state == "scheduled" and all(c is not running for c in rec.ring)
+    for _ in range(3):  # a collection untracks a tuple whose items it has already untracked: one level each
+        gc.collect()
+    newest = rec.calls()[-1]
+    assert newest.inputs == (((2, 3), torch.float32),) and len(newest.traceback) == 2 * FRAMES
+    assert not gc.is_tracked(newest.inputs)
+    call = new_call(rec, 12, "all_reduce", described([t]), described([t]))
+    frames = where(0)
+    for _ in range(3):
+        gc.collect()
+    assert frames and not gc.is_tracked(frames) and not gc.is_tracked(call.inputs)
 
 
 def test_vcga_trace_reads_a_library_torchs_analyzer_does_not_know(tmp_path: Path,

@@ -97,12 +97,12 @@ class CallPath:
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
-        call = Call(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
-        if rec is not None:  # FlightRecorder.add, inline
-            i = rec.count
-            rec.count = i + 1
-            rec.ring[i % rec.size] = call
+        if rec is not None:
+            call = rec.slot()
+            call.fill(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
             call.recorder = rec
+        else:
+            call = Call(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
         if profiled:
             call.span = _spans.open_span(call, tensors)
         return call

@@ -20,7 +20,7 @@ from vcga.contract import Collective
 from vcga.errors import VcgaError
 from vcga.pg.calls import CallPath
 from vcga.pg.dispatch import Steps
-from vcga.pg.recorder import described, stacked
+from vcga.pg.recorder import described, one, stacked
 from vcga.pypg import options, reduce_op_of
 
 __all__ = ["Collectives", "one_tensor"]
@@ -104,15 +104,15 @@ class Collectives:
             seq = self.calls.next("all_reduce")
             return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
                                           async_op=opts.asyncOp, result=tensors,
-                                          call=self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),)))
+                                          call=self.calls.record(seq, "all_reduce", one(t)))
         if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red.op):
             seq = next(self.calls.seqs)
-            call = self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),), None, tensors)
+            call = self.calls.record(seq, "all_reduce", one(t), None, tensors)
             return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
                                           async_op=opts.asyncOp, result=tensors, call=call)
         op, factor = reduce_op_of(red)
         seq = self.calls.next("all_reduce", t, op)
-        call = self.calls.record(seq, "all_reduce", ((t.shape, t.dtype),), None, tensors)
+        call = self.calls.record(seq, "all_reduce", one(t), None, tensors)
         c = _complex_again(t)
         return self.calls.issue("all_reduce", seq, lambda s: self.calls.d.all_reduce(c, op, factor, opts, s), tensors,
                                 opts.asyncOp, call)
@@ -139,7 +139,7 @@ class Collectives:
         t = one_tensor(tensors, "reduce")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce", t, op, opts.rootRank)
-        call = self.calls.record(seq, "reduce", ((t.shape, t.dtype),), None, tensors)
+        call = self.calls.record(seq, "reduce", one(t), None, tensors)
         if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp.op):
             return self.calls.native_call("reduce", seq, self.calls.native.reduce, tensors, opts, async_op=opts.asyncOp,
                                           result=tensors, call=call)
@@ -154,7 +154,7 @@ class Collectives:
         self._check_count(ins, "reduce_scatter input list")
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter", out, op)
-        call = self.calls.record(seq, "reduce_scatter", stacked(ins), ((out.shape, out.dtype),), ins)
+        call = self.calls.record(seq, "reduce_scatter", stacked(ins), one(out), ins)
         if (all(x.dtype == out.dtype for x in ins)
                 and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
                 and all(x.is_contiguous() for x in ins)):
@@ -175,12 +175,12 @@ class Collectives:
             return self.calls.native_call("reduce_scatter_tensor", seq, self.calls.native._reduce_scatter_base,
                                           _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output],
                                           call=self.calls.record(seq, "_reduce_scatter_base",
-                                                                 ((input.shape, input.dtype),),
-                                                                 ((output.shape, output.dtype),), (input,)))
+                                                                 one(input),
+                                                                 one(output), (input,)))
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce_scatter_tensor", output, op)
-        call = self.calls.record(seq, "_reduce_scatter_base", ((input.shape, input.dtype),),
-                                 ((output.shape, output.dtype),), (input,))
+        call = self.calls.record(seq, "_reduce_scatter_base", one(input),
+                                 one(output), (input,))
 
         def build(s: Steps) -> None:
             chunks = list(input.reshape(self.calls.size, *output.shape).unbind(0)) if self.calls.size else []
@@ -215,11 +215,11 @@ class Collectives:
         root = opts.rootRank
         if self.calls.debug is None and self.calls.fast_native(Collective.BROADCAST, t):
             seq = next(self.calls.seqs)
-            call = self.calls.record(seq, "broadcast", ((t.shape, t.dtype),), None, tensors)
+            call = self.calls.record(seq, "broadcast", one(t), None, tensors)
             return self.calls.native_call("broadcast", seq, self.calls.native.broadcast, tensors, opts,
                                           async_op=opts.asyncOp, result=tensors, call=call)
         seq = self.calls.next("broadcast", t, root=root)
-        call = self.calls.record(seq, "broadcast", ((t.shape, t.dtype),), None, tensors)
+        call = self.calls.record(seq, "broadcast", one(t), None, tensors)
         return self.calls.issue("broadcast", seq, lambda s: self.calls.d.broadcast(t, root, opts, s), tensors,
                                 opts.asyncOp, call)
 
@@ -230,7 +230,7 @@ class Collectives:
         outs = one_tensor(output_tensors, "all_gather")
         self._check_count(outs, "all_gather output list")
         seq = self.calls.next("all_gather", inp)
-        call = self.calls.record(seq, "all_gather", ((inp.shape, inp.dtype),), stacked(outs), input_tensors)
+        call = self.calls.record(seq, "all_gather", one(inp), stacked(outs), input_tensors)
         if (self.calls.fast_native(Collective.ALL_GATHER, inp)
                 and all(o.is_contiguous() and o.dtype == inp.dtype for o in outs)):
             return self.calls.native_call("all_gather", seq, self.calls.native.allgather, output_tensors, input_tensors,
@@ -248,11 +248,11 @@ class Collectives:
             seq = next(self.calls.seqs)
             return self.calls.native_call("all_gather_into_tensor", seq, self.calls.native._allgather_base,
                                           _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output],
-                                          call=self.calls.record(seq, "_all_gather_base", ((input.shape, input.dtype),),
-                                                                 ((output.shape, output.dtype),), (input,)))
+                                          call=self.calls.record(seq, "_all_gather_base", one(input),
+                                                                 one(output), (input,)))
         seq = self.calls.next("all_gather_into_tensor", input)
-        call = self.calls.record(seq, "_all_gather_base", ((input.shape, input.dtype),),
-                                 ((output.shape, output.dtype),), (input,))
+        call = self.calls.record(seq, "_all_gather_base", one(input),
+                                 one(output), (input,))
 
         def build(s: Steps) -> None:
             buf = output if output.is_contiguous() else output.contiguous()
@@ -311,7 +311,7 @@ class Collectives:
                 raise ValueError(f"gather: only the destination rank ({root}) passes output tensors")
             outs = []
         seq = self.calls.next("gather", inp, root=root)
-        call = self.calls.record(seq, "gather", ((inp.shape, inp.dtype),), stacked(outs), input_tensors)
+        call = self.calls.record(seq, "gather", one(inp), stacked(outs), input_tensors)
         try:
             self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
         except BaseException as e:
@@ -334,7 +334,7 @@ class Collectives:
                 raise ValueError(f"scatter: only the source rank ({root}) passes input tensors")
             ins = []
         seq = self.calls.next("scatter", out, root=root)
-        call = self.calls.record(seq, "scatter", stacked(ins), ((out.shape, out.dtype),), ins)
+        call = self.calls.record(seq, "scatter", stacked(ins), one(out), ins)
         try:
             self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
         except BaseException as e:
@@ -356,7 +356,7 @@ class Collectives:
         seq = self.calls.next("all_to_all_single")
         if input.dtype != output.dtype:
             raise ValueError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
-        call = self.calls.record(seq, "all_to_all", ((input.shape, input.dtype),), ((output.shape, output.dtype),),
+        call = self.calls.record(seq, "all_to_all", one(input), one(output),
                                  (input,))
         if _overlap(input, output):
             # In place (nccl-tests' in-place all_to_all): libraries read the input while peers' chunks

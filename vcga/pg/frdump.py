@@ -146,10 +146,11 @@ def _line(code: Any, offset: int) -> int:
     return int(code.co_firstlineno)
 
 
-def _frames(stack: list[tuple[Any, int]]) -> list[dict[str, Any]]:
-    """A call's frames as torch's recorder writes them, innermost first."""
+def _frames(stack: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """A call's frames as torch's recorder writes them, innermost first (``stack``: code object,
+    instruction offset, code object, ... as :func:`vcga.pg.recorder.where` took them)."""
     return [{"name": code.co_name, "filename": code.co_filename, "line": _line(code, offset)}
-            for code, offset in stack]
+            for code, offset in zip(stack[::2], stack[1::2], strict=True)]
 
 
 def build(reason: str = "on demand") -> dict[str, Any]:

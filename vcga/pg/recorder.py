@@ -35,7 +35,7 @@ from typing import Any
 from vcga.errors import VcgaConfigError, VcgaError
 
 __all__ = ["Call", "FlightRecorder", "buffer_size", "configure", "current", "running", "stage", "recorders",
-           "described", "stacked", "new_call", "DEFAULT_ENTRIES", "DUMP_SIGNAL", "FILE_PREFIX"]
+           "one", "described", "stacked", "new_call", "DEFAULT_ENTRIES", "DUMP_SIGNAL", "FILE_PREFIX"]
 
 #: Entries per group where neither TORCH_FR_BUFFER_SIZE nor TORCH_NCCL_TRACE_BUFFER_SIZE is set
 #: (torch's own default, FlightRecorder.hpp).
@@ -200,10 +200,16 @@ class Call:
                  "error", "traceback", "thread", "stage", "steps", "span", "work", "recorder", "__weakref__")
 
     def __init__(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
-        self.record_id = next(_RECORD_IDS)
+        self.fill(seq, op, inputs, outputs, traceback)
+
+    def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
+        """(Re)initialise this entry as call ``seq``: a ring slot is refilled in place (see
+        :meth:`FlightRecorder.slot`). The record id is set last: a dump that interrupts this
+        (a signal) skips an entry without one and sees a refilled one whole, old or new."""
         self.seq = seq
         self.op = op
-        #: ((shape, dtype), ...) of the inputs and the outputs, in torch's recorder's convention
+        #: ((shape, dtype), ...) of the inputs and the outputs, in torch's recorder's convention;
+        #: shapes as plain tuples (a torch.Size would keep the entry tracked by the collector)
         self.inputs = inputs
         self.outputs = outputs
         self.created_ns = time.time_ns()
@@ -220,6 +226,7 @@ class Call:
         self.work: Any = None
         #: the ring it is in (None: not recorded, only profiled)
         self.recorder: FlightRecorder | None = None
+        self.record_id = next(_RECORD_IDS)
 
     @property
     def state(self) -> str:
@@ -286,48 +293,71 @@ class FlightRecorder:
         self.count = i + 1
         self.ring[i % self.size] = call
 
+    def slot(self) -> Call:
+        """The entry for the next call, to be :meth:`Call.fill`-ed: the oldest entry itself once it
+        has ended, so a long job adds no objects. (Entries that outlive the collector's young
+        generations are what makes it run full collections: with a fresh object per call, one
+        full collection of a torch process every few ten thousand calls, ~2 us a call.) An entry
+        still running, or holding a profiler span, keeps its object for whoever holds it; the
+        ring takes a new one."""
+        i = self.count
+        self.count = i + 1
+        j = i % self.size
+        call = self.ring[j]
+        if call is None or call.ended_ns is None or call.span is not None:
+            call = self.ring[j] = Call.__new__(Call)
+        return call
+
     def calls(self) -> list[Call]:
         """The calls in the ring, oldest first."""
         ring = list(self.ring)  # a copy taken under the GIL: a call recorded meanwhile is left out or in
-        return sorted((c for c in ring if c is not None), key=lambda c: c.record_id)
+        filled = [c for c in ring if c is not None and getattr(c, "record_id", None) is not None]
+        return sorted(filled, key=lambda c: c.record_id)
 
     @property
     def global_rank(self) -> int:
         return self.ranks[self.rank] if self.rank < len(self.ranks) else self.rank
 
 
-def where(depth: int) -> list[tuple[Any, int]]:
+def where(depth: int) -> tuple[Any, ...]:
     """The frames of this thread from ``depth`` frames above the caller outwards, at most
-    :data:`FRAMES`: ``(code object, instruction offset)`` each, turned into file, function and line
-    only at a dump. (torch's own capture, ``gather_traceback``, is faster, but its symbolization
+    :data:`FRAMES`: code object and instruction offset each, one flat tuple, turned into file,
+    function and line only at a dump. (torch's own capture, ``gather_traceback``, is faster, but its symbolization
     imports torch._inductor and torch._dynamo -- seconds, at the moment a collective timed out.)"""
     try:
         f: Any = sys._getframe(depth + 1)
     except ValueError:  # not that deep
-        return []
-    out = []
-    for _ in range(FRAMES):
-        if f is None:
-            break
-        out.append((f.f_code, f.f_lasti))
+        return ()
+    out: list[Any] = []
+    n = FRAMES
+    while f is not None and n:
+        out += (f.f_code, f.f_lasti)
         f = f.f_back
-    return out
+        n -= 1
+    return tuple(out)
 
 
 def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
              outputs: tuple[Any, ...], depth: int = 1) -> Call:
     """A :class:`Call` with its caller's frames (``depth`` frames above this function's caller),
     added to ``recorder``'s ring if given."""
-    call = Call(seq, op, inputs, outputs, where(depth + 1) if recorder is not None else [])
-    if recorder is not None:
-        recorder.add(call)
-        call.recorder = recorder
+    if recorder is None:
+        return Call(seq, op, inputs, outputs, ())
+    call = recorder.slot()
+    call.fill(seq, op, inputs, outputs, where(depth + 1))
+    call.recorder = recorder
     return call
+
+
+def one(t: Any) -> tuple[Any, ...]:
+    """``((shape, dtype),)`` of one tensor: an entry's inputs or outputs (a plain tuple: see
+    :attr:`Call.inputs`)."""
+    return ((tuple(t.shape), t.dtype),)
 
 
 def described(tensors: Sequence[Any]) -> tuple[Any, ...]:
     """``((shape, dtype), ...)`` of ``tensors``: an entry's inputs or outputs."""
-    return tuple((t.shape, t.dtype) for t in tensors)
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
 def stacked(tensors: Sequence[Any]) -> tuple[Any, ...]:
@@ -336,4 +366,4 @@ def stacked(tensors: Sequence[Any]) -> tuple[Any, ...]:
     if not tensors:
         return ()
     t = tensors[0]
-    return (((len(tensors), *t.shape), t.dtype),)
+    return (((len(tensors), *t.shape), t.dtype),)  # a plain tuple: see Call.inputs
