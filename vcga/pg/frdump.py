@@ -138,19 +138,29 @@ def _entry(call: _recorder.Call, rec: _recorder.FlightRecorder, pg_id: int, fram
     return e
 
 
-def _line(code: Any, offset: int) -> int:
-    """The line of ``code`` that its instruction at byte ``offset`` belongs to."""
-    for start, end, line in code.co_lines():
-        if start <= offset < end and line is not None:
-            return int(line)
-    return int(code.co_firstlineno)
+#: Where the call path's own frames come from (left out of a dump's frames: a reader wants the caller).
+_CALL_PATH = tuple(os.path.normpath(os.path.join(os.path.dirname(_recorder.__file__), "..", name))
+                   for name in ("pg", "process_group.py", "pypg.py"))
 
 
-def _frames(stack: tuple[Any, ...]) -> list[dict[str, Any]]:
-    """A call's frames as torch's recorder writes them, innermost first (``stack``: code object,
-    instruction offset, code object, ... as :func:`vcga.pg.recorder.where` took them)."""
-    return [{"name": code.co_name, "filename": code.co_filename, "line": _line(code, offset)}
-            for code, offset in zip(stack[::2], stack[1::2], strict=True)]
+def _frames(calls: list[_recorder.Call]) -> list[list[dict[str, Any]]]:
+    """Each call's frames as torch's recorder writes them, innermost first, the call path's own
+    left out, at most :data:`vcga.pg.recorder.FRAMES`. Symbolized by torch in one batch
+    (``symbolize_tracebacks``, which loads torch._inductor the first time: about a second, once
+    per process, at the first dump)."""
+    taken = [i for i, c in enumerate(calls) if not isinstance(c.traceback, tuple)]  # (): none taken
+    out: list[list[dict[str, Any]]] = [[] for _ in calls]
+    if not taken:
+        return out
+    from torch._C._profiler import symbolize_tracebacks
+
+    for i, frames in zip(taken, symbolize_tracebacks([calls[i].traceback for i in taken]), strict=True):
+        k = 0
+        while k < len(frames) and os.path.normpath(frames[k]["filename"]).startswith(_CALL_PATH):
+            k += 1
+        out[i] = [{"name": f["name"], "filename": f["filename"], "line": int(f["line"])}
+                  for f in frames[k:k + _recorder.FRAMES]]
+    return out
 
 
 def build(reason: str = "on demand") -> dict[str, Any]:
@@ -163,7 +173,8 @@ def build(reason: str = "on demand") -> dict[str, Any]:
             rows.append((call, rec, pg_id))
     rows.sort(key=lambda r: r[0].record_id)
     names = _thread_names()
-    entries = [_entry(c, rec, pg_id, _frames(c.traceback), names) for c, rec, pg_id in rows]
+    frames = _frames([c for c, _, _ in rows])
+    entries = [_entry(c, rec, pg_id, f, names) for (c, rec, pg_id), f in zip(rows, frames, strict=True)]
     pg_config, pg_status, groups = {}, {}, {}
     for pg_id, rec in enumerate(recs):
         pg_config[rec.group_name] = {"name": rec.group_name, "desc": rec.group_desc, "ranks": str(rec.ranks)}

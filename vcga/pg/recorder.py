@@ -8,7 +8,7 @@ from and when, its state (scheduled, started, completed) and -- on the bridge --
 in. While torch's profiler records the calling thread the same object holds the call's span
 (:mod:`vcga.pg.spans`). Entries are formatted (frames symbolized, sizes listed) only when a dump
 is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read, the
-caller's frames as code objects and instruction offsets (:func:`where`) and one small object.
+caller's stack as torch's recorder takes it (:func:`where`) and a ring slot refilled in place.
 
 The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
 ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 import time
 import weakref
@@ -319,22 +318,28 @@ class FlightRecorder:
         return self.ranks[self.rank] if self.rank < len(self.ranks) else self.rank
 
 
-def where(depth: int) -> tuple[Any, ...]:
-    """The frames of this thread from ``depth`` frames above the caller outwards, at most
-    :data:`FRAMES`: code object and instruction offset each, one flat tuple, turned into file,
-    function and line only at a dump. (torch's own capture, ``gather_traceback``, is faster, but its symbolization
-    imports torch._inductor and torch._dynamo -- seconds, at the moment a collective timed out.)"""
-    try:
-        f: Any = sys._getframe(depth + 1)
-    except ValueError:  # not that deep
-        return ()
-    out: list[Any] = []
-    n = FRAMES
-    while f is not None and n:
-        out += (f.f_code, f.f_lasti)
-        f = f.f_back
-        n -= 1
-    return tuple(out)
+def where(depth: int) -> Any:
+    """This thread's Python stack, as torch's own recorder takes it
+    (``torch._C._profiler.gather_traceback``: code objects and offsets read in C++, about half a
+    microsecond; walking ``sys._getframe`` in Python made a frame object for every frame on the
+    way, several microseconds a call). Symbolized only at a dump (:mod:`vcga.pg.frdump`), without
+    the call path's own frames and at most :data:`FRAMES` of the rest. ``depth`` is kept for the
+    callers' bookkeeping: the frames it would skip are the call path's, dropped at the dump."""
+    gather = _gather_traceback
+    if gather is None:
+        gather = _bind_gather()
+    return gather(True, False, False)
+
+
+_gather_traceback: Any = None  # bound on first use: this module is imported without torch (vcga trace)
+
+
+def _bind_gather() -> Any:
+    global _gather_traceback
+    from torch._C._profiler import gather_traceback
+
+    _gather_traceback = gather_traceback
+    return gather_traceback
 
 
 def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[Any, ...],
