@@ -285,7 +285,7 @@ def _reference_topk(ratio: float, momentum: float = 0.0, warmup: int = 0) -> Any
         dist.all_gather(idxs, idx)
         dist.all_gather(vals, val)
         out = torch.zeros_like(g)
-        for j, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
+        for j, v in zip(idxs, vals, strict=False):  # rank order: every rank adds the same values in the same order
             out.index_add_(0, j, v)
         fut: Any = torch.futures.Future()
         fut.set_result(out.div_(world))
@@ -343,7 +343,7 @@ def _reference_ef21(ratio: float, dense_first: bool = False, momentum: float = 0
         vals = [torch.empty_like(val) for _ in range(world)]
         dist.all_gather(idxs, idx)
         dist.all_gather(vals, val)
-        for j, v in zip(idxs, vals):  # rank order: every rank adds the same values in the same order
+        for j, v in zip(idxs, vals, strict=False):  # rank order: every rank adds the same values in the same order
             shared[i].index_add_(0, j, v)
         return done(shared[i].div(scale))
 
@@ -401,7 +401,7 @@ def _local_work(spec_text: str, model: Any, rank: int, world: int) -> Any:
     states: list[dict[str, Any]] = [{} for _ in params]
 
     def run(step: int) -> None:
-        for (p, shape, a, b), ef, st in zip(params, efs, states):
+        for (p, shape, a, b), ef, st in zip(params, efs, states, strict=False):
             g = p.grad.reshape(-1)[a:b]
             g = g.view(shape) if shape is not None else g
             x = ef.input(g) if comp.error_feedback else g

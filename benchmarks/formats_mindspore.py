@@ -204,7 +204,7 @@ def report(runs: dict[str, dict[str, list[float]]], mib: int, cold: bool) -> Non
     n = len(vc["ckpt_write"])
 
     def ms_time(key: str, fsync: bool = False) -> list[float]:
-        return [a + b for a, b in zip(ms[key], ms[key.replace("write", "fsync")])] if fsync else ms[key]
+        return [a + b for a, b in zip(ms[key], ms[key.replace("write", "fsync")], strict=False)] if fsync else ms[key]
 
     rows = [
         ("MindRecord write (MindSpore without fsync)", ms_time("mindrecord_write"), vc["mindrecord_write"]),
@@ -222,7 +222,7 @@ def report(runs: dict[str, dict[str, list[float]]], mib: int, cold: bool) -> Non
     print("| operation | MindSpore 2.10 GB/s | VCGA GB/s | VCGA / MindSpore (min-max) |")
     print("|---|---:|---:|---:|")
     for label, t_ms, t_vc in rows:
-        ratios = [a / b for a, b in zip(t_ms, t_vc)]
+        ratios = [a / b for a, b in zip(t_ms, t_vc, strict=False)]
         print(f"| {label} | {total / statistics.median(t_ms) / 1e9:.2f} | {total / statistics.median(t_vc) / 1e9:.2f}"
               f" | {statistics.median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f}) |")
 
@@ -252,7 +252,6 @@ def main() -> int:
         print(f"MindSpore's interpreter {args.mindspore_python} not found: set VCGA_MINDSPORE_PYTHON", file=sys.stderr)
         return 2
     tensors = make_tensors(args.mib)
-    total = args.mib * MiB
     runs: dict[str, dict[str, list[float]]] = {"mindspore": {}, "vcga": {}}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="vcga-bench-ms-") as tmp:
         work = Path(tmp)

@@ -36,7 +36,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 from safetensors.torch import load_file as st_load_file
@@ -268,7 +267,7 @@ def main() -> None:
     def row(what: str, ours: str, anchor: str) -> str:
         # Each repetition ran both sides back to back: the median of the paired ratios cancels
         # most of the drift a shared machine adds; the median throughputs are shown beside it.
-        ratios = [a / o for o, a in zip(res[ours], res[anchor])]
+        ratios = [a / o for o, a in zip(res[ours], res[anchor], strict=False)]
         return (f"| {what} | {gb / med[ours]:.2f} GB/s | {gb / med[anchor]:.2f} GB/s | "
                 f"**{statistics.median(ratios):.2f}x** | {min(ratios):.2f}-{max(ratios):.2f} |")
 
@@ -288,7 +287,7 @@ def main() -> None:
         ]
     # A verified read does the consumer's pass plus one more pass over the same bytes, so against a
     # reader that verifies nothing its ratio cannot exceed T_safetensors / (T_safetensors + T_pass).
-    ceiling = [s / (s + m) for s, m in zip(res["read safetensors"], res["memory pass"])]
+    ceiling = [s / (s + m) for s, m in zip(res["read safetensors"], res["memory pass"], strict=False)]
     lines += ["", "One XXH3 pass over the vendor-bin file through a fresh mapping (page cache warm): "
               f"median {med['memory pass']:.3f} s "
               f"({gb / med['memory pass']:.2f} GB/s). Ceiling for a warm read that verifies every checksum "

@@ -42,8 +42,8 @@ def rank_main(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from vcga.contract import ReduceOp
     from vcga.bridge.host import SharedMemoryBridge
+    from vcga.contract import ReduceOp
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
@@ -78,7 +78,7 @@ def rank_main(rank: int, world: int, port: int, reps: int, queue: Any) -> None:
             pair = [(g, gloo), (s, shared)]
             for out, fn in (pair if i % 2 == 0 else pair[::-1]):
                 out.append(timed(fn, loop))
-        ratios = [b / a for a, b in zip(g, s)]
+        ratios = [b / a for a, b in zip(g, s, strict=False)]
         rows.append({"what": what, "gloo_us": statistics.median(g) * 1e6, "shm_us": statistics.median(s) * 1e6,
                      "ratio": statistics.median(ratios), "range": (min(ratios), max(ratios))})
     shm.close()

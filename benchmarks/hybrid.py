@@ -134,7 +134,7 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any
             for v in variants:
                 row[f"{v}_ms"] = statistics.median(times[v]) * 1e3
             for v in variants[1:]:
-                ratios = [h / f for h, f in zip(times[v], times["flat"])]
+                ratios = [h / f for h, f in zip(times[v], times["flat"], strict=False)]
                 row[f"{v}_ratio"] = statistics.median(ratios)
                 row[f"{v}_range"] = (min(ratios), max(ratios))
             rows.append(row)

@@ -183,7 +183,7 @@ def part_io(work: Path, mib: float, reps: int) -> dict:
     # shared machine's load drift disturbs least.
     compared = (("vcga", "save"), ("vcga", "load_cold"), ("vcga", "load_warm"),
                 ("vcga_unverified", "load_cold"), ("vcga_unverified", "load_warm"))
-    pairs = {f"{who}_{k}": [v / t for v, t in zip(rows[f"{who}_{k}"], rows[f"torch_{k}"])] for who, k in compared}
+    pairs = {f"{who}_{k}": [v / t for v, t in zip(rows[f"{who}_{k}"], rows[f"torch_{k}"], strict=False)] for who, k in compared}
     return {"mib": nbytes / MiB, "reps": reps, "MB_per_s": med,
             "ratio": {f"{who}_{k}": med[f"{who}_{k}"] / med[f"torch_{k}"] for who, k in compared},
             "ratio_paired": {k: statistics.median(v) for k, v in pairs.items()},
@@ -293,17 +293,17 @@ def part_stall(work: Path, mib: float, reps: int, steps_ms: float, configs: tupl
     out: dict = {"mib": _nbytes(state()) / MiB, "reps": reps, "first_async": first, "configs": {}}
     for config, r in rows.items():
         out["configs"][config] = {
-            "step_s": statistics.median(c / max(n, 1) for c, n in zip(r["control"], r["steps"])),
+            "step_s": statistics.median(c / max(n, 1) for c, n in zip(r["control"], r["steps"], strict=False)),
             "sync_save_s": statistics.median(r["sync"]), "async_blocked_s": statistics.median(r["blocked"]),
             "async_stall_s": statistics.median(r["stall"]),
-            "stall_over_sync": statistics.median(s / y for s, y in zip(r["stall"], r["sync"])),
-            "stall_over_sync_ci95": median_ci([s / y for s, y in zip(r["stall"], r["sync"])]),
-            "blocked_over_sync": statistics.median(b / y for b, y in zip(r["blocked"], r["sync"])),
+            "stall_over_sync": statistics.median(s / y for s, y in zip(r["stall"], r["sync"], strict=False)),
+            "stall_over_sync_ci95": median_ci([s / y for s, y in zip(r["stall"], r["sync"], strict=False)]),
+            "blocked_over_sync": statistics.median(b / y for b, y in zip(r["blocked"], r["sync"], strict=False)),
             "async_waited_s": statistics.median(r["waited"]),
             # The part of the stall timed directly (the call, and the optimizer step waiting for the
             # copy): the rest is the steps' slowdown, read off against the anchor steps.
             "blocked_and_waited_over_sync": statistics.median((b + w) / y for b, w, y in
-                                                              zip(r["blocked"], r["waited"], r["sync"])),
+                                                              zip(r["blocked"], r["waited"], r["sync"], strict=False)),
             "window_s": statistics.median(r["window"]),
             "steps_during_save": statistics.median(r["steps"]), "samples": r}
     return out

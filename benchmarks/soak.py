@@ -46,8 +46,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier",
@@ -294,7 +294,9 @@ def run_job(setup: str, world: int, calls: int, seed: int, timeout: float, cores
     """One job: ``world`` fresh processes. Returns every rank's exit code and rank 0's report.
     With ``cores``, ranks may dump core (into their working directory, the job's temporary one),
     and a failed job's cores and logs are moved to ``cores``."""
-    from vcga.testing import free_port  # here, not at the top: tests/exit_soak.py forks gloo ranks that never import vcga
+    from vcga.testing import (
+        free_port,  # here, not at the top: tests/exit_soak.py forks gloo ranks that never import vcga
+    )
 
     with tempfile.TemporaryDirectory(prefix="vcga-soak-") as tmp:
         out = Path(tmp) / "result.json"

@@ -65,8 +65,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from _ranks import table
@@ -136,8 +136,8 @@ def preload(rank: int, world: int) -> None:
     """What a process pays once, whatever groups it creates: vcga's modules, its plugins, this
     rank's backend and that backend's capability table (a process that created one group has
     paid it; the ``-fresh`` variants pay it inside the timed start)."""
-    import vcga.bridge.create  # noqa: F401 - what a mixed group needs (the bridge, its cost model, its queue)
-    import vcga.pg.discovery  # noqa: F401
+    import vcga.bridge.create  # what a mixed group needs (the bridge, its cost model, its queue)
+    import vcga.pg.discovery
     import vcga.process_group  # noqa: F401
     from vcga.config import load_config
     from vcga.plugin_manager import get_plugin_manager
@@ -493,7 +493,7 @@ def summarize(result: dict[str, Any], variants: tuple[str, ...]) -> dict[str, An
         row: dict[str, Any] = {"total_s": statistics.median(s["total"] for s in starts), "n": len(starts),
                                "totals": [s["total"] for s in starts]}
         if "gloo" in by_v and v != "gloo":
-            ratios = [a["total"] / b["total"] for a, b in zip(starts, by_v["gloo"])]
+            ratios = [a["total"] / b["total"] for a, b in zip(starts, by_v["gloo"], strict=False)]
             row["ratio"] = statistics.median(ratios)
             row["ratio_range"] = (min(ratios), max(ratios))
         for which, name in ((0, "phases_s"), (1, "phases_cpu_s")):

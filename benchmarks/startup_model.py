@@ -136,7 +136,7 @@ def plot(m: dict[str, Any], path: str) -> None:
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.4))
     xs = np.geomspace(4, max(TARGETS), 200)
-    for (v, e), color in zip(m["variants"].items(), ("C0", "C1", "C2", "C3", "C4")):
+    for (v, e), color in zip(m["variants"].items(), ("C0", "C1", "C2", "C3", "C4"), strict=False):
         ns = e["ns"]
         ax1.plot(ns, e["requests"]["measured"], "o", color=color, label=f"{v}: measured")
         ax1.plot(xs, [evaluate(np.array(e["requests"]["coef"]), x) for x in xs], "-", color=color, alpha=0.7,
@@ -146,7 +146,7 @@ def plot(m: dict[str, Any], path: str) -> None:
             own_m = [sum(c["measured"][i] for k, c in e["categories"].items() if k in OWN) for i in range(len(ns))]
             ax1.plot(ns, own_m, "^", color=color, alpha=0.6)
             ax1.plot(xs, own, ":", color=color, label=f"{v}: vcga's own parts")
-        ax2.plot(ns, [r / n for r, n in zip(e["requests"]["measured"], ns)], "o", color=color, label=f"{v}: measured")
+        ax2.plot(ns, [r / n for r, n in zip(e["requests"]["measured"], ns, strict=False)], "o", color=color, label=f"{v}: measured")
         ax2.plot(xs, [evaluate(np.array(e["requests"]["coef"]), x) / x for x in xs], "-", color=color, alpha=0.7)
         ax3.plot(ns, [c * 1e3 for c in e["cpu_per_rank_s"]["measured"]], "o", color=color, label=f"{v}: measured")
         ax3.plot(xs, [evaluate(np.array(e["cpu_per_rank_s"]["coef"]), x) * 1e3 for x in xs], "-", color=color,

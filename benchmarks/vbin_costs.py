@@ -223,7 +223,7 @@ def bench_write(workdir: Path, reps: int, gib: float) -> None:
           "| speed vs safetensors (median of paired reps) | range |")
     print("|---|---:|---:|---:|---:|")
     for name, v in res.items():
-        r = [a / b for a, b in zip(anchor, v)]
+        r = [a / b for a, b in zip(anchor, v, strict=False)]
         print(f"| {name} | {statistics.median(v) * 1e3:.0f} ms | {nbytes / statistics.median(v) / 1e9:.2f} "
               f"| {statistics.median(r):.2f}x | {min(r):.2f}-{max(r):.2f} |")
 

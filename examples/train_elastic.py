@@ -15,7 +15,8 @@ with bitwise identical parameters (``--out`` reports their digest).
 On another world size the same global batch is split differently, so only the order of the
 additions changes. Each sample's gradient (of its loss divided by G) is computed alone, so it has
 the same bits on any rank; the ranks sum theirs locally, then all-reduce the sums (a SUM comm hook:
-no division; with ``--parallel fsdp`` FSDP2's reduce-scatter averages, so its loss is scaled by W). Both ways sum the same G terms in some order, each within γ_{G−1}·Σⱼ|gⱼ| of the
+no division; with ``--parallel fsdp`` FSDP2's reduce-scatter averages, so its loss is scaled by W).
+Both ways sum the same G terms in some order, each within γ_{G−1}·Σⱼ|gⱼ| of the
 exact sum (Higham), so the two averaged gradients differ by at most Δg = 2γ_{G−1}·Σⱼ|gⱼ| per
 step. Through SGD with momentum (m ← μm + g, p ← p − ηm in fp32) that grows, to first order, as
 Δm ← μΔm + Δg + 2u(μ|m_prev| + |m|) and Δp ← Δp + ηΔm + 2u(η|m| + |p|), u = 2⁻²⁴ -- the bound of
@@ -53,8 +54,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import vcga  # registers backend "vcga"
-import vcga.errors
 import vcga.checkpoint as ckpt
+import vcga.errors
 from vcga.testing import fault
 
 VOCAB, DIM, SEQ = 64, 32, 16
@@ -212,7 +213,7 @@ def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[in
                 loss.backward()
             if record:  # the same sample's gradient once more, alone, for Σⱼ|gⱼ|
                 lj = nn.functional.cross_entropy(module(x).reshape(-1, VOCAB), y.reshape(-1)) / G
-                for a, g in zip(abs_local, torch.autograd.grad(lj, params)):
+                for a, g in zip(abs_local, torch.autograd.grad(lj, params), strict=False):
                     a.add_(g.abs())
         opt.step()
         if step == start:
@@ -221,7 +222,8 @@ def train(args, model, module, opt, state, start: int, attempt: int) -> tuple[in
             flat = torch.cat([a.reshape(-1) for a in abs_local])
             dist.all_reduce(flat)
             history.append({"g": flat.double(),
-                            "m": torch.cat([opt.state[q]["momentum_buffer"].reshape(-1) for q in params]).abs().double(),
+                            "m": torch.cat([opt.state[q]["momentum_buffer"].reshape(-1)
+                                            for q in params]).abs().double(),
                             "p": torch.cat([q.detach().reshape(-1) for q in params]).abs().double()})
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:
@@ -249,7 +251,8 @@ def finish(args, model, resumed, start: int, final_step: int, history: list[dict
               "identical_on_every_rank": len(set(digests)) == 1,
               "backend": describe_backend()}
     if compression is not None:  # this attempt's share: its steps and buckets, compressed or not
-        result["compression"] = {k: v for k, v in compression.describe().items() if k in ("spec", "scope", "step", "stats")}
+        result["compression"] = {k: v for k, v in compression.describe().items()
+                                 if k in ("spec", "scope", "step", "stats")}
         compression.close()
     ok = result["identical_on_every_rank"]
     if rank == 0:

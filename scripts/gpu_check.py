@@ -96,10 +96,9 @@ def step_probe(ctx: dict) -> str:
 def step_table(ctx: dict) -> str:
     import re
 
+    from vcga import dtypes
     from vcga.contract import Collective, ReduceOp
     from vcga.plugin_manager import get_plugin_manager
-
-    from vcga import dtypes
 
     pm = get_plugin_manager()
     real, stand_in = pm.backend("nccl").capabilities(), pm.backend("sim-nccl").capabilities()
@@ -222,7 +221,7 @@ def need_gpu(ctx: dict) -> None:
 def need_vcga_group() -> None:
     try:
         ok = vcga_group_registered()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise Skip(f"importing vcga failed: {type(e).__name__}: {e}") from e
     if not ok:
         raise Skip("the `vcga` torch.distributed backend is not registered in this checkout")
@@ -313,7 +312,7 @@ def worker(spec: dict) -> None:
             report["device"] = str(device)
             dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             chain, cur = [], e
             while cur is not None and len(chain) < 8:  # torch may wrap the creator's error
                 chain.append(cur)
@@ -393,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in steps:
         print(f"{s.name.ljust(width)}  {s.result:<6}  {s.seconds:>7.2f}  {s.detail}")
     failed = sum(s.result == FAIL for s in steps)
-    print(f"{sum(s.result == PASS for s in steps)} passed, {failed} failed, {sum(s.result == SKIP for s in steps)} skipped")
+    passed, skipped = sum(s.result == PASS for s in steps), sum(s.result == SKIP for s in steps)
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(s) for s in steps], f, indent=2)

@@ -44,7 +44,7 @@ DEFAULT_OUT = HERE.parent / "tests" / "fixtures" / "mindspore"
 
 def _load_expected(out: Path):
     sys.path.insert(0, str(out))
-    import expected  # noqa: PLC0415 - the module lives beside the fixtures
+    import expected  # the module lives beside the fixtures
 
     return expected
 

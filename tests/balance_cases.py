@@ -61,10 +61,7 @@ def data() -> dict[str, torch.Tensor]:
 
 def summed_loss(net: Any, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
     """The sum over the batch's valid tokens of the per-token loss."""
-    if task == "regression":
-        per = 0.5 * (net(batch["x"]) - batch["y"]).square()
-    else:
-        per = batch["c"] * net(batch["xi"])
+    per = 0.5 * (net(batch["x"]) - batch["y"]).square() if task == "regression" else batch["c"] * net(batch["xi"])
     return (per.sum(-1) * batch["m"]).sum()
 
 
@@ -100,7 +97,7 @@ def reference(W: torch.Tensor, b: torch.Tensor, batch: dict[str, torch.Tensor], 
     k = gamma(x.shape[0] + 4) + gamma(rows_max + n + 6) + (gamma(islands + 1, U16) if islands else 0.0)
     bound = (2 * err + k * size) / z
     worst = 0.0
-    for g, w, bd in zip(got, want, (bound[:, :D_IN], bound[:, D_IN])):
+    for g, w, bd in zip(got, want, (bound[:, :D_IN], bound[:, D_IN]), strict=False):
         diff = (g.double() - w.double()).abs()
         if bool((diff[bd == 0] > 0).any()):
             return float("inf")

@@ -142,7 +142,7 @@ def uneven_all_gather(group: Any, rank: int, size: int) -> list[str]:
         want = [torch.arange(sizes[r], dtype=torch.float64).mul(r + 1).to(dtype) for r in range(size)]
         outs = [torch.full((sizes[r],), -1, dtype=dtype) for r in range(size)]
         dist.all_gather(outs, want[rank].clone(), group=group)
-        if not all(torch.equal(o, w) for o, w in zip(outs, want)):
+        if not all(torch.equal(o, w) for o, w in zip(outs, want, strict=False)):
             failures.append(f"uneven all_gather {dtype}: {outs} != {want}")
     return failures
 
@@ -162,17 +162,18 @@ def large_all_gather(group: Any, rank: int, size: int) -> list[str]:
     if not torch.equal(out, torch.cat(want)):
         failures.append("large all_gather (single tensor): bytes out of place")
     sizes = [n - 7 * r for r in range(size)]
-    uneven = [w[:m].to(torch.int32) for w, m in zip(want, sizes)]
+    uneven = [w[:m].to(torch.int32) for w, m in zip(want, sizes, strict=False)]
     outs = [torch.full((m,), -1, dtype=torch.int32) for m in sizes]
     dist.all_gather(outs, uneven[rank].clone(), group=group)
-    if not all(torch.equal(o, w) for o, w in zip(outs, uneven)):
+    if not all(torch.equal(o, w) for o, w in zip(outs, uneven, strict=False)):
         failures.append("large uneven all_gather (list form): bytes out of place")
     return failures
 
 
 def mixed_world(rank: int, size: int, init_method: str, matrix_dtypes: list[str]) -> dict[str, Any]:
-    import vcga  # noqa: F401 - registers backend "vcga"
     from pg_cases import Matrix
+
+    import vcga  # noqa: F401 - registers backend "vcga"
     from vcga.config import load_config
     from vcga.process_group import VcgaOptions
 

@@ -366,10 +366,10 @@ def alone_main(rank: int, world: int, port: int, vendors: str, specs: list[str],
                 net.zero_grad()
                 net(x).square().mean().backward()
                 grads.append([p.grad.clone() for p in net.parameters()])
-            same = same and all(torch.equal(a, b) for a, b in zip(*grads))
+            same = same and all(torch.equal(a, b) for a, b in zip(*grads, strict=False))
             with torch.no_grad():  # the same step for both: they stay equal
                 for net in nets:
-                    for p, g in zip(net.parameters(), grads[1]):
+                    for p, g in zip(net.parameters(), grads[1], strict=False):
                         p.sub_(0.1 * g)
         state.close()
         out[spec] = {"stats": dict(state.stats), "same": same}

@@ -47,7 +47,7 @@ def rank(r: int, world: int, port: int, setup: str, calls: list, pool: soak.Pool
     dist.init_process_group("gloo" if setup == "gloo" else "vcga", store=store, rank=r, world_size=world,
                             timeout=timedelta(seconds=float(os.environ.get("EXIT_SOAK_TIMEOUT", "120"))))
     stats = soak.run_calls(calls, r, world, pool, 120.0)
-    last = dist.all_reduce(torch.ones(1), async_op=True)  # noqa: F841 - a handle alive past the destroy
+    last = dist.all_reduce(torch.ones(1), async_op=True)
     last.wait()
     dist.destroy_process_group()
     if stats["wrong"] or stats["missing"]:

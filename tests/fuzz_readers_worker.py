@@ -65,7 +65,7 @@ def main() -> None:
             counts["ok"] += 1
         except VcgaFormatError:
             counts["format_error"] += 1
-        except Exception as e:  # anything else is a finding
+        except Exception as e:  # noqa: BLE001 - anything else is a finding
             (workdir / "finding.bin").write_bytes(data)
             print(json.dumps({**counts, "unexpected": f"{type(e).__name__}: {e}"[:500], "iteration": i,
                               "traceback": traceback.format_exc()[-2000:]}))

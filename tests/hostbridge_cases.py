@@ -89,8 +89,8 @@ def _attempt(b: Any, expected: type[BaseException]) -> tuple[str | None, float]:
 def misuse_world(rank: int, size: int, init_method: str) -> dict[str, Any]:
     """Peers that reduce different sizes fail on every rank with a typed error; a peer that never
     comes makes the others fail after the timeout (not hang)."""
-    from vcga.errors import VcgaCollectiveError
     from vcga.bridge.host import SharedMemoryBridge
+    from vcga.errors import VcgaCollectiveError
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     pg = dist.group.WORLD
@@ -166,8 +166,8 @@ def gone_world(rank: int, size: int, init_method: str, how: str) -> dict[str, An
     """The last peer lets go of its pipes as its process's death would: ``how`` "all" (every end:
     the others' writes fail) or "writes" (its write ends only: the others read end-of-file). The
     others fail at once with a typed error naming it, not after the (60 s) timeout."""
-    from vcga.errors import VcgaCollectiveError
     from vcga.bridge.host import SharedMemoryBridge
+    from vcga.errors import VcgaCollectiveError
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=[f"rank {r}" for r in range(size)])
@@ -199,8 +199,8 @@ def killed_peer(rank: int, port: int, queue: Any, with_child: bool = False) -> N
     ``with_child``: rank 1 first forks a child that outlives it by 45 s, as a DataLoader worker
     would; rank 1 reports ("child", its pid) for the test to kill it. The child must not hold
     rank 1's pipes open, and reports ("child refused", whether the bridge refused to reduce there)."""
-    from vcga.errors import VcgaCollectiveError
     from vcga.bridge.host import SharedMemoryBridge
+    from vcga.errors import VcgaCollectiveError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     b = SharedMemoryBridge.open(dist.group.WORLD, True, 60.0, names=["rank 0", "rank 1"])

@@ -38,7 +38,7 @@ def report_workers() -> None:
 
 atexit.register(report_workers)  # before vcga's hooks are registered, so it runs after them
 
-import vcga  # noqa: E402 - registers backend "vcga"
+import vcga  # noqa: E402, F401 - registers backend "vcga"
 from vcga.errors import VcgaCollectiveError  # noqa: E402
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -58,7 +58,8 @@ def read_ckpt(path, crc_check):
 
 
 def main(argv):
-    jobs = json.loads(open(argv[1]).read())
+    with open(argv[1]) as f:
+        jobs = json.load(f)
     results = []
     for job in jobs:
         if job["kind"] == "mindrecord":

@@ -316,7 +316,7 @@ class Matrix:
 
     # -- data movement -----------------------------------------------------------------------------
 
-    def movement(self, dt: str, layout: str) -> None:  # noqa: C901 - one case per variant
+    def movement(self, dt: str, layout: str) -> None:
         n, size, rank = self.n(layout), self.size, self.rank
         tag = f"{dt}/{layout}"
         async_op = layout == "strided"

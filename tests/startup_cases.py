@@ -68,7 +68,7 @@ def cache_world(rank: int, size: int, init_method: str, caches: list[str]) -> di
             fig.bridge = {k: quick if k == "leaders" else slow for k in fig.bridge}
         else:  # replicated's steps fast, the leader's in-group step and the bandwidth algorithm's slow
             fig.groups = [{k: quick if k == "all_reduce" else slow for k in g} for g in fig.groups]
-            fig.bridge = {k: quick for k in fig.bridge}
+            fig.bridge = dict.fromkeys(fig.bridge, quick)
         figcache.store(Path(os.path.dirname(path)), d["topology"], fig)
 
     names = [None] * size

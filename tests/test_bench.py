@@ -11,17 +11,15 @@ import csv
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, VENV_BIN, run_vcga
-
-from vcga.testing import free_port
-from vcga.bench import runner as bench, spec as bench_spec
+from tests.conftest import VENV_BIN, run_vcga
+from vcga.bench import runner as bench
+from vcga.bench import spec as bench_spec
 from vcga.errors import VcgaConfigError
 
 # -- nccl-tests' arithmetic ------------------------------------------------------------------------

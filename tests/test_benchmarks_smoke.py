@@ -108,7 +108,7 @@ def test_compression_benchmark_runs_every_kind_of_variant_at_a_toy_size(capfd: p
         return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
                 if line.startswith("| ") and not line.startswith("| variant"))}
 
-    assert {v: cells[-1] for v, cells in rows(main).items()} == {v: "yes" for v in variants}, r.stdout
+    assert {v: cells[-1] for v, cells in rows(main).items()} == dict.fromkeys(variants, "yes"), r.stdout
     steps = rows(to_target)
     assert set(steps) == set(variants) and steps["exact"][:2] == ["2", "1.00"], r.stdout
     assert "FutureWarning" not in r.stderr, r.stderr
@@ -127,7 +127,7 @@ def test_compression_benchmark_runs_the_language_model_task_at_a_toy_size(capfd:
     assert "causal LM width 16" in r.stdout and "cosine to 10%" in r.stdout, r.stdout
     lines = [line for line in r.stdout.splitlines() if line.startswith("| ")]
     head = [c.strip() for c in lines[0].split("|")[1:-1]]
-    rows = {cells[0]: dict(zip(head, cells)) for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[1:])}
+    rows = {cells[0]: dict(zip(head, cells, strict=False)) for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[1:])}
     assert set(rows) == set(variants), r.stdout
     assert all(row["ranks identical"] == "yes" for row in rows.values()), r.stdout
     assert rows["exact"]["above floor / exact's"] == "1.000", r.stdout
@@ -151,5 +151,5 @@ def test_the_cosine_schedule_warms_up_linearly_and_ends_at_a_tenth() -> None:
     f = [compression.lr_factor(s, args) for s in range(110)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
     assert f[60] == pytest.approx(0.55) and compression.lr_factor(110, args) == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False))
     assert compression.lr_factor(5, argparse.Namespace(schedule="const", lr_warmup=10, steps=110)) == 1.0

@@ -297,6 +297,7 @@ def test_a_rank_without_a_device_name_skips_the_measurement_on_every_rank() -> N
     so it cannot run the creation-time measurement. Every rank agrees to skip it (auto keeps its
     default) instead of ranks 0-2 waiting in the measurement for a rank that never comes."""
     from bridge_cases import no_device_world
+
     from vcga.bridge import AUTO_LARGE
 
     results = run_world(no_device_world, 4, ["sim-nccl", "sim-nccl", "test-nodevice", "test-nodevice"], [3],

@@ -33,7 +33,7 @@ def test_fit_goes_through_both_points_and_survives_noise():
 
 def figures(bridge_all: AlphaBeta, bridge_one: AlphaBeta, in_group: AlphaBeta, exchange: str = "gloo",
             k: int = 2) -> LinkFigures:
-    g = {kind: in_group for kind in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}
+    g = dict.fromkeys(("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p"), in_group)
     return LinkFigures(groups=[g, dict(g)], bridge={"leaders": bridge_one, "all_sets": bridge_all},
                        classes={"a": "in-vendor, one node", "b": "in-vendor, one node", "bridge": "cross-node"},
                        exchange=exchange, group_size=k, equal_groups=True, min_segment_bytes=MODEL_MIN_SEGMENT_BYTES,

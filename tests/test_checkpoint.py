@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import vcga.checkpoint as ckpt
-from vcga.testing import fault
 from vcga.checkpoint.dcpmeta import MANIFEST_FILE, METADATA_FILE, dump_manifest, load_manifest, metadata_checksum
 from vcga.errors import VcgaCheckpointError, VcgaChecksumError, VcgaConfigError, VcgaFormatError
+from vcga.testing import fault
 
 
 def _state(seed: int, *, huge: bool = False) -> dict:

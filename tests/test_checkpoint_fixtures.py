@@ -9,8 +9,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
 from ckpt_helpers import FIXTURES, expected_bytes, finite, read_all
+
 from vcga import dtypes
 from vcga.convert import detect_source
 from vcga.formats import hdf5 as hdf5_format

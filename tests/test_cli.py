@@ -131,7 +131,7 @@ def test_info_plan_shows_link_classes_and_what_measured_figures_choose(tmp_path)
     from vcga.bridge.cost import AlphaBeta, LinkFigures
 
     fast = AlphaBeta(100e-6, 2e9)
-    fig = LinkFigures(groups=[{k: fast for k in ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")}] * 2,
+    fig = LinkFigures(groups=[dict.fromkeys(("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p"), fast)] * 2,
                       bridge={"leaders": AlphaBeta(500e-6, 125e6), "all_sets": AlphaBeta(500e-6, 62.5e6)},
                       classes={"bridge": "cross-node"}, exchange="gloo", group_size=2, equal_groups=True,
                       min_segment_bytes=256 << 10, max_segments=16)

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from ckpt_helpers import FIXTURES, checkpoint_for, read_all, write_all
+
 from vcga.formats import hdf5 as h5f
 from vcga.formats import safetensors_format as stf
 

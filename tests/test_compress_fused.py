@@ -48,8 +48,8 @@ def test_fused_error_feedback_gives_the_bits_of_the_torch_operations(monkeypatch
     fused_run = _run_ef(True, monkeypatch, dtype)
     ops_run = _run_ef(False, monkeypatch, dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int64
-    for i, (a, b) in enumerate(zip(fused_run, ops_run)):
-        assert torch.equal(a.view(bits), b.view(bits)), f"step {i // 3}, tensor {'x hi lo'.split()[i % 3]}"
+    for i, (a, b) in enumerate(zip(fused_run, ops_run, strict=False)):
+        assert torch.equal(a.view(bits), b.view(bits)), f"step {i // 3}, tensor {['x', 'hi', 'lo'][i % 3]}"
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
@@ -208,7 +208,7 @@ def test_qsgd_host_loops_give_the_torch_operations_payload_and_decode(fresh_kern
     state: dict = {}
     got = q.compress(x, state, ctx)
     assert [t.dtype for t in got] == [t.dtype for t in want]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=False))
     assert torch.equal(q.decompress(want, state, ctx).view(torch.int32), dec_want.view(torch.int32))
 
 
@@ -258,7 +258,7 @@ def test_qsgd_loops_that_do_not_reproduce_the_bits_are_not_used(fresh_kernels, m
     assert "does not reproduce" in caplog.text and "qsgd" in caplog.text
     q, ctx = _qsgd(7, 16), CompressContext(peers=2, peer=0, step=1, seed=3)
     x = torch.randn(999)
-    assert all(torch.equal(a, b) for a, b in zip(q.compress(x, {}, ctx), q._compress_ops(x, ctx)))
+    assert all(torch.equal(a, b) for a, b in zip(q.compress(x, {}, ctx), q._compress_ops(x, ctx), strict=False))
 
 
 @pytest.mark.parametrize("n", [5, 4097, 300_000])

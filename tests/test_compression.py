@@ -79,8 +79,8 @@ def test_config_and_env_carry_the_spec(tmp_path: Path):
 
 
 def _rational_identity(sent, hi, lo, x) -> bool:
-    return all(Fraction(s) + Fraction(h) + Fraction(l) == Fraction(v)
-               for s, h, l, v in zip(*(t.reshape(-1).double().tolist() for t in (sent, hi, lo, x))))
+    return all(Fraction(s) + Fraction(h) + Fraction(lo_) == Fraction(v)
+               for s, h, lo_, v in zip(*(t.reshape(-1).double().tolist() for t in (sent, hi, lo, x)), strict=False))
 
 
 def _adversarial(n: int, seed: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ def test_two_sum_is_error_free():
     a, b = _adversarial(2000, 1), _adversarial(2000, 2)
     s, e = two_sum(a, b)
     assert all(Fraction(x) + Fraction(y) == Fraction(p) + Fraction(q)
-               for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist()))
+               for x, y, p, q in zip(a.double().tolist(), b.double().tolist(), s.double().tolist(), e.double().tolist(), strict=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -9,12 +9,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from ckpt_helpers import FIXTURES, checkpoint_for, read_all, write_all
+
 from vcga import dtypes
 from vcga.contract import FormatSpec, TensorEntry
-from vcga.convert import (check_dtypes, convert, detect_source, detect_target, inspect_checkpoint, parse_casts,
-                          parse_size)
+from vcga.convert import (
+    check_dtypes,
+    convert,
+    detect_source,
+    detect_target,
+    inspect_checkpoint,
+    parse_casts,
+    parse_size,
+)
 from vcga.errors import VcgaChecksumError, VcgaConversionError, VcgaFormatError
 from vcga.plugin_manager import get_plugin_manager
 
@@ -44,7 +51,7 @@ def test_ordered_pair_round_trips_bit_exact(tmp_path, src_name, dst_name):
     entries = checkpoint_for(dts)
     src = _file_for(a, tmp_path, "src")
     write_all(a, src, entries, {"note": "matrix"})
-    before = _sha([p for p in tmp_path.iterdir()])
+    before = _sha(list(tmp_path.iterdir()))
     mid = _file_for(b, tmp_path / "mid", "mid")
     mid.parent.mkdir()
     rep = convert(src, mid, src_format=a.name, dst_format=b.name, verify=True)

@@ -13,8 +13,8 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import struct
+import subprocess
 import sys
 import warnings
 import zipfile

@@ -13,9 +13,9 @@ import uuid
 
 import numpy as np
 import pytest
-
 from ckpt_helpers import write_all
 from conftest import run_vcga
+
 from vcga.contract import TensorEntry
 from vcga.convert import convert, format_by_name
 from vcga.errors import VcgaDiskFullError

@@ -22,7 +22,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from elastic_run import launch, run_forked
 
 VENDORS = "nccl:2,hccl:2"

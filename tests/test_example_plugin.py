@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT, run_vcga
 
 HELPERS = ROOT / "tests" / "helper_plugins"

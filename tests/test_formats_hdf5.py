@@ -6,8 +6,8 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
-
 from ckpt_helpers import checkpoint_for, read_all, write_all
+
 from vcga import dtypes
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConversionError, VcgaFormatError

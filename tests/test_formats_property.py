@@ -9,16 +9,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from ckpt_helpers import read_all, write_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_helpers import read_all, write_all
 from vcga import dtypes
 from vcga.contract import TensorEntry
 from vcga.formats import hdf5 as h5f
-from vcga.formats import mindrecord, mindspore_ckpt
+from vcga.formats import mindrecord, mindspore_ckpt, torch_pt, vbin
 from vcga.formats import safetensors_format as stf
-from vcga.formats import torch_pt, vbin
 
 SPECS = [h5f.SPEC, stf.SPEC, torch_pt.SPEC, mindrecord.SPEC, mindspore_ckpt.SPEC, vbin.SPEC]
 

@@ -7,9 +7,9 @@ import struct
 
 import numpy as np
 import pytest
+from ckpt_helpers import checkpoint_for, read_all, write_all
 from safetensors import TensorSpec, safe_open, serialize_file
 
-from ckpt_helpers import checkpoint_for, read_all, write_all
 from vcga import dtypes
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConversionError, VcgaFormatError

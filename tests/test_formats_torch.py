@@ -10,8 +10,8 @@ import zipfile
 
 import pytest
 import torch
-
 from ckpt_helpers import FIXTURES, checkpoint_for, read_all, write_all
+
 from vcga import dtypes
 from vcga.contract import TensorEntry
 from vcga.errors import VcgaConversionError, VcgaFormatError

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ckpt_helpers import FIXTURES
 
 N = int(os.environ.get("VCGA_FUZZ_N", "150"))

@@ -13,12 +13,12 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from conftest import VENV_BIN
+from vendor_fakes import NPU_SMI_TOPO, TIMEOUT, a_store, fake_pythonpath, fake_tool, installed_fake
+
 from vcga.config import load_config
 from vcga.errors import VcgaBackendUnavailable, VcgaConfigError
 from vcga.plugins import hccl
-from vendor_fakes import NPU_SMI_TOPO, TIMEOUT, a_store, fake_pythonpath, fake_tool, installed_fake
 
 
 @pytest.fixture

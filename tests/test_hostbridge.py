@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from vcga.testing import run_world
 
 
@@ -48,9 +49,9 @@ def test_a_killed_peer_fails_the_other_at_once(with_child: bool) -> None:
     import signal
 
     from hostbridge_cases import killed_peer
-    from vcga.testing import free_port
 
     from vcga.spawn import get_context
+    from vcga.testing import free_port
 
     ctx = get_context()
     queue = ctx.Queue()

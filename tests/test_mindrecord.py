@@ -144,10 +144,9 @@ def test_tensor_larger_than_a_shard_spans_shards(tmp_path):
 def test_writer_is_atomic_on_error(tmp_path):
     dest = tmp_path / "m.mindrecord"
     dest.write_bytes(b"old contents")
-    with pytest.raises(VcgaConversionError, match="twice"):
-        with mindrecord.open_writer(dest, **SMALL) as w:
-            w.write(TensorEntry("x", "float32", (1,), b"\0\0\0\0"))
-            w.write(TensorEntry("x", "float32", (1,), b"\0\0\0\0"))
+    with pytest.raises(VcgaConversionError, match="twice"), mindrecord.open_writer(dest, **SMALL) as w:
+        w.write(TensorEntry("x", "float32", (1,), b"\0\0\0\0"))
+        w.write(TensorEntry("x", "float32", (1,), b"\0\0\0\0"))
     assert sorted(os.listdir(tmp_path)) == ["m.mindrecord"]
     assert dest.read_bytes() == b"old contents"
 
@@ -161,9 +160,9 @@ def test_abort_leaves_nothing_with_shards(tmp_path):
 
 
 def test_wrong_data_length_refused(tmp_path):
-    with pytest.raises(VcgaConversionError, match="needs 8"):
-        with mindrecord.open_writer(tmp_path / "m.mindrecord", **SMALL) as w:
-            w.write(TensorEntry("x", "float32", (2,), b"\0" * 7))
+    with pytest.raises(VcgaConversionError, match="needs 8"), \
+            mindrecord.open_writer(tmp_path / "m.mindrecord", **SMALL) as w:
+        w.write(TensorEntry("x", "float32", (2,), b"\0" * 7))
     assert os.listdir(tmp_path) == []
 
 

@@ -213,9 +213,8 @@ def test_ckpt_fixture_crc_matches_and_damage_is_detected(tmp_path):
     raw[pos] ^= 0x01
     bad = tmp_path / "damaged.ckpt"
     bad.write_bytes(raw)
-    with mindspore_ckpt.open_reader(bad) as r:
-        with pytest.raises(VcgaChecksumError, match="CRC"):
-            list(r.entries())
+    with mindspore_ckpt.open_reader(bad) as r, pytest.raises(VcgaChecksumError, match="CRC"):
+        list(r.entries())
     with mindspore_ckpt.open_reader(bad, verify_crc=False) as r:
         assert len(list(r.entries())) == len(_ckpt_expected())
 
@@ -249,7 +248,7 @@ def test_our_row_encoding_is_byte_identical_to_filewriter():
     try:
         shard = ds.shards[0]
         n = 0
-        for loc, rec in zip(shard.rows, ds.records()):
+        for loc, rec in zip(shard.rows, ds.records(), strict=False):
             start = ds.header.page_offset(loc.raw_page) + loc.raw_start
             stored_raw = shard.pread(loc.raw_end - loc.raw_start, start)[8:]
             assert pack_raw_row(rec.raw) == stored_raw

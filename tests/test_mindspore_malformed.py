@@ -145,7 +145,7 @@ def test_shard_address_with_path_separators(tmp_path, evil):
 
 
 def test_missing_shard(tmp_path):
-    p = _dataset(tmp_path, shard_size=100)
+    _dataset(tmp_path, shard_size=100)
     os.remove(tmp_path / "m.mindrecord2")
     _mr_error(tmp_path / "m.mindrecord0", "no such file|cannot open")
 

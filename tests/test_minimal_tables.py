@@ -20,11 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import ROOT
 
 from vcga import dtypes as vdt
-from vcga.contract import MOVING, REDUCING, CapabilityTable, Collective, ReduceOp, Support, cell_name
+from vcga.contract import MOVING, CapabilityTable, Collective, ReduceOp, Support, cell_name
 from vcga.errors import VcgaUnsupportedError
 
 HELPERS = ROOT / "tests" / "helper_plugins"
@@ -263,6 +262,6 @@ def test_info_cells_shows_the_grid_with_derived_cells(monkeypatch: pytest.Monkey
     assert r.exit_code == 0, r.output
     rows = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[1].isupper() else ""): ln.split()[-17:]
             for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] in {c.value for c in Collective}}
-    marks = dict(zip(vdt.ALL, rows["all_reduce SUM"]))
+    marks = dict(zip(vdt.ALL, rows["all_reduce SUM"], strict=False))
     assert (marks["int16"], marks["float32"], marks["uint8"], marks["float64"]) == ("N", "N", "d", "·")
     assert rows["broadcast"] == ["N" if d == "float32" else "d" for d in vdt.ALL]

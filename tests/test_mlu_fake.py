@@ -13,12 +13,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import VENV_BIN
+from vendor_fakes import CNMON_TOPO, TIMEOUT, a_store, fake_pythonpath, fake_tool, installed_fake
+
 from vcga.config import load_config
 from vcga.errors import VcgaBackendUnavailable
 from vcga.plugins import mlu
-from vendor_fakes import CNMON_TOPO, TIMEOUT, a_store, fake_pythonpath, fake_tool, installed_fake
 
 
 @pytest.fixture

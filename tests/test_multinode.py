@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import SESSION_HARNESS_ENV, run_vcga
+
 from vcga.testing.multinode import Cluster, NodesUnavailable, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,22 +170,21 @@ def test_the_harness_removes_everything_also_when_interrupted():
     before = host_state()
     host_shm = set(os.listdir("/dev/shm"))
     cluster = make_cluster(nodes=3, rate=["100mbit", None], networks=2)
-    with pytest.raises(KeyboardInterrupt):
-        with cluster:
-            node = cluster.nodes[2]
-            assert node.run(["hostname"], timeout=30).stdout.strip() == "node2"
-            r = node.run(["sh", "-c", "touch /dev/shm/vcga-probe && cat /etc/hosts"], timeout=30)
-            assert "198.18.0.3\tnode2" in r.stdout
-            assert node.shm_entries() == ["vcga-probe"] and "vcga-probe" not in set(os.listdir("/dev/shm"))
-            sleeper = node.popen(["sleep", "600"])
-            deadline = time.monotonic() + 30
-            while not node.processes() and time.monotonic() < deadline:  # nsenter forks it soon
-                time.sleep(0.02)
-            assert node.processes()
-            tc = node.run(["tc", "qdisc", "show", "dev", "eth0"], timeout=30).stdout
-            assert "tbf" in tc and "100Mbit" in tc
-            assert "tbf" not in node.run(["tc", "qdisc", "show", "dev", "eth1"], timeout=30).stdout
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), cluster:
+        node = cluster.nodes[2]
+        assert node.run(["hostname"], timeout=30).stdout.strip() == "node2"
+        r = node.run(["sh", "-c", "touch /dev/shm/vcga-probe && cat /etc/hosts"], timeout=30)
+        assert "198.18.0.3\tnode2" in r.stdout
+        assert node.shm_entries() == ["vcga-probe"] and "vcga-probe" not in set(os.listdir("/dev/shm"))
+        sleeper = node.popen(["sleep", "600"])
+        deadline = time.monotonic() + 30
+        while not node.processes() and time.monotonic() < deadline:  # nsenter forks it soon
+            time.sleep(0.02)
+        assert node.processes()
+        tc = node.run(["tc", "qdisc", "show", "dev", "eth0"], timeout=30).stdout
+        assert "tbf" in tc and "100Mbit" in tc
+        assert "tbf" not in node.run(["tc", "qdisc", "show", "dev", "eth1"], timeout=30).stdout
+        raise KeyboardInterrupt
     assert sleeper.poll() is not None
     assert cluster.remaining() == []
     assert host_state() == before

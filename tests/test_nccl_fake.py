@@ -15,12 +15,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from vendor_fakes import FAKES, NVIDIA_SMI_TOPO, TIMEOUT, a_store, fake_tool
 
 from vcga.config import load_config
 from vcga.contract import Support
 from vcga.errors import VcgaBackendUnavailable
 from vcga.plugins import nccl
-from vendor_fakes import FAKES, NVIDIA_SMI_TOPO, TIMEOUT, a_store, fake_tool
 
 
 class FakeProcessGroupNCCL:

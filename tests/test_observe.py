@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from observe_cases import mixed_world, single_world
+
 from vcga.testing import run_world
 
 STEP = re.compile(r"vcga:(in-vendor|cross-vendor) [a-z_]+ \(.+\)")

@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from vcga.testing import run_world
 from vcga.contract import EMULATIONS
+from vcga.testing import run_world
 
 BACKENDS = ["gloo", "sim-hccl", "sim-cncl", "sim-nccl"]
 #: ``VCGA_TEST_EXHAUSTIVE=1``: every backend x every dtype on every world size (several minutes).
@@ -37,9 +37,9 @@ def plan(world_size: int) -> list[tuple[str, list[str]]]:
 
 def matrix_world(rank: int, world_size: int, init_method: str, todo: list[tuple[str, list[str]]]) -> list[dict]:
     import torch.distributed as dist
+    from pg_cases import Matrix
 
     import vcga  # noqa: F401 - registers the backend
-    from pg_cases import Matrix
     from vcga.process_group import VcgaOptions
 
     dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=world_size,
@@ -80,8 +80,9 @@ def emu_world(rank: int, world_size: int, init_method: str) -> list[dict]:
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helper_plugins"))  # minimal_plugins
-    import vcga  # noqa: F401
     from pg_cases import Matrix
+
+    import vcga  # noqa: F401
     from vcga.process_group import VcgaOptions
 
     dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=world_size,

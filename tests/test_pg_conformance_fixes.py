@@ -47,7 +47,7 @@ def _refusal(fn) -> dict:
     return {"type": None, "s": time.monotonic() - t0}
 
 
-def _scenarios(rank: int, ws: int, init_method: str) -> dict:  # noqa: C901 - one world, many scenarios
+def _scenarios(rank: int, ws: int, init_method: str) -> dict:
     import time
 
     import torch

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_vcga
-from vcga.plugin_manager import vetting
-from vcga.errors import VcgaConfigError
-from vcga.plugin_manager import VcgaPluginManager
+
 from vcga._usercache import SCHEMA, EntryCache
+from vcga.errors import VcgaConfigError
+from vcga.plugin_manager import VcgaPluginManager, vetting
 
 PLUGINS = {
     "p_exit": "import sys\nsys.exit(3)\n",

@@ -30,10 +30,10 @@ def vendors_world(rank: int, world_size: int, init_method: str) -> dict:
     import torch.distributed as dist
 
     import vcga  # noqa: F401
-    from vcga.plugin_manager import get_plugin_manager
-    from vcga.pypg import options
     from vcga.contract import ReduceOp
+    from vcga.plugin_manager import get_plugin_manager
     from vcga.process_group import VcgaOptions
+    from vcga.pypg import options
 
     dist.init_process_group("vcga", init_method=init_method, rank=rank, world_size=world_size,
                             pg_options=VcgaOptions(backend="gloo"))

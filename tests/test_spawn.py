@@ -119,8 +119,9 @@ def test_ranks_are_forked_from_a_server_that_imported_torch_and_no_device(monkey
 
 def _register_at_exit(path: str, queue) -> None:
     import atexit
+    from pathlib import Path
 
-    atexit.register(lambda: open(path, "w").write("ran"))
+    atexit.register(lambda: Path(path).write_text("ran"))
     queue.put("registered")
 
 
@@ -150,7 +151,7 @@ def test_a_forked_rank_writes_to_the_parents_stdout_and_stderr_at_start(tmp_path
         p.start()
         p.join(timeout=120)
     finally:
-        for fd, old in zip((1, 2), saved):
+        for fd, old in zip((1, 2), saved, strict=False):
             os.dup2(old, fd)
             os.close(old)
     assert p.exitcode == 0

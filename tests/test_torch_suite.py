@@ -16,8 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "torch_suite"))
 
-import selection  # noqa: E402
-import suite  # noqa: E402
+import selection
+import suite
 
 FULL = os.environ.get("VCGA_TORCH_SUITE") == "full"
 

@@ -53,7 +53,7 @@ def test_round_trip_is_bit_exact(tmp_path_factory, items, alignment, as_torch):
     for framework in ("pt", "np"):
         loaded = vbin.load_file(path, framework)
         assert list(loaded) == list(src)
-        for (name, got), case in zip(loaded.items(), items):
+        for (name, got), case in zip(loaded.items(), items, strict=False):
             if framework == "pt":
                 assert got.dtype == dtypes.to_torch(case.dtype) and tuple(got.shape) == case.shape
                 assert torch_bytes(got) == case.expected, name
@@ -63,7 +63,7 @@ def test_round_trip_is_bit_exact(tmp_path_factory, items, alignment, as_torch):
     with vbin.VbinReader(path) as r:
         assert r.metadata == {"k": "v"}
         r.verify()
-        for e, case in zip(r.index(), items):
+        for e, case in zip(r.index(), items, strict=False):
             assert e.data is None and e.checksum == tensors.checksum(case.expected)
     # and in memory, through the same writer
     assert [a.tobytes() for a in vbin.load(vbin.save(src, alignment=alignment)).values()] == \
@@ -175,10 +175,9 @@ def test_read_in_order_stops_at_the_first_damaged_tensor_or_padding_byte(tmp_pat
     path.write_bytes(data)
     names = list(arrays)
     yielded: list[str] = []
-    with vbin.VbinReader(path) as r:
-        with pytest.raises(VcgaChecksumError) as info:
-            for e in r.read_in_order():
-                yielded.append(e.name)
+    with vbin.VbinReader(path) as r, pytest.raises(VcgaChecksumError) as info:
+        for e in r.read_in_order():
+            yielded.append(e.name)
     if where == "gap":  # seen as the pass reaches it: before "big2"
         assert yielded == names[:names.index("big2")] and "padding" in str(info.value) and info.value.offset == pos
     else:
@@ -278,9 +277,8 @@ def test_bit_flips_in_a_default_aligned_file_on_disk(tmp_path):
         damaged = bytearray(data)
         damaged[pos] ^= 1 << int(rng.integers(0, 8))
         path.write_bytes(damaged)
-        with pytest.raises(VcgaFormatError):
-            with vbin.VbinReader(path) as r:
-                r.verify()
+        with pytest.raises(VcgaFormatError), vbin.VbinReader(path) as r:
+            r.verify()
 
 
 def test_truncation_at_every_length_is_a_format_error(tmp_path):
@@ -380,17 +378,15 @@ def test_newer_minor_versions_may_add_keys():
 
 def test_writes_are_atomic(tmp_path):
     path = tmp_path / "a.vbin"
-    with pytest.raises(RuntimeError):
-        with vbin.VbinWriter(path) as w:
-            w.add("x", np.ones(3))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), vbin.VbinWriter(path) as w:
+        w.add("x", np.ones(3))
+        raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
     vbin.save_file({"old": np.ones(1)}, path)
     before = path.read_bytes()
-    with pytest.raises(VcgaConversionError, match="duplicate tensor name"):
-        with vbin.VbinWriter(path) as w:
-            w.add("x", np.ones(3))
-            w.add("x", np.ones(3))
+    with pytest.raises(VcgaConversionError, match="duplicate tensor name"), vbin.VbinWriter(path) as w:
+        w.add("x", np.ones(3))
+        w.add("x", np.ones(3))
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["a.vbin"]
     with pytest.raises(FileExistsError):
         vbin.VbinWriter(path, overwrite=False)

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from vendor_fakes import CNMON_TOPO, FAKES, NPU_SMI_TOPO, NVIDIA_SMI_TOPO, fake_tool
 
 from vcga.cli.info import collect
 from vcga.errors import VcgaConfigError
@@ -21,7 +22,6 @@ from vcga.vendor import (
     to_host_contiguous,
     topology_from_tool,
 )
-from vendor_fakes import CNMON_TOPO, FAKES, NPU_SMI_TOPO, NVIDIA_SMI_TOPO, fake_tool
 
 # --- the real situation: no vendor stack -----------------------------------------------------------
 

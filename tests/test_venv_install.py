@@ -30,7 +30,7 @@ def test_pip_settings_reach_uv_as_the_same_options_and_the_environment_wins():
     settings = vi.parse_pip_config(PIP_CONFIG_LIST)
     assert settings["find-links"] == "/srv/wheels /opt/more-wheels"  # PIP_FIND_LINKS over pip.conf, as pip does
     cmd, env = vi.uv_command("constraints/cpu.txt", settings)
-    pairs = list(zip(cmd, cmd[1:]))
+    pairs = list(zip(cmd, cmd[1:], strict=False))
     assert ("--find-links", "/srv/wheels") in pairs and ("--find-links", "/opt/more-wheels") in pairs
     assert ("--find-links", "/opt/wheels") not in pairs
     assert ("--extra-index-url", "file:///opt/pypi/simple") in pairs

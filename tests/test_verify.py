@@ -70,9 +70,8 @@ def test_gamma_and_unit_roundoff_follow_higham():
 def test_exact_data_gives_the_same_bits_in_every_order(dtype, op):
     """The premise of exact-reduce: every summation order, rounding each partial result to the
     dtype, gives exact_reduce's answer (4 ranks, all 24 orders)."""
-    from vcga.conformance import data
-
     from vcga import dtypes
+    from vcga.conformance import data
 
     op = ReduceOp(op)
     if op not in data.ops_for(dtype):
@@ -173,7 +172,6 @@ def test_avg_and_product_bounds_cover_premultiplying_implementations():
 def test_builtin_profiles_load_and_name_every_builtin_check():
     from vcga.conformance.checks import BUILTIN_CHECKS
     from vcga.conformance.profiles import load_profile, plan_checks
-
     from vcga.plugin_manager import get_plugin_manager
 
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
@@ -190,7 +188,6 @@ def test_builtin_profiles_load_and_name_every_builtin_check():
 
 def test_profile_errors_are_typed_and_name_the_key(tmp_path: Path):
     from vcga.conformance.profiles import load_profile, plan_checks
-
     from vcga.plugin_manager import get_plugin_manager
 
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
@@ -390,7 +387,6 @@ def test_only_the_vcga_groups_own_refusal_marks_a_mixed_world_unsupported():
     """A build without the bridge refuses mixed worlds naming the group ('vcga'): skipped, not
     verified. A vendor backend failing inside a mixed world names the vendor: a failure."""
     from vcga.conformance.rank import _group_cannot_mix
-
     from vcga.errors import VcgaBackendUnavailable
 
     def wrapped(inner: BaseException) -> BaseException:

@@ -90,9 +90,9 @@ def imports_of(name: str, source: str) -> list[Import]:
                 out.append(Import(node.args[0].value, node.lineno, "importlib"))
             if fname == "print" and isinstance(f, ast.Name) and not in_main:
                 out.append(Import("print", node.lineno, "print"))
-        elif isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") and not in_main:
-            if isinstance(node.value, ast.Name) and node.value.id == "sys":
-                out.append(Import(f"sys.{node.attr}", node.lineno, "print"))
+        elif isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") and not in_main and \
+                isinstance(node.value, ast.Name) and node.value.id == "sys":
+            out.append(Import(f"sys.{node.attr}", node.lineno, "print"))
         for child in ast.iter_child_nodes(node):
             visit(child, in_main or _is_main_block(node))
 

@@ -149,7 +149,7 @@ def test_streams_round_trip_and_grow_with_the_data(tmp_path):
         got = []
         while (e := wire.read(f)) is not None:
             got.append(tensors.to_torch(e))
-    assert [tensors.bits_equal(a, b) for a, b in zip(items, got)] == [True] * 3
+    assert [tensors.bits_equal(a, b) for a, b in zip(items, got, strict=False)] == [True] * 3
     # a pipe claiming a huge payload: reading stops at the end of data with a typed error
     frame = bytearray(wire.dumps(np.zeros(4, np.uint8)))
     r, w = os.pipe()

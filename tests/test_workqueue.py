@@ -12,8 +12,8 @@ import torch
 
 from vcga import pypg
 from vcga.errors import VcgaCollectiveError
-from vcga.pypg import PyWork
 from vcga.pg.workqueue import QueuedWork, WorkQueue
+from vcga.pypg import PyWork
 
 
 def make(timeout_s: float = 5.0) -> WorkQueue:

@@ -75,10 +75,9 @@ def test_abort_then_everything_else(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_with_block_and_publish_into(tmp_path, fmt):
     """An error inside `with` aborts; publish_into names the outputs in another folder, created at commit."""
-    with pytest.raises(RuntimeError):
-        with _open(fmt, tmp_path / f"a{EXT[fmt]}") as w:
-            w.write(_entry())
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), _open(fmt, tmp_path / f"a{EXT[fmt]}") as w:
+        w.write(_entry())
+        raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
     staging = tmp_path / "staging"
     with _open(fmt, tmp_path / f"b{EXT[fmt]}", publish_into=staging) as w:

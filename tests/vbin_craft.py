@@ -33,10 +33,10 @@ def split(data: bytes) -> Parts:
     tmagic, tmajor, tminor, flags, ioff, ilen, isum, tfid, _ = TRAILER.unpack_from(data, t0)
     assert ioff + ilen == t0
     return Parts(
-        dict(magic=magic, major=major, minor=minor, alignment=alignment, file_id=file_id, reserved=reserved),
+        {"magic": magic, "major": major, "minor": minor, "alignment": alignment, "file_id": file_id, "reserved": reserved},
         data[PREAMBLE.size:ioff], data[ioff:t0],
-        dict(magic=tmagic, major=tmajor, minor=tminor, flags=flags, index_offset=ioff, index_length=ilen,
-             index_xxh3=isum, file_id=tfid))
+        {"magic": tmagic, "major": tmajor, "minor": tminor, "flags": flags, "index_offset": ioff, "index_length": ilen,
+             "index_xxh3": isum, "file_id": tfid})
 
 
 def join(p: Parts, *, fix_index_fields: bool = True) -> bytes:

@@ -46,7 +46,7 @@ def _delegating_group_class() -> Any:
             super().__init__(rank, size)
             self.inner, self._name = inner, name
 
-        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        def getBackendName(self) -> str:
             return self._name
 
         def allreduce(self, tensors: Any, opts: Any = None) -> Any:

@@ -16,12 +16,11 @@ package, with VCGA's DDPStrategy for it (vcga.integrations.lightning.pytorch) on
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
 import warnings
-
-import importlib
 
 import torch
 import torch.distributed as dist

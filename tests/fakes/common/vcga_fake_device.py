@@ -174,7 +174,7 @@ def _rng_state_for(seed: int, device: int) -> torch.Tensor:
 class FakeDevice:
     """``tensor.device`` of a fake device tensor: ``type`` and ``index`` like torch.device."""
 
-    def __init__(self, type: str, index: int = 0) -> None:
+    def __init__(self, type: str, index: int = 0) -> None:  # noqa: A002 - torch.device's own names
         self.type, self.index = type, index
 
     def __repr__(self) -> str:

@@ -19,8 +19,8 @@ import torch.distributed  # noqa: E402
 #: Every call a VCGA plugin makes into this fake, in order: (name, args, kwargs).
 _fake_calls: list = []
 
-from torch_mlu import _MLUC  # noqa: E402
 import torch_mlu.mlu  # noqa: E402
+from torch_mlu import _MLUC  # noqa: E402
 
 
 def get_version():

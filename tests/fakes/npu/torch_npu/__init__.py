@@ -33,10 +33,10 @@ def _check_device_conflict():
 
 _check_device_conflict()
 
-from torch_npu.version import __version__  # noqa: E402,F401
+import torch_npu._C  # noqa: E402
+import torch_npu._C._distributed_c10d  # noqa: E402
 import torch_npu.npu  # noqa: E402
-import torch_npu._C  # noqa: E402,F401
-import torch_npu._C._distributed_c10d  # noqa: E402,F401
+from torch_npu.version import __version__  # noqa: E402,F401
 
 
 class Format(IntEnum):

@@ -6,10 +6,11 @@ Names follow torch_mlu/mlu/{device,memory,random,streams}.py, which copy torch.c
 
 import sys
 
-import torch_mlu
 from vcga_fake_device import make_device_module
+
+import torch_mlu
 
 make_device_module(sys.modules[__name__], "mlu", "VCGA_FAKE_MLU_COUNT", "VCGA_FAKE_MLU_DRIVER_ERROR", 4,
                    "MLU370-X8", torch_mlu._fake_calls)
 
-from .cncl import *  # noqa: E402,F401,F403
+from .cncl import *  # noqa: E402, F403

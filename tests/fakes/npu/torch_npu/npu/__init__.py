@@ -9,8 +9,9 @@ npu/random.py (``get_rng_state(device='npu')``, ``set_rng_state(new_state, devic
 
 import sys
 
-import torch_npu
 from vcga_fake_device import make_device_module
+
+import torch_npu
 
 make_device_module(sys.modules[__name__], "npu", "VCGA_FAKE_NPU_COUNT", "VCGA_FAKE_NPU_DRIVER_ERROR", 8,
                    "Ascend910B3", torch_npu._fake_calls)
