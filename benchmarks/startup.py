@@ -264,7 +264,28 @@ PRELOAD = ["torch", "torch.distributed", "vcga", "vcga.process_group", "vcga.pg.
            "vcga.plugin_manager"]
 
 
-class ForkDriver:
+class Driver:
+    """What both launchers share: the schedule of starts, run in order."""
+
+    schedule: list[tuple[str, str]]
+    world: int
+    args: argparse.Namespace
+    mem_available: float
+
+    def one(self, kind: str, variant: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def run(self) -> dict[str, Any]:
+        starts = []
+        for kind, variant in self.schedule:
+            entry = self.one(kind, variant)
+            starts.append(entry)
+            if self.args.progress:
+                print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
+        return {"world": self.world, "starts": starts, "mem_available_gib": self.mem_available}
+
+
+class ForkDriver(Driver):
     """Runs the schedule of one world size: per start, a world of rank processes forked from a
     server that imported torch and vcga."""
 
@@ -348,22 +369,13 @@ class ForkDriver:
                     p.join(timeout=10)
         return entry
 
-    def run(self) -> dict[str, Any]:
-        starts = []
-        for kind, variant in self.schedule:
-            entry = self.one(kind, variant)
-            starts.append(entry)
-            if self.args.progress:
-                print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
-        return {"world": self.world, "starts": starts, "mem_available_gib": self.mem_available}
-
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
         self.cache.cleanup()
 
 
-class TorchrunDriver:
+class TorchrunDriver(Driver):
     """Runs the schedule of one world size: per start, ``torchrun --standalone`` with a world of
     fresh interpreters (:mod:`_startup_rank`), released together after their imports through a
     control store in this process."""
@@ -435,15 +447,6 @@ class TorchrunDriver:
     def _alive(proc: subprocess.Popen[bytes], log_path: str) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"torchrun ended early with {proc.returncode}:\n{tail(log_path)}")
-
-    def run(self) -> dict[str, Any]:
-        starts = []
-        for kind, variant in self.schedule:
-            entry = self.one(kind, variant)
-            starts.append(entry)
-            if self.args.progress:
-                print(f"  {self.world} ranks {kind} {variant}: {entry['total']:.3f} s", file=sys.stderr, flush=True)
-        return {"world": self.world, "starts": starts, "mem_available_gib": self.mem_available}
 
     def close(self) -> None:
         self.cache.cleanup()

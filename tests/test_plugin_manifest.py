@@ -12,6 +12,7 @@ import textwrap
 import types
 
 import pytest
+from test_plugin_manager import _Backend  # the same test backend, with what selection reads added
 
 from vcga.config import load_config
 from vcga.contract import Backend, CapabilityTable, ProbeResult, hookimpl
@@ -136,25 +137,17 @@ def test_every_builtin_and_every_hook_is_in_the_manifests():
     assert list(HOOKS) == [n for n in vars(HookSpecs) if n.startswith("vcga_")]
 
 
-class _Dev(Backend):
-    vendor, dist_backend = "test", "gloo"
+class _Dev(_Backend):
+    """test_plugin_manager's backend with a device type, requirements and a count of its probes."""
 
     def __init__(self, name, device_type="cpu", priority=50, requires=()):
-        self.name, self.device_type, self.priority, self.requires = name, device_type, priority, requires
+        super().__init__(name, priority=priority)
+        self.device_type, self.requires = device_type, requires
         self.probed = 0
 
     def probe(self):
         self.probed += 1
-        return ProbeResult(True, "fine", 1)
-
-    def accelerator(self):
-        raise NotImplementedError
-
-    def capabilities(self):
-        return CapabilityTable.builder(self.name).build()
-
-    def create_process_group(self, store, rank, world_size, timeout):
-        raise NotImplementedError
+        return super().probe()
 
 
 def test_selection_rules_out_backends_without_importing_their_plugins(monkeypatch):

@@ -312,12 +312,7 @@ class Collectives:
             outs = []
         seq = self.calls.next("gather", inp, root=root)
         call = self.calls.record(seq, "gather", one(inp), stacked(outs), input_tensors)
-        try:
-            self._agree_on_sizes("gather", seq, inp, outs, root, "gather_list")
-        except BaseException as e:
-            if call is not None:
-                call.end(e)
-            raise
+        self._agree_on_sizes_recorded(call, "gather", seq, inp, outs, root, "gather_list")
         return self.calls.issue("gather", seq, lambda s: self.calls.d.gather(list(outs), inp, root, opts, s),
                                 list(outs), opts.asyncOp, call)
 
@@ -335,12 +330,7 @@ class Collectives:
             ins = []
         seq = self.calls.next("scatter", out, root=root)
         call = self.calls.record(seq, "scatter", stacked(ins), one(out), ins)
-        try:
-            self._agree_on_sizes("scatter", seq, out, ins, root, "scatter_list")
-        except BaseException as e:
-            if call is not None:
-                call.end(e)
-            raise
+        self._agree_on_sizes_recorded(call, "scatter", seq, out, ins, root, "scatter_list")
         return self.calls.issue("scatter", seq, lambda s: self.calls.d.scatter(out, list(ins), root, opts, s), [out],
                                 opts.asyncOp, call)
 
@@ -396,6 +386,15 @@ class Collectives:
         return self.calls.issue("all_to_all", seq, build, list(output_tensors), opts.asyncOp, call)
 
     # -- argument checks -------------------------------------------------------------------------
+
+    def _agree_on_sizes_recorded(self, call: Any, *args: Any) -> None:
+        """:meth:`_agree_on_sizes`, a refusal also ending ``call``'s flight-recorder entry."""
+        try:
+            self._agree_on_sizes(*args)
+        except BaseException as e:
+            if call is not None:
+                call.end(e)
+            raise
 
     def _agree_on_sizes(self, name: str, seq: int, mine: torch.Tensor, listed: Sequence[torch.Tensor], root: int,
                         list_name: str) -> None:
