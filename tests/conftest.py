@@ -84,6 +84,21 @@ def clean_vcga_env(monkeypatch: pytest.MonkeyPatch):
     reset_plugin_manager()
 
 
+@pytest.fixture
+def own_exit_count(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """This test's own count of what the exit drain waits for (``vcga.pypg._LIVE``): the callbacks
+    and watcher threads of collectives in flight.
+
+    First waits until what earlier tests in this process left in flight has ended (a pytest worker
+    runs many modules; a late callback of theirs, released into this test's count, would make it
+    wrong -- and the process's count one too high once the test restores it)."""
+    from vcga import pypg
+
+    assert pypg._drain_at_exit(30), "collectives of an earlier test are still in flight after 30 s"
+    monkeypatch.setattr(pypg, "_LIVE", [0])
+    return pypg._LIVE
+
+
 def run_vcga(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``vcga ARGS`` in this process, as the console script would in a process of its own.
 

@@ -141,10 +141,9 @@ def test_pywork_translates_native_failures() -> None:
         w.get_future().wait()
 
 
-def test_exit_drain_waits_for_callbacks_of_native_futures(monkeypatch, caplog) -> None:
+def test_exit_drain_waits_for_callbacks_of_native_futures(own_exit_count, caplog) -> None:
     """The atexit hook waits until the completion callback a PyWork hung on a native future has
     run and been destroyed -- and only as long as it is told to, warning when one is left."""
-    monkeypatch.setattr(pypg, "_LIVE", [0])  # this test's count only
     native = torch.futures.Future()
     t = torch.ones(2)
     w = PyWork([_create_work_from_future(native)], [lambda: t.mul_(3)], [t])
@@ -159,10 +158,9 @@ def test_exit_drain_waits_for_callbacks_of_native_futures(monkeypatch, caplog) -
     assert fut.wait()[0].tolist() == [3.0, 3.0]
 
 
-def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
+def test_exit_drain_waits_for_watcher_threads(own_exit_count) -> None:
     """A work without a future gets a watcher thread blocked in the native wait(): the exit drain
     waits for it too (its return into the interpreter needs the GIL, like a callback)."""
-    monkeypatch.setattr(pypg, "_LIVE", [0])
     native = _CopyOnWaitWork()
     w = PyWork([native], [], [])
     fut = w.get_future()
@@ -173,10 +171,9 @@ def test_exit_drain_waits_for_watcher_threads(monkeypatch) -> None:
     assert fut.done()
 
 
-def test_a_forked_child_does_not_wait_for_its_parents_work(monkeypatch) -> None:
+def test_a_forked_child_does_not_wait_for_its_parents_work(own_exit_count) -> None:
     """A child forked while a callback is pending starts with nothing in flight: it has none of the
     parent's threads, so waiting for them at its exit would only cost the whole drain limit."""
-    monkeypatch.setattr(pypg, "_LIVE", [0])
     native = torch.futures.Future()
     PyWork([_create_work_from_future(native)], [], []).get_future()
     assert pypg._LIVE[0] == 1
@@ -295,7 +292,7 @@ class _FakeBackend:
         return None
 
 
-def test_aborting_a_native_transport_does_not_wait_for_its_group(monkeypatch) -> None:
+def test_aborting_a_native_transport_does_not_wait_for_its_group(own_exit_count) -> None:
     """abort() aborts the native group and returns while its teardown is still blocked (a worker in
     a collective); the teardown runs in a background thread that the exit drain counts, and the
     group's last reference goes there. Calls after the abort raise a typed error."""
@@ -304,7 +301,6 @@ def test_aborting_a_native_transport_does_not_wait_for_its_group(monkeypatch) ->
     from vcga.errors import VcgaCollectiveError
     from vcga.pg.transport import NativeTransport
 
-    monkeypatch.setattr(pypg, "_LIVE", [0])
     native = _StuckGroup()
     alive, release, entered = weakref.ref(native), native.release, native.entered
     t = NativeTransport(_FakeBackend(), native)  # type: ignore[arg-type]
@@ -319,7 +315,7 @@ def test_aborting_a_native_transport_does_not_wait_for_its_group(monkeypatch) ->
     assert pypg._drain_at_exit(30) and alive() is None
 
 
-def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatch) -> None:
+def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(own_exit_count) -> None:
     """A mixed-vendor transport's abort: the work queue is closed without waiting (what is queued
     fails), every group is aborted, and in the background the queue's thread is given the group's
     timeout to end the collective it is in before the groups are shut down and dropped."""
@@ -337,7 +333,6 @@ def test_aborting_a_bridge_lets_its_queue_finish_before_its_groups_go(monkeypatc
         def close(self, wait_s: float = 5.0) -> None:
             self.waits.append((wait_s, threading.current_thread().name))
 
-    monkeypatch.setattr(pypg, "_LIVE", [0])
     native, world, queue = _StuckGroup(), _StuckGroup(), Queue()
     world.release.set()
     group = BridgeGroup.__new__(BridgeGroup)

@@ -121,7 +121,7 @@ def test_a_wait_is_bounded_and_close_fails_what_is_still_queued():
         q.run(lambda: None, [], async_op=True)
 
 
-def test_queued_collectives_are_counted_for_the_exit_drain_until_their_callbacks_ran():
+def test_queued_collectives_are_counted_for_the_exit_drain_until_their_callbacks_ran(own_exit_count):
     q = make()
     gate = threading.Event()
     w = q.run(lambda: gate.wait(10), [torch.zeros(1)], async_op=True)
@@ -253,7 +253,7 @@ def test_two_stage_collectives_overlap_on_a_second_thread_and_drain_when_they_mu
     q.close()
 
 
-def test_a_second_stage_failure_is_typed_on_wait_poisons_the_queue_and_is_counted_for_the_exit_drain():
+def test_a_second_stage_failure_is_typed_on_wait_poisons_the_queue_and_is_counted_for_the_exit_drain(own_exit_count):
     from vcga.pg.workqueue import Continuation
 
     q = make()
