@@ -216,6 +216,70 @@ def test_a_full_ring_refills_ended_entries_and_keeps_nothing_for_the_collector()
     assert taken[0]["filename"] == __file__ and 1 <= len(taken) <= FRAMES
 
 
+def test_a_call_lists_its_callers_frames_while_in_flight_failed_or_asynchronous_not_once_completed() -> None:
+    """The stack stays off the synchronous hot path: a synchronous call in flight shows its
+    thread's live stack at a dump, a failed one the stack it failed on; an asynchronous call keeps
+    the stack it was issued from after its caller moved on; a completed synchronous call lists none."""
+    import _thread
+    import threading
+    import time
+    import types
+
+    import torch
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    from vcga.errors import VcgaCollectiveError
+    from vcga.pg.calls import CallPath
+    from vcga.pg.frdump import _frames
+    from vcga.pg.recorder import FlightRecorder, described
+
+    class Work:  # a native work whose wait() blocks or fails in C, without a Python frame of its own
+        def __init__(self, wait: object) -> None:
+            self.wait = wait
+
+    rec = FlightRecorder(8, "g", "d", [0, 1], 0, "gloo", {}, 1.0)
+    path = CallPath(0, 2, object(), types.SimpleNamespace(), "gloo", 1.0, recorder=rec)  # type: ignore[arg-type]
+    t = torch.ones(2)
+    gate = _thread.allocate_lock()
+    gate.acquire()
+
+    def blocked_caller() -> None:
+        call = path.record(1, "all_reduce", described([t]))
+        path.native_call("all_reduce", 1, lambda: Work(gate.acquire), async_op=False, result=[t], call=call)
+
+    th = threading.Thread(target=blocked_caller)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30  # until the thread waits in the call (no frame of the test above it)
+        live: list = []
+        while time.monotonic() < deadline and not (live and live[0]["name"] == "blocked_caller"):
+            calls = rec.calls()
+            live = _frames(calls)[0] if calls else []
+        assert live and live[0]["name"] == "blocked_caller" and live[0]["filename"] == __file__, live
+    finally:
+        gate.release()
+        th.join(10)
+    assert rec.calls()[0].state == "completed" and _frames(rec.calls()) == [[]]
+
+    def failing_caller() -> None:
+        call = path.record(2, "all_reduce", described([t]))
+        path.native_call("all_reduce", 2, lambda: Work(_thread.allocate_lock().release), async_op=False,
+                         result=[t], call=call)  # releasing an unlocked lock raises RuntimeError
+
+    with pytest.raises(VcgaCollectiveError, match="failed in the native library"):
+        failing_caller()
+
+    def async_caller() -> object:
+        call = path.record(3, "all_reduce", described([t]))
+        return path.native_call("all_reduce", 3, _create_work_from_future, torch.futures.Future(), async_op=True,
+                                result=[t], call=call)
+
+    work = async_caller()
+    failed, issued = _frames(rec.calls()[1:])
+    assert failed[0]["name"] == "failing_caller" and issued[0]["name"] == "async_caller", (failed, issued)
+    assert work is not None
+
+
 def test_vcga_trace_reads_a_library_torchs_analyzer_does_not_know(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks on CNCL (a prefix torch's analyzer refuses): the dumps, written in this process one

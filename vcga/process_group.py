@@ -540,7 +540,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else options("barrier")
         seq = self._calls.next("barrier")
         return self._calls.native_call("barrier", seq, self._calls.native.barrier, opts, async_op=opts.asyncOp,
-                                       result=[], call=self._calls.record(seq, "barrier", (), depth=1))
+                                       result=[], call=self._calls.record(seq, "barrier", ()))
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the store that names the ranks that did not arrive.
@@ -552,7 +552,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         """
         limit = timeout_given(timeout) or self.timeout
         seq = self._calls.next("monitored_barrier")
-        call = self._calls.record(seq, "barrier", (), depth=1)
+        call = self._calls.record(seq, "barrier", ())
         try:
             self._monitored_barrier(limit, wait_all_ranks)
         except BaseException as e:

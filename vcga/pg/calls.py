@@ -87,22 +87,20 @@ class CallPath:
         return seq
 
     def record(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...] | None = None,
-               tensors: Sequence[torch.Tensor] = (), depth: int = 2) -> Call | None:
+               tensors: Sequence[torch.Tensor] = ()) -> Call | None:
         """Record call ``seq`` (torch's recorder's ``op`` name; ``inputs`` and ``outputs`` as
         ``((shape, dtype), ...)``, outputs None: the inputs) in the flight recorder, and open its
-        span with ``tensors`` while a torch profiler runs. None when neither records. ``depth``:
-        frames between this method's caller and the caller of the process group's method (the
-        collectives' methods are called by the group's: 2)."""
+        span with ``tensors`` while a torch profiler runs. None when neither records."""
         rec = self.recorder
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
         if rec is not None:
             call = rec.slot()
-            call.fill(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
+            call.fill(seq, op, inputs, inputs if outputs is None else outputs)  # the stack: Call.returned_unfinished
             call.recorder = rec
         else:
-            call = Call(seq, op, inputs, inputs if outputs is None else outputs, _recorder.where(depth + 1))
+            call = Call(seq, op, inputs, inputs if outputs is None else outputs)
         if profiled:
             call.span = _spans.open_span(call, tensors)
         return call
@@ -164,6 +162,8 @@ class CallPath:
                       on_end=call.end if call is not None else None)
         if call is not None:
             call.work = weakref.ref(work)  # its state is read at a dump if nobody waited for it
+            if async_op:
+                call.returned_unfinished()
         if self.coalescing is not None:
             self.coalescing.append(work)
         if not async_op:
@@ -194,6 +194,7 @@ class CallPath:
                          on_end=call.end if call is not None else None)
         if call is not None:
             call.work = weakref.ref(wrapped)  # its state is read at a dump if nobody waited for it
+            call.returned_unfinished()
         if self.coalescing is not None:
             self.coalescing.append(wrapped)
         return wrapped

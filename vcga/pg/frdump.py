@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -145,22 +146,44 @@ _CALL_PATH = tuple(os.path.normpath(os.path.join(os.path.dirname(_recorder.__fil
 
 def _frames(calls: list[_recorder.Call]) -> list[list[dict[str, Any]]]:
     """Each call's frames as torch's recorder writes them, innermost first, the call path's own
-    left out, at most :data:`vcga.pg.recorder.FRAMES`. Symbolized by torch in one batch
-    (``symbolize_tracebacks``, which loads torch._inductor the first time: about a second, once
-    per process, at the first dump)."""
-    taken = [i for i, c in enumerate(calls) if not isinstance(c.traceback, tuple)]  # (): none taken
+    left out, at most :data:`vcga.pg.recorder.FRAMES`: the stack it took (symbolized by torch in
+    one batch: ``symbolize_tracebacks``, which loads torch._inductor the first time, about a
+    second once per process), or for a call in flight that took none (a synchronous call, whose
+    caller is still inside it) the live stack of its thread; none for the rest."""
+    taken = [i for i, c in enumerate(calls) if c.traceback is not None and not isinstance(c.traceback, tuple)]
     out: list[list[dict[str, Any]]] = [[] for _ in calls]
+    live = [i for i, c in enumerate(calls) if c.traceback is None and c.ended_ns is None]
+    if live:
+        stacks = sys._current_frames()
+        for i in live:
+            top = stacks.get(calls[i].thread)
+            if top is not None:
+                out[i] = _shown(_walk(top))
     if not taken:
         return out
     from torch._C._profiler import symbolize_tracebacks
 
     for i, frames in zip(taken, symbolize_tracebacks([calls[i].traceback for i in taken]), strict=True):
-        k = 0
-        while k < len(frames) and os.path.normpath(frames[k]["filename"]).startswith(_CALL_PATH):
-            k += 1
-        out[i] = [{"name": f["name"], "filename": f["filename"], "line": int(f["line"])}
-                  for f in frames[k:k + _recorder.FRAMES]]
+        out[i] = _shown([{"name": f["name"], "filename": f["filename"], "line": int(f["line"])} for f in frames])
     return out
+
+
+def _walk(frame: Any) -> list[dict[str, Any]]:
+    """A live thread's frames, innermost first (as many as the call path's and the shown ones can take)."""
+    frames: list[dict[str, Any]] = []
+    while frame is not None and len(frames) < 64:
+        code = frame.f_code
+        frames.append({"name": code.co_name, "filename": code.co_filename, "line": frame.f_lineno})
+        frame = frame.f_back
+    return frames
+
+
+def _shown(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The frames a dump lists: the call path's own (innermost) left out, at most FRAMES of the rest."""
+    k = 0
+    while k < len(frames) and os.path.normpath(frames[k]["filename"]).startswith(_CALL_PATH):
+        k += 1
+    return frames[k:k + _recorder.FRAMES]
 
 
 def build(reason: str = "on demand") -> dict[str, Any]:

@@ -7,8 +7,15 @@ it is issued (:meth:`vcga.pg.calls.CallPath.record`): an entry of the group's ri
 from and when, its state (scheduled, started, completed) and -- on the bridge -- the stage it is
 in. While torch's profiler records the calling thread the same object holds the call's span
 (:mod:`vcga.pg.spans`). Entries are formatted (frames symbolized, sizes listed) only when a dump
-is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read, the
-caller's stack as torch's recorder takes it (:func:`where`) and a ring slot refilled in place.
+is written (:mod:`vcga.pg.frdump`, loaded then): the hot path pays a counter, a clock read and a
+ring slot refilled in place.
+
+Where a call came from (its caller's stack, as torch's recorder takes it: :func:`where`) is taken
+only while it can still matter, which keeps it off the synchronous hot path: an asynchronous call
+takes it when it returns to its caller unfinished (the caller moves on); a synchronous call's
+caller stays inside the call until it ends, so a dump that finds it in flight reads the live stack
+of its thread, and a failure takes it on that thread before the error leaves. A synchronous call
+that completed lists no frames (torch's recorder lists them for every entry).
 
 The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
 ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
@@ -198,10 +205,11 @@ class Call:
     __slots__ = ("record_id", "seq", "op", "inputs", "outputs", "created_ns", "started_ns", "ended_ns",
                  "error", "traceback", "thread", "stage", "steps", "span", "work", "recorder", "__weakref__")
 
-    def __init__(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
+    def __init__(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...],
+                 traceback: Any = None) -> None:
         self.fill(seq, op, inputs, outputs, traceback)
 
-    def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any) -> None:
+    def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any = None) -> None:
         """(Re)initialise this entry as call ``seq``: a ring slot is refilled in place (see
         :meth:`FlightRecorder.slot`). The record id is set last: a dump that interrupts this
         (a signal) skips an entry without one and sees a refilled one whole, old or new."""
@@ -215,7 +223,9 @@ class Call:
         self.started_ns: int | None = None
         self.ended_ns: int | None = None
         self.error: BaseException | None = None
+        #: the caller's stack (:func:`where`); None: not taken (yet), (): none to take
         self.traceback = traceback
+        #: the thread that issued the call (a synchronous call's stack is read there at a dump)
         self.thread = threading.get_ident()
         self.stage: tuple[str, str, str] | None = None
         self.steps: list[list[Any]] | None = None
@@ -234,6 +244,11 @@ class Call:
             return "completed"
         return "started" if self.started_ns is not None else "scheduled"
 
+    def returned_unfinished(self) -> None:
+        """The call returns to its caller before it ends (asynchronous): take the caller's stack now."""
+        if self.traceback is None:
+            self.traceback = where(0)
+
     def start(self) -> None:
         if self.started_ns is None:
             self.started_ns = time.time_ns()
@@ -249,6 +264,8 @@ class Call:
             return
         self.ended_ns = time.time_ns()
         self.error = error
+        if error is not None and self.traceback is None and self.thread == threading.get_ident():
+            self.traceback = where(0)  # a synchronous call failing: its caller is still on this stack
         if self.span is not None:
             self.span.close(self)
         if error is not None and on_failure is not None and self.recorder is not None:
