@@ -95,10 +95,8 @@ class CallPath:
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
-        if rec is not None:
-            call = rec.slot()
-            call.fill(seq, op, inputs, inputs if outputs is None else outputs)  # the stack: Call.returned_unfinished
-            call.recorder = rec
+        if rec is not None:  # the caller's stack is not taken here: see Call.returned_unfinished
+            call = rec.record(seq, op, inputs, inputs if outputs is None else outputs)
         else:
             call = Call(seq, op, inputs, inputs if outputs is None else outputs)
         if profiled:

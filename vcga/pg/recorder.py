@@ -52,6 +52,7 @@ _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 #: Entry ids, process-wide and increasing, as torch numbers the entries of its one recorder: its
 #: analyzer aligns the ranks' buffers on them.
 _RECORD_IDS = itertools.count()
+_time_ns, _get_ident = time.time_ns, threading.get_ident  # module globals: one lookup each on the hot path
 local = threading.local()  # .call: the Call whose stages this thread runs now
 
 #: frames kept per call, from the caller of the process group's method outwards
@@ -211,7 +212,7 @@ class Call:
 
     def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any = None) -> None:
         """(Re)initialise this entry as call ``seq``: a ring slot is refilled in place (see
-        :meth:`FlightRecorder.slot`). The record id is set last: a dump that interrupts this
+        :meth:`FlightRecorder.record`). The record id is set last: a dump that interrupts this
         (a signal) skips an entry without one and sees a refilled one whole, old or new."""
         self.seq = seq
         self.op = op
@@ -262,13 +263,17 @@ class Call:
                 if on_failure is not None and self.recorder is not None:
                     on_failure(self, error)
             return
-        self.ended_ns = time.time_ns()
+        self.ended_ns = _time_ns()
+        if error is None:  # the common case first: one test
+            if self.span is not None:
+                self.span.close(self)
+            return
         self.error = error
-        if error is not None and self.traceback is None and self.thread == threading.get_ident():
+        if self.traceback is None and self.thread == _get_ident():
             self.traceback = where(0)  # a synchronous call failing: its caller is still on this stack
         if self.span is not None:
             self.span.close(self)
-        if error is not None and on_failure is not None and self.recorder is not None:
+        if on_failure is not None and self.recorder is not None:
             on_failure(self, error)
 
     def __repr__(self) -> str:
@@ -309,19 +314,25 @@ class FlightRecorder:
         self.count = i + 1
         self.ring[i % self.size] = call
 
-    def slot(self) -> Call:
-        """The entry for the next call, to be :meth:`Call.fill`-ed: the oldest entry itself once it
+    def record(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Call:
+        """The entry for call ``seq``, in the ring: the oldest entry itself refilled in place once it
         has ended, so a long job adds no objects. (Entries that outlive the collector's young
         generations are what makes it run full collections: with a fresh object per call, one
         full collection of a torch process every few ten thousand calls, ~2 us a call.) An entry
         still running, or holding a profiler span, keeps its object for whoever holds it; the
-        ring takes a new one."""
+        ring takes a new one. One method, :meth:`Call.fill` inlined: this runs on every call."""
         i = self.count
         self.count = i + 1
         j = i % self.size
         call = self.ring[j]
         if call is None or call.ended_ns is None or call.span is not None:
             call = self.ring[j] = Call.__new__(Call)
+        # Call.fill, the record id last (see there)
+        call.seq, call.op, call.inputs, call.outputs = seq, op, inputs, outputs
+        call.created_ns, call.started_ns, call.ended_ns, call.error = _time_ns(), None, None, None
+        call.traceback, call.thread, call.stage, call.steps = None, _get_ident(), None, None
+        call.span, call.work, call.recorder = None, None, self
+        call.record_id = next(_RECORD_IDS)
         return call
 
     def calls(self) -> list[Call]:
@@ -365,9 +376,8 @@ def new_call(recorder: FlightRecorder | None, seq: int, op: str, inputs: tuple[A
     added to ``recorder``'s ring if given."""
     if recorder is None:
         return Call(seq, op, inputs, outputs, ())
-    call = recorder.slot()
-    call.fill(seq, op, inputs, outputs, where(depth + 1))
-    call.recorder = recorder
+    call = recorder.record(seq, op, inputs, outputs)
+    call.traceback = where(depth + 1)
     return call
 
 
