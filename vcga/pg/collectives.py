@@ -105,7 +105,7 @@ class Collectives:
             return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
                                           async_op=opts.asyncOp, result=tensors,
                                           call=self.calls.record(seq, "all_reduce", one(t)))
-        if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red.op):
+        if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red):
             seq = next(self.calls.seqs)
             call = self.calls.record(seq, "all_reduce", one(t), None, tensors)
             return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
@@ -123,7 +123,7 @@ class Collectives:
         seq = self.calls.next("all_reduce_coalesced", list(tensors), op)
         call = self.calls.record(seq, "allreduce_coalesced", described(tensors), None, tensors)
         same = len({t.dtype for t in tensors}) == 1
-        if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp.op)
+        if same and tensors and all(self.calls.fast_native(Collective.ALL_REDUCE, t, opts.reduceOp)
                                     for t in tensors):
             return self.calls.native_call("all_reduce_coalesced", seq, self.calls.native.allreduce_coalesced, tensors,
                                           opts, async_op=opts.asyncOp, result=tensors, call=call)
@@ -140,7 +140,7 @@ class Collectives:
         op, factor = reduce_op_of(opts.reduceOp)
         seq = self.calls.next("reduce", t, op, opts.rootRank)
         call = self.calls.record(seq, "reduce", one(t), None, tensors)
-        if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp.op):
+        if self.calls.rank == opts.rootRank and self.calls.fast_native(Collective.REDUCE, t, opts.reduceOp):
             return self.calls.native_call("reduce", seq, self.calls.native.reduce, tensors, opts, async_op=opts.asyncOp,
                                           result=tensors, call=call)
         return self.calls.issue("reduce", seq, lambda s: self.calls.d.reduce(t, opts.rootRank, op, factor, opts, s),
@@ -156,7 +156,7 @@ class Collectives:
         seq = self.calls.next("reduce_scatter", out, op)
         call = self.calls.record(seq, "reduce_scatter", stacked(ins), one(out), ins)
         if (all(x.dtype == out.dtype for x in ins)
-                and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp.op)
+                and self.calls.fast_native(Collective.REDUCE_SCATTER, out, opts.reduceOp)
                 and all(x.is_contiguous() for x in ins)):
             return self.calls.native_call("reduce_scatter", seq, self.calls.native.reduce_scatter, output_tensors,
                                           input_tensors, opts, async_op=opts.asyncOp, result=output_tensors, call=call)
@@ -170,7 +170,7 @@ class Collectives:
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, expected the output's "
                              f"{output.numel()} times the group size {self.calls.size}")
         if (self.calls.debug is None and input.dtype == output.dtype and input.is_contiguous()
-                and self.calls.fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp.op)):
+                and self.calls.fast_native(Collective.REDUCE_SCATTER, output, opts.reduceOp)):
             seq = next(self.calls.seqs)
             return self.calls.native_call("reduce_scatter_tensor", seq, self.calls.native._reduce_scatter_base,
                                           _flat(output), _flat(input), opts, async_op=opts.asyncOp, result=[output],
