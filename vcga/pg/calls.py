@@ -97,7 +97,7 @@ class CallPath:
         profiled = _profiler._is_profiler_enabled  # vcga.pg.spans.recording(), inline: the hot path
         if rec is None and not profiled:
             return None
-        if rec is not None:  # the caller's stack is not taken here: see Call.returned_unfinished
+        if rec is not None:  # the caller's stack is not taken here: see Call.take_stack
             call = rec.record(seq, op, inputs, inputs if outputs is None else outputs)
         else:
             call = Call(seq, op, inputs, inputs if outputs is None else outputs)
@@ -171,8 +171,7 @@ class CallPath:
                       on_end=call.end if call is not None else None)
         if call is not None:
             call.work = weakref.ref(work)  # its state is read at a dump if nobody waited for it
-            if async_op:
-                call.returned_unfinished()
+            call.take_stack()  # off the hot path (or asynchronous): the stack costs nothing that shows
         if self.coalescing is not None:
             self.coalescing.append(work)
         if not async_op:
@@ -203,7 +202,7 @@ class CallPath:
                          on_end=call.end if call is not None else None)
         if call is not None:
             call.work = weakref.ref(wrapped)  # its state is read at a dump if nobody waited for it
-            call.returned_unfinished()
+            call.take_stack()  # returns unfinished: the caller moves on
         if self.coalescing is not None:
             self.coalescing.append(wrapped)
         return wrapped

@@ -148,11 +148,13 @@ def _frames(calls: list[_recorder.Call]) -> list[list[dict[str, Any]]]:
     """Each call's frames as torch's recorder writes them, innermost first, the call path's own
     left out, at most :data:`vcga.pg.recorder.FRAMES`: the stack it took (symbolized by torch in
     one batch: ``symbolize_tracebacks``, which loads torch._inductor the first time, about a
-    second once per process), or for a call in flight that took none (a synchronous call, whose
-    caller is still inside it) the live stack of its thread; none for the rest."""
+    second once per process), or for a call that took none and is in flight or failed (a
+    synchronous call on the hot path, whose caller is still inside it) the live stack of its
+    thread; none for the rest."""
     taken = [i for i, c in enumerate(calls) if c.traceback is not None and not isinstance(c.traceback, tuple)]
     out: list[list[dict[str, Any]]] = [[] for _ in calls]
-    live = [i for i, c in enumerate(calls) if c.traceback is None and c.ended_ns is None]
+    # in flight, or failed before its caller took the stack (the typed error not yet out of the call)
+    live = [i for i, c in enumerate(calls) if c.traceback is None and (c.ended_ns is None or c.error is not None)]
     if live:
         stacks = sys._current_frames()
         for i in live:

@@ -12,10 +12,12 @@ ring slot refilled in place.
 
 Where a call came from (its caller's stack, as torch's recorder takes it: :func:`where`) is taken
 only while it can still matter, which keeps it off the synchronous hot path: an asynchronous call
-takes it when it returns to its caller unfinished (the caller moves on); a synchronous call's
-caller stays inside the call until it ends, so a dump that finds it in flight reads the live stack
-of its thread, and a failure takes it on that thread before the error leaves. A synchronous call
-that completed lists no frames (torch's recorder lists them for every entry).
+takes it when it returns to its caller unfinished (the caller moves on), and so does a call off the
+hot path (staged, several native calls); the hot path's synchronous call keeps its caller inside
+until it ends, so a dump that finds it in flight (or failed, its error not yet out) reads the live
+stack of its thread, and a failure takes it on that thread before the typed error leaves. A
+synchronous call that completed on the hot path lists no frames (torch's recorder lists them for
+every entry).
 
 The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
 ``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
@@ -245,8 +247,9 @@ class Call:
             return "completed"
         return "started" if self.started_ns is not None else "scheduled"
 
-    def returned_unfinished(self) -> None:
-        """The call returns to its caller before it ends (asynchronous): take the caller's stack now."""
+    def take_stack(self) -> None:
+        """Take the caller's stack now, unless taken already: a call that returns to its caller
+        unfinished (asynchronous), or one that is not on the hot path."""
         if self.traceback is None:
             self.traceback = where(0)
 
@@ -260,6 +263,8 @@ class Call:
         if self.ended_ns is not None:
             if isinstance(error, VcgaError) and self.error is not None and not isinstance(self.error, VcgaError):
                 self.error = error
+                if self.traceback is None and self.thread == _get_ident():
+                    self.traceback = where(0)  # the caller, its typed error on the way out
                 if on_failure is not None and self.recorder is not None:
                     on_failure(self, error)
             return
