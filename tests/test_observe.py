@@ -120,6 +120,14 @@ def test_a_skipped_all_reduce_times_out_dumps_and_vcga_trace_names_the_rank(mixe
                                                                                            "all_reduce")
     assert [problem["ranks"][str(r)]["vendor"] for r in range(4)] == ["nvidia", "nvidia", "huawei", "huawei"]
     assert report["torchfrtrace_reads"]
+    import pickle
+
+    with open(d / "skip" / "vcga_fr_trace_rank_0", "rb") as f:
+        entries = [e for e in pickle.load(f)["entries"] if e["process_group"][0] == problem["group"]]
+    done, timed_out = [e for e in entries if e["collective_seq_id"] in (1, 2)]
+    assert done["state"] == "completed" and done["frames"] == []  # a synchronous call that completed: none taken
+    assert any(f["name"] == "mixed_world" and f["filename"].endswith("observe_cases.py") for f in timed_out["frames"]), \
+        timed_out["frames"]  # a failed one: its caller's, taken on the typed error's way out
     code, text = _trace(d / "skip")
     assert code == 1 and "collective #2 (all_reduce) was not joined by rank(s) [3]" in text, text
     assert "rank 3 (huawei, sim-hccl on hccl): never called it" in text, text
