@@ -20,6 +20,7 @@ Usage::
     python benchmarks/collectives.py --aa                 # gloo vs gloo: how far from 1.0 noise alone gets
     python benchmarks/collectives.py --hooks-off --vendors nccl:1,hccl:1 --ops all_reduce
         # the bridged all_reduce against itself with the flight recorder and span hooks off
+        # (with --aa: off on both sides, how far from 1.0 noise alone gets there)
 
 ``--hooks-off`` replaces the gloo group by the ``vcga`` group itself with its flight recorder and
 profiler-span hooks switched off for each such call (the "gloo" columns), so the ratio is what
@@ -96,13 +97,14 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     torch.set_num_threads(1)
     vcga_group = dist.group.WORLD
     gloo_group = dist.new_group(backend="gloo")
-    if args.aa:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
+    if args.aa and not args.hooks_off:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
         vcga_group = dist.new_group(backend="gloo")
     clock = time.perf_counter
     before = {"gloo": _nothing, "vcga": _nothing}
     if args.hooks_off:
         gloo_group = vcga_group
-        before = {"gloo": partial(_hooks, vcga_group, False), "vcga": partial(_hooks, vcga_group, True)}
+        # with --aa the hooks stay off on both sides: the noise floor of this comparison
+        before = {"gloo": partial(_hooks, vcga_group, False), "vcga": partial(_hooks, vcga_group, not args.aa)}
     cells = [(op, nbytes) for op in args.ops for nbytes in sizes(args.min_bytes, args.max_bytes)
              if _buffers(op, nbytes, world) is not None]
     times: dict[tuple[str, int], dict[str, list[float]]] = {c: {"gloo": [], "vcga": []} for c in cells}
@@ -244,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--pin", action="store_true", help="pin rank r to the r-th allowed CPU core")
     p.add_argument("--aa", action="store_true",
-                   help="A/A check: compare gloo with a second gloo group (the ratio's noise floor)")
+                   help="A/A check: compare gloo with a second gloo group (the ratio's noise floor); with "
+                        "--hooks-off, the vcga group with its hooks off on both sides")
     p.add_argument("--hooks-off", action="store_true",
                    help="compare vcga with itself, the flight recorder and span hooks off (the 'gloo' columns)")
     p.add_argument("--vendors", metavar="SPEC", help="simulated vendors per rank, e.g. nccl:1,hccl:1 (the bridge)")
