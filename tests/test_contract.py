@@ -123,3 +123,37 @@ def test_tensor_entry_sizes():
     e = TensorEntry("w", "bfloat16", (3, 0, 2), b"")
     assert (e.numel, e.nbytes) == (0, 0)
     assert TensorEntry("s", "float64", (), b"\0" * 8).nbytes == 8
+
+
+# The contract's markers are defined without pluggy (a job's start imports them on every rank);
+# they must mark as pluggy's do.
+
+@pytest.mark.parametrize("opts", [{}, {"firstresult": True}, {"historic": True},
+                                  {"warn_on_impl": DeprecationWarning("x"), "warn_on_impl_args": {"a": UserWarning("y")}}])
+def test_hookspec_marks_as_pluggys_marker_does(opts):
+    import pluggy
+
+    from vcga.contract import PROJECT, hookspec
+
+    def ours(): ...
+
+    def theirs(): ...
+
+    assert hookspec(ours, **opts) is ours and hookspec(**opts)(theirs) is theirs
+    assert ours.vcga_spec == theirs.vcga_spec == pluggy.HookspecMarker(PROJECT)(lambda: None, **opts).vcga_spec
+    with pytest.raises(ValueError, match="historic firstresult"):
+        hookspec(ours, historic=True, firstresult=True)
+
+
+@pytest.mark.parametrize("opts", [{}, {"tryfirst": True}, {"trylast": True}, {"optionalhook": True},
+                                  {"hookwrapper": True}, {"wrapper": True}, {"specname": "vcga_backends"}])
+def test_hookimpl_marks_as_pluggys_marker_does(opts):
+    import pluggy
+
+    from vcga.contract import PROJECT, hookimpl
+
+    def ours(): ...
+
+    assert hookimpl(**opts)(ours) is ours
+    assert ours.vcga_impl == pluggy.HookimplMarker(PROJECT)(lambda: None, **opts).vcga_impl
+

@@ -18,6 +18,7 @@ from vcga.config import load_config
 from vcga.contract import Backend, CapabilityTable, ProbeResult, hookimpl
 from vcga.errors import VcgaBackendUnavailable
 from vcga.plugin_manager import BUILTIN_PLUGINS, VcgaPluginManager
+from vcga.plugin_manager.hooks import HookRegistry, _plain_impls
 from vcga.plugin_manager.manifest import BUILTIN_MANIFESTS, HOOKS, BackendFacts, Manifest, manifest_of
 
 #: A one-rank job in a fresh interpreter: the vcga modules (and their plugins) that
@@ -71,6 +72,7 @@ def test_a_job_imports_only_its_backends_plugin():
     assert plugins_added, sim
     assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim
     assert not [m for m in sim if m.startswith(NEVER)], sim
+    assert not [m for m in first + sim if m.partition(".")[0] == "pluggy"]  # built-in plugins held without it
 
 
 def test_lazy_tables_are_the_built_tables():
@@ -124,6 +126,15 @@ def test_builtin_manifests_say_what_the_plugins_provide(module):
     declared = BUILTIN_MANIFESTS[module]
     real = manifest_of(importlib.import_module(module))
     assert (real.hooks, real.backends) == (declared.hooks, declared.backends)
+    # held without pluggy, its implementations are what pluggy registers: the same functions, called
+    # with the same arguments
+    plain = _plain_impls(module, importlib.import_module(module), declared)
+    assert plain is not None and set(plain) == declared.hooks
+    registry = HookRegistry()
+    registry.pm.register(importlib.import_module(module), name=module)
+    for hook, impl in plain.items():
+        [theirs] = registry.impls(hook)
+        assert (impl.function, impl.argnames, impl.plugin_name) == (theirs.function, theirs.argnames, module)
     if declared.rank_backend_key is not None:
         hook = importlib.import_module(module).vcga_rank_backend
         assert all(hook(rank=r, world_size=4, config=load_config(env={})) is None for r in range(4))
@@ -204,3 +215,31 @@ def test_selection_rules_out_backends_without_importing_their_plugins(monkeypatc
 class _Down(_Dev):
     def probe(self):
         return ProbeResult(False, "down here")
+
+
+def test_pluggy_takes_over_the_plugins_held_without_it(monkeypatch):
+    """Built-in plugins are held without pluggy until a plugin needs it; then pluggy holds them all,
+    and every query answers as before: a registered plugin's backend comes after the built-in's,
+    a name taken is refused, and a hook's arguments reach each implementation."""
+    calls = []
+
+    def rank_backend(rank, world_size, config):
+        calls.append((rank, world_size))
+        return "plain"
+
+    held = types.ModuleType("plug_held")
+    held.vcga_backends = hookimpl(lambda: [_Dev("plain")])
+    held.vcga_rank_backend = hookimpl(rank_backend)
+    monkeypatch.setitem(sys.modules, "plug_held", held)
+    monkeypatch.setattr("vcga.plugin_manager.BUILTIN_MANIFESTS", {
+        "plug_held": Manifest(frozenset({"vcga_backends", "vcga_rank_backend"}), (BackendFacts("plain", 60),))})
+    pm = VcgaPluginManager(builtins=("plug_held",), env={})
+    assert pm.select_backend(load_config(env={}), rank=1, world_size=3).name == "plain"
+    assert calls == [(1, 3)] and pm._hooks._pm is None and pm._hooks._plain == {"plug_held": held}
+    pm.register(types.SimpleNamespace(vcga_backends=hookimpl(lambda: [_Dev("registered", priority=90)])), "extra")
+    assert pm._hooks._pm is not None and pm._hooks._plain == {}
+    assert sorted(pm.pm.list_name_plugin()) == [("extra", pm.pm.get_plugin("extra")), ("plug_held", held)]
+    assert [r.name for r in pm.backend_records()] == ["plain", "registered"]
+    assert pm.call_first("vcga_rank_backend", rank=2, world_size=3, config=None) == "plain" and calls[-1] == (2, 3)
+    with pytest.raises(Exception, match="already registered"):
+        pm.register(held, "plug_held")

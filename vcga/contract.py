@@ -42,11 +42,9 @@ appear only under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import pluggy
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
 from vcga.capabilities import (
     BITWISE,
@@ -149,8 +147,69 @@ PUBLIC_API: tuple[str, ...] = (
 
 #: pluggy project name; also the entry-point group plugins register under.
 PROJECT = "vcga"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _HookspecMarker:
+    """pluggy's ``HookspecMarker(PROJECT)``, without importing pluggy: it sets the same attribute
+    (``vcga_spec``) to the same options, which is all pluggy reads when it registers the specs
+    (tests/test_contract.py compares the two). A job's start imports a built-in plugin, which uses
+    these markers, and need not import pluggy (about 2 ms on every rank; see
+    :mod:`vcga.plugin_manager`)."""
+
+    @overload
+    def __call__(self, function: _F, firstresult: bool = ..., historic: bool = ...,
+                 warn_on_impl: Warning | None = ..., warn_on_impl_args: Mapping[str, Warning] | None = ...) -> _F: ...
+
+    @overload
+    def __call__(self, function: None = ..., firstresult: bool = ..., historic: bool = ...,
+                 warn_on_impl: Warning | None = ...,
+                 warn_on_impl_args: Mapping[str, Warning] | None = ...) -> Callable[[_F], _F]: ...
+
+    def __call__(self, function: _F | None = None, firstresult: bool = False, historic: bool = False,
+                 warn_on_impl: Warning | None = None,
+                 warn_on_impl_args: Mapping[str, Warning] | None = None) -> _F | Callable[[_F], _F]:
+        if historic and firstresult:
+            raise ValueError("cannot have a historic firstresult hook")
+        opts = {"firstresult": firstresult, "historic": historic, "warn_on_impl": warn_on_impl,
+                "warn_on_impl_args": warn_on_impl_args}
+
+        def mark(func: _F) -> _F:
+            setattr(func, PROJECT + "_spec", dict(opts))
+            return func
+
+        return mark if function is None else mark(function)
+
+
+class _HookimplMarker:
+    """pluggy's ``HookimplMarker(PROJECT)``, without importing pluggy (see :class:`_HookspecMarker`):
+    it sets ``vcga_impl`` to the options pluggy's marker sets."""
+
+    @overload
+    def __call__(self, function: _F, hookwrapper: bool = ..., optionalhook: bool = ..., tryfirst: bool = ...,
+                 trylast: bool = ..., specname: str | None = ..., wrapper: bool = ...) -> _F: ...
+
+    @overload
+    def __call__(self, function: None = ..., hookwrapper: bool = ..., optionalhook: bool = ...,
+                 tryfirst: bool = ..., trylast: bool = ..., specname: str | None = ...,
+                 wrapper: bool = ...) -> Callable[[_F], _F]: ...
+
+    def __call__(self, function: _F | None = None, hookwrapper: bool = False, optionalhook: bool = False,
+                 tryfirst: bool = False, trylast: bool = False, specname: str | None = None,
+                 wrapper: bool = False) -> _F | Callable[[_F], _F]:
+        opts = {"wrapper": wrapper, "hookwrapper": hookwrapper, "optionalhook": optionalhook, "tryfirst": tryfirst,
+                "trylast": trylast, "specname": specname}
+
+        def mark(func: _F) -> _F:
+            setattr(func, PROJECT + "_impl", dict(opts))
+            return func
+
+        return mark if function is None else mark(function)
+
+
+hookspec = _HookspecMarker()
+hookimpl = _HookimplMarker()
 
 # 1. Capabilities: vcga/capabilities.py (imported above).
 

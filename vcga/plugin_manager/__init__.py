@@ -12,7 +12,7 @@ whose hook raises, or whose backend's probe raises is recorded with its error an
 by ``vcga info``, and never breaks an unrelated call. Third-party plugins (entry points and
 ``VCGA_PLUGINS``) are first imported in a child process (:mod:`vcga.plugin_manager.vetting`), so one
 whose import ends or crashes the interpreter is recorded instead of taking VCGA down with it; that
-child also reports the plugin's manifest.
+child also reports the plugin's manifest. pluggy is imported once a plugin needs it (:mod:`.hooks`).
 
 Environment:
 
@@ -39,15 +39,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import pluggy
-
 from vcga import contract
 from vcga.config import Config, load_config
 from vcga.contract import Backend, ProbeResult
 from vcga.errors import VcgaBackendNotFound, VcgaBackendUnavailable, VcgaConfigError, VcgaError, VcgaPluginError
+from vcga.plugin_manager.hooks import HookRegistry
 from vcga.plugin_manager.manifest import BUILTIN_MANIFESTS, BackendFacts, Manifest
 
 if TYPE_CHECKING:
+    import pluggy
+
     from vcga.checkspec import ConformanceCheck
     from vcga.compressors import CompressorSpec
     from vcga.formatspec import FormatSpec
@@ -161,8 +162,7 @@ class VcgaPluginManager:
     def __init__(self, builtins: Sequence[str] = BUILTIN_PLUGINS, env: dict[str, str] | None = None) -> None:
         self._env = dict(os.environ) if env is None else env
         self._builtins = tuple(builtins)
-        self.pm = pluggy.PluginManager(contract.PROJECT)
-        self.pm.add_hookspecs(contract.HookSpecs)
+        self._hooks = HookRegistry()  # the loaded plugins' hook implementations
         self._records: dict[str, PluginRecord] = {}
         self._known: dict[str, _Plugin] = {}  # not imported yet; a plugin leaves when it is
         self._order: dict[str, int] = {}  # plugin name -> its place (registered ones after every known one)
@@ -170,6 +170,11 @@ class VcgaPluginManager:
         self._lock = threading.RLock()
         self._backends_of: dict[str, list[BackendRecord]] = {}  # per loaded plugin, its hook called once
         self._backends: dict[str, BackendRecord] | None = None  # the merged view, None when stale
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        """pluggy's manager of the loaded plugins (built on first use: :class:`HookRegistry`)."""
+        return self._hooks.pm
 
     # -- finding plugins -------------------------------------------------------------------------
 
@@ -324,7 +329,7 @@ class VcgaPluginManager:
         rec = self._records[plugin.name]
         try:
             obj = plugin.loader()
-            self.pm.register(obj, name=plugin.name)
+            self._hooks.register(obj, plugin.name, plugin.manifest if plugin.source == "builtin" else None)
             rec.status = "loaded"
         except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, SyntaxError, pluggy validation,
             # anything the plugin raises; and sys.exit() at import, never a request to end the caller's program
@@ -343,7 +348,7 @@ class VcgaPluginManager:
             rec = PluginRecord(name=name, source="registered", module=getattr(plugin, "__name__", repr(plugin)))
             self._order[name] = len(self._order)
             try:
-                self.pm.register(plugin, name=name)
+                self._hooks.register(plugin, name)
                 rec.status = "loaded"
             except Exception as e:
                 rec.status, rec.error, rec.traceback = "failed", _err_line(e), traceback.format_exc()
@@ -361,8 +366,8 @@ class VcgaPluginManager:
 
     def _impls(self, hook_name: str) -> list[Any]:
         """The loaded implementations of a hook, in the plugins' order."""
-        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
-        return sorted(impls, key=lambda impl: self._order.get(impl.plugin_name, len(self._order)))
+        last = len(self._order)
+        return sorted(self._hooks.impls(hook_name), key=lambda impl: self._order.get(impl.plugin_name, last))
 
     def _hook_failed(self, pname: str, hook_name: str, e: BaseException) -> None:
         rec = self._records.get(pname)
