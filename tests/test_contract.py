@@ -125,8 +125,8 @@ def test_tensor_entry_sizes():
     assert TensorEntry("s", "float64", (), b"\0" * 8).nbytes == 8
 
 
-# The contract's markers are defined without pluggy (a job's start imports them on every rank);
-# they must mark as pluggy's do.
+# The contract's markers and value classes are defined without pluggy and without dataclasses (a
+# job's start imports them on every rank); they must behave as those would.
 
 @pytest.mark.parametrize("opts", [{}, {"firstresult": True}, {"historic": True},
                                   {"warn_on_impl": DeprecationWarning("x"), "warn_on_impl_args": {"a": UserWarning("y")}}])
@@ -157,3 +157,31 @@ def test_hookimpl_marks_as_pluggys_marker_does(opts):
     assert hookimpl(**opts)(ours) is ours
     assert ours.vcga_impl == pluggy.HookimplMarker(PROJECT)(lambda: None, **opts).vcga_impl
 
+
+def test_value_classes_are_frozen_values():
+    """Equal by value within a class, hashable, shown with their fields, frozen, and copied and
+    pickled whole: what ``@dataclass(frozen=True)`` gave them."""
+    import copy
+    import pickle
+    from dataclasses import FrozenInstanceError
+
+    from vcga.contract import MemoryStats, ProbeResult, Topology
+    from vcga.process_group import VcgaOptions
+
+    values = [ProbeResult(True, "ok", 2, {"torch": "2"}), Topology("cpu", 1, [["X"]], "d"), MemoryStats(1, None, 2, 3),
+              Cell(Support.EMULATED, via="upcast:float32", note="n"), dtypes.get("bfloat16"), VcgaOptions(backend="gloo")]
+    for v in values:
+        twin = type(v)(*v._values())
+        assert twin == v and twin is not v
+        assert copy.copy(v) == v and copy.deepcopy(v) == v and pickle.loads(pickle.dumps(v)) == v
+        name = v.__slots__[0]
+        with pytest.raises(FrozenInstanceError):
+            setattr(v, name, None)
+        with pytest.raises(FrozenInstanceError):
+            delattr(v, name)
+    assert ProbeResult(False, "x") != ProbeResult(False, "y") and ProbeResult(False, "x") != (False, "x", 0, {})
+    assert ProbeResult(False, "x").versions == {} and ProbeResult(False, "x").versions is not ProbeResult(False, "y").versions
+    assert repr(Topology.unknown("d")) == "Topology(source='unknown', device_count=0, matrix=None, detail='d')"
+    for hashable in values[2:]:
+        assert hash(hashable) == hash(type(hashable)(*hashable._values()))
+    assert len({Cell(Support.NATIVE, note="a"), Cell(Support.NATIVE, note="a"), Cell(Support.NATIVE)}) == 2

@@ -14,10 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any
 
 from vcga import dtypes as _dtypes
+from vcga._values import FrozenValue
 
 __all__ = [
     "BITWISE",
@@ -135,8 +135,7 @@ def _check_via(via: str) -> None:
         _dtypes.get(arg)
 
 
-@dataclass(frozen=True)
-class Cell:
+class Cell(FrozenValue):
     """One capability cell.
 
     :param support: native, emulated or refused.
@@ -145,18 +144,26 @@ class Cell:
         what the user can do instead. Shown verbatim in errors and ``vcga info``.
     :param derived: True for an emulation :meth:`CapabilityBuilder.build` derived (the plugin did
         not state the cell); ``vcga info --cells`` marks these.
+
+    Frozen and compared by value, as ``@dataclass(frozen=True)`` would make it; defined without
+    dataclasses, which would cost each rank 0.5 ms at every start (:mod:`vcga._values`).
     """
 
+    __slots__ = ("support", "via", "note", "derived")
     support: Support
-    via: str | None = None
-    note: str = ""
-    derived: bool = False
+    via: str | None
+    note: str
+    derived: bool
 
-    def __post_init__(self) -> None:
-        if self.support is Support.EMULATED:
-            if not self.via:
+    def __init__(self, support: Support, via: str | None = None, note: str = "", derived: bool = False) -> None:
+        if support is Support.EMULATED:
+            if not via:
                 raise ValueError("an emulated cell must name its recipe in `via`")
-            _check_via(self.via)
+            _check_via(via)
+        object.__setattr__(self, "support", support)
+        object.__setattr__(self, "via", via)
+        object.__setattr__(self, "note", note)
+        object.__setattr__(self, "derived", derived)
 
 
 # ===================================================================================================

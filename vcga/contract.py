@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
+from vcga._values import FrozenValue
 from vcga.capabilities import (
     BITWISE,
     EMULATIONS,
@@ -219,14 +219,24 @@ hookimpl = _HookimplMarker()
 # ===================================================================================================
 
 
-@dataclass(frozen=True)
-class MemoryStats:
-    """Device memory in bytes. ``None`` where the device cannot tell (e.g. the CPU's reserved pool)."""
+class MemoryStats(FrozenValue):
+    """Device memory in bytes. ``None`` where the device cannot tell (e.g. the CPU's reserved pool).
 
+    This module's value classes are frozen and compare by value, as ``@dataclass(frozen=True)``
+    would make them; defined without dataclasses, which would cost each rank 0.5 ms a class at
+    every start (:mod:`vcga._values`)."""
+
+    __slots__ = ("allocated", "reserved", "peak_allocated", "total")
     allocated: int
     reserved: int | None
     peak_allocated: int | None
     total: int | None
+
+    def __init__(self, allocated: int, reserved: int | None, peak_allocated: int | None, total: int | None) -> None:
+        object.__setattr__(self, "allocated", allocated)
+        object.__setattr__(self, "reserved", reserved)
+        object.__setattr__(self, "peak_allocated", peak_allocated)
+        object.__setattr__(self, "total", total)
 
 
 @runtime_checkable
@@ -303,8 +313,7 @@ class Accelerator(Protocol):
 # ===================================================================================================
 
 
-@dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(FrozenValue):
     """Whether a backend can run here, and why not.
 
     :param available: True when the backend can create a process group on this machine now.
@@ -314,14 +323,21 @@ class ProbeResult:
     :param versions: library versions found, e.g. ``{"torch": "2.13.0", "nccl": "2.27.5"}``.
     """
 
+    __slots__ = ("available", "reason", "device_count", "versions")
     available: bool
     reason: str
-    device_count: int = 0
-    versions: Mapping[str, str] = field(default_factory=dict)
+    device_count: int
+    versions: Mapping[str, str]
+
+    def __init__(self, available: bool, reason: str, device_count: int = 0,
+                 versions: Mapping[str, str] | None = None) -> None:
+        object.__setattr__(self, "available", available)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "device_count", device_count)
+        object.__setattr__(self, "versions", {} if versions is None else versions)
 
 
-@dataclass(frozen=True)
-class Topology:
+class Topology(FrozenValue):
     """What a backend knows of the links between its devices on this node.
 
     :param source: how it was found ("nvidia-smi topo -m", "npu-smi", "cnmon", "unknown").
@@ -331,10 +347,18 @@ class Topology:
     :param detail: raw text or the reason the topology is unknown.
     """
 
+    __slots__ = ("source", "device_count", "matrix", "detail")
     source: str
-    device_count: int = 0
-    matrix: Sequence[Sequence[str]] | None = None
-    detail: str = ""
+    device_count: int
+    matrix: Sequence[Sequence[str]] | None
+    detail: str
+
+    def __init__(self, source: str, device_count: int = 0, matrix: Sequence[Sequence[str]] | None = None,
+                 detail: str = "") -> None:
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "device_count", device_count)
+        object.__setattr__(self, "matrix", matrix)
+        object.__setattr__(self, "detail", detail)
 
     @classmethod
     def unknown(cls, detail: str = "") -> Topology:

@@ -29,9 +29,9 @@ them on first use.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vcga._values import FrozenValue
 from vcga.errors import VcgaConversionError, VcgaError
 
 if TYPE_CHECKING:
@@ -78,18 +78,32 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class DType:
-    """One element type, with its spelling in each ecosystem (``None``: that ecosystem lacks it)."""
+class DType(FrozenValue):
+    """One element type, with its spelling in each ecosystem (``None``: that ecosystem lacks it).
 
+    Frozen and compared by value, as ``@dataclass(frozen=True)`` would make it; defined without
+    dataclasses, which would cost each rank 0.5 ms at every start (:mod:`vcga._values`)."""
+
+    __slots__ = ("name", "itemsize", "kind", "numpy", "safetensors", "mindspore", "hdf5", "code")
     name: str  #: canonical (torch) name
     itemsize: int  #: bytes per element
     kind: str  #: "b" bool, "u" unsigned, "i" signed, "f" floating, "c" complex
     numpy: str  #: numpy / ml_dtypes type name
     safetensors: str | None  #: safetensors header dtype
     mindspore: str | None  #: MindSpore ``str(mstype)`` name (``.ckpt`` ``tensor_type`` for MINDSPORE_CKPT)
-    hdf5: str | None = None  #: HDF5 predefined little-endian datatype (HDF5 >= 2.0 for bf16/fp8/complex)
-    code: int = 0  #: stable wire code (1..255); 0 is never a valid code
+    hdf5: str | None  #: HDF5 predefined little-endian datatype (HDF5 >= 2.0 for bf16/fp8/complex)
+    code: int  #: stable wire code (1..255); 0 is never a valid code
+
+    def __init__(self, name: str, itemsize: int, kind: str, numpy: str, safetensors: str | None,
+                 mindspore: str | None, hdf5: str | None = None, code: int = 0) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "itemsize", itemsize)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "numpy", numpy)
+        object.__setattr__(self, "safetensors", safetensors)
+        object.__setattr__(self, "mindspore", mindspore)
+        object.__setattr__(self, "hdf5", hdf5)
+        object.__setattr__(self, "code", code)
 
     @property
     def is_floating(self) -> bool:

@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from vcga import pypg
+from vcga._values import FrozenValue
 from vcga.config import Config, load_config
 from vcga.contract import Collective
 from vcga.errors import (
@@ -106,16 +107,23 @@ pypg._AFTER_DRAIN.append(_shutdown_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
-@dataclass(frozen=True)
-class VcgaOptions:
+class VcgaOptions(FrozenValue):
     """``pg_options`` for ``init_process_group(backend="vcga", pg_options=...)`` / ``new_group``.
 
     :param config: the unified config to use instead of reading files and environment.
     :param backend: shorthand for ``replace(config, backend=...)``.
+
+    Frozen and compared by value, as ``@dataclass(frozen=True)`` would make it; defined without
+    dataclasses, which would cost each rank 0.5 ms at every start (:mod:`vcga._values`).
     """
 
-    config: Config | None = None
-    backend: str | None = None
+    __slots__ = ("config", "backend")
+    config: Config | None
+    backend: str | None
+
+    def __init__(self, config: Config | None = None, backend: str | None = None) -> None:
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "backend", backend)
 
     def resolve(self) -> Config:
         cfg = self.config or load_config()
