@@ -12,18 +12,24 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vcga import dtypes
+from vcga.capabilities import LazyCapabilityTable
 from vcga.config import Config, gloo_env
 from vcga.contract import (
     Backend,
     CapabilityTable,
+    Cell,
+    CellKey,
     Collective,
     ProbeResult,
     ReduceOp,
+    Support,
     Topology,
     hookimpl,
 )
@@ -91,24 +97,53 @@ class GlooBackend(Backend):
 def load_table(backend_name: str = "gloo", path: Path = TABLE_FILE) -> CapabilityTable:
     """The measured table: measured-native cells are native; the rest get VCGA's standard
     emulations where one exists (fp8 moved as uint8, fp16 with a float32 upcast, ...), else stay
-    refused with gloo's own error message as the reason."""
+    refused with gloo's own error message as the reason.
+
+    Each cell is read from the file's rows when a collective first asks for it: stating all of
+    them to a :class:`~vcga.capabilities.CapabilityBuilder` cost every rank of every job about 2 ms
+    at group creation. tests/test_plugin_manifest.py checks the cells are the builder's."""
     source = path.read_bytes()
     data = json.loads(source)
-    measured_on = f"measured with torch {data['torch']} ({path.name})"
-    # One statement per (outcome, collective, op, reason) with all its dtypes, not one per cell: the
-    # same table, stated in a tenth of the calls (every rank of every job builds it at group creation).
-    stated: dict[tuple[bool, str, str | None, str], list[str]] = {}
-    for row in data["cells"]:
-        key = (bool(row["ok"]), row["collective"], row["op"] or None, "" if row["ok"] else row["detail"])
-        stated.setdefault(key, []).append(row["dtype"])
-    builder = CapabilityTable.builder(backend_name)
-    for (ok, coll, op, detail), dts in stated.items():
-        ops = [op] if op else None
-        if ok:
-            builder.native([coll], dts, ops, note=measured_on)
-        else:
-            builder.refuse([coll], dts, ops, note=f"gloo: {detail}", final=False)
-    return builder.build_lazy(source)  # the derived cells as collectives ask for them
+    rows = _Rows({(row["collective"], row["dtype"], row["op"] or None): row for row in data["cells"]})
+    native = Cell(Support.NATIVE, note=f"measured with torch {data['torch']} ({path.name})")
+    refused: dict[str, Cell] = {}  # one cell per reason, as a builder's statement makes
+
+    def stated(key: CellKey) -> Cell | None:
+        row = rows.row(key)
+        if row is None:
+            return None
+        if row["ok"]:
+            return native
+        cell = refused.get(row["detail"])
+        if cell is None:
+            cell = refused[row["detail"]] = Cell(Support.REFUSED, note=f"gloo: {row['detail']}")
+        return cell
+
+    return LazyCapabilityTable.from_source(backend_name, stated, rows, source)  # the derived cells as asked for
+
+
+class _Rows(AbstractSet[CellKey]):
+    """The measured table's rows by name; as a set, the keys measured native: a builder's final
+    statements (every other cell may get an emulation derived on top)."""
+
+    def __init__(self, rows: dict[tuple[str, str, str | None], dict[str, Any]]) -> None:
+        self._rows = rows
+
+    def row(self, key: CellKey) -> dict[str, Any] | None:
+        coll, dt, op = key
+        return self._rows.get((coll.value, dt, op.value if op is not None else None))
+
+    def __contains__(self, key: object) -> bool:
+        row = self.row(key) if isinstance(key, tuple) and len(key) == 3 else None
+        return row is not None and bool(row["ok"])
+
+    def __iter__(self) -> Iterator[CellKey]:
+        for (coll, dt, op), row in self._rows.items():
+            if row["ok"]:
+                yield Collective(coll), dt, ReduceOp(op) if op else None
+
+    def __len__(self) -> int:
+        return sum(1 for row in self._rows.values() if row["ok"])
 
 
 # ---------------------------------------------------------------------------------------------------

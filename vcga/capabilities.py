@@ -399,12 +399,7 @@ class CapabilityBuilder:
         instead of working the table out in full. So two ranks agree on the table when they
         state it from the same bytes with the same vcga release; ranks of different vcga releases
         are told to install the same one, even where their tables happen to be equal."""
-        import hashlib
-
-        from vcga._version import __version__
-
-        ident = hashlib.sha256(b"\0".join([b"statements", self.backend.encode(), __version__.encode(), source]))
-        return LazyCapabilityTable(self.backend, dict(self._cells).get, frozenset(self._final), ident.hexdigest())
+        return LazyCapabilityTable.from_source(self.backend, dict(self._cells).get, frozenset(self._final), source)
 
 
 def _derived_cell(key: CellKey, stated: Mapping[CellKey, Cell], final: AbstractSet[CellKey]) -> Cell | None:
@@ -451,6 +446,19 @@ class LazyCapabilityTable(CapabilityTable):
         self._stated = _StatedCells(stated)
         self._memo: dict[CellKey, Cell | None] = {}
         self._full: dict[CellKey, Cell] | None = None
+
+    @classmethod
+    def from_source(cls, backend: str, stated: Callable[[CellKey], Cell | None], final: AbstractSet[CellKey],
+                    source: bytes) -> LazyCapabilityTable:
+        """The table whose statements ``stated`` and ``final`` read from ``source`` alone (a measured
+        table's file), named as :meth:`CapabilityBuilder.build_lazy` names it: for a plugin that
+        looks each cell up in its file when asked, rather than stating every cell to a builder."""
+        import hashlib
+
+        from vcga._version import __version__
+
+        ident = hashlib.sha256(b"\0".join([b"statements", backend.encode(), __version__.encode(), source]))
+        return cls(backend, stated, final, ident.hexdigest())
 
     def _cell(self, key: CellKey) -> Cell | None:
         """The cell for ``key`` (a key of :func:`_all_keys`), or None: not stated, nothing derived."""
