@@ -112,6 +112,25 @@ def _fake_entry_points(monkeypatch, eps):
     monkeypatch.setattr(m.importlib.metadata, "distributions", lambda: [Dist()])
 
 
+def test_entry_point_files_are_read_as_importlib_reads_them(tmp_path, monkeypatch):
+    """The manager opens a folder distribution's ``entry_points.txt`` itself (at half the cost of
+    ``read_text``): the same text for every installed distribution, and a distribution on
+    ``sys.path`` that registers a plugin is found."""
+    import importlib.metadata
+
+    from vcga.plugin_manager import _entry_points_text
+
+    dists = list(importlib.metadata.distributions())
+    assert dists and all(_entry_points_text(d) == d.read_text("entry_points.txt") for d in dists)
+    info = tmp_path / "vcga_demo-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vcga-demo\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[console_scripts]\nx = y:z\n\n[vcga]\ndemo = vcga_demo.plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = VcgaPluginManager(env={})._entry_points()
+    assert [(e.name, e.value, e.dist.name) for e in eps] == [("demo", "vcga_demo.plugin", "vcga-demo")]
+
+
 @pytest.mark.parametrize("disable", ["1", "true", None])
 def test_entry_point_autoload_and_its_switch(monkeypatch, fake_modules, disable):
     fake_modules("ep_plugin", vcga_backends=hookimpl(lambda: [_Backend("from-ep")]))

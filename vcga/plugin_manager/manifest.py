@@ -21,6 +21,7 @@ Importing this module imports neither pluggy nor torch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -44,6 +45,31 @@ class BackendFacts(NamedTuple):
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "priority": self.priority, "simulated": self.simulated,
                 "device_type": self.device_type, "requires": list(self.requires)}
+
+    def why_not_here(self) -> str | None:
+        """Why this backend cannot be available here, found without importing its plugin, or None
+        when only its probe can tell: a module it requires is not installed (``find_spec``, which
+        imports nothing for a top-level name), or torch's module for its device type counts no
+        device (torch as already imported: this never imports it)."""
+        import importlib.util
+
+        for mod in self.requires:
+            top = mod.partition(".")[0]
+            try:
+                if importlib.util.find_spec(top) is None:
+                    return f"module {top} is not installed"
+            except (ImportError, ValueError):  # ValueError: a sys.modules entry without __spec__
+                pass
+        torch = sys.modules.get("torch")
+        if self.device_type != "cpu" and torch is not None:
+            count = getattr(getattr(torch, self.device_type, None), "device_count", None)
+            if callable(count):
+                try:
+                    if int(count()) == 0:
+                        return f"no {self.device_type} device (torch.{self.device_type}.device_count() == 0)"
+                except Exception:  # noqa: BLE001 - a driver error: the probe says it properly
+                    return None
+        return None
 
 
 class Manifest(NamedTuple):
