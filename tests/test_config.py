@@ -106,3 +106,29 @@ def test_bridge_pipeline_modes_and_boolean_spellings():
     assert load_config(env={}).bridge_pipeline == "auto"
     for text, mode in (("OFF", "off"), ("on", "on"), ("auto", "auto"), ("0", "off"), ("1", "on"), ("no", "off")):
         assert load_config(env={"VCGA_BRIDGE_PIPELINE": text}).bridge_pipeline == mode, text
+
+
+def test_config_is_a_frozen_dataclass():
+    """What ``@dataclass(frozen=True)`` gave Config, from vcga._values' methods: keyword
+    construction with defaults, a dataclass's fields, replace and asdict, equality and hash by
+    value, frozen fields, copies and pickles that keep every field."""
+    import copy
+    import dataclasses
+    import pickle
+
+    default = Config()
+    cfg = Config(backend="gloo", visible_devices=(0, 1))
+    assert dataclasses.is_dataclass(Config) and [f.name for f in dataclasses.fields(Config)][:2] == ["backend",
+                                                                                                      "collective_timeout_s"]
+    assert (cfg.backend, cfg.collective_timeout_s, default.backend) == ("gloo", 300.0, "auto")
+    assert dataclasses.replace(default, backend="gloo", visible_devices=(0, 1)) == cfg != default
+    assert hash(dataclasses.replace(cfg)) == hash(cfg) and len({Config(), Config(), cfg}) == 2
+    assert dataclasses.asdict(cfg)["visible_devices"] == (0, 1) and cfg.to_dict()["visible_devices"] == [0, 1]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg) and copy.copy(cfg) is not cfg
+    assert repr(default).startswith("Config(backend='auto', collective_timeout_s=300.0, ")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.backend = "nccl"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del cfg.debug
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bakend'"):
+        Config(bakend="gloo")
