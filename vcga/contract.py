@@ -156,7 +156,7 @@ class _HookspecMarker:
     (``vcga_spec``) to the same options, which is all pluggy reads when it registers the specs
     (tests/test_contract.py compares the two). A job's start imports a built-in plugin, which uses
     these markers, and need not import pluggy (about 2 ms on every rank; see
-    :mod:`vcga.plugin_manager`)."""
+    :mod:`vcga.plugin_manager.hooks`)."""
 
     @overload
     def __call__(self, function: _F, firstresult: bool = ..., historic: bool = ...,

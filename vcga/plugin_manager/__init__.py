@@ -86,7 +86,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 class PluginRecord:
-    """One plugin the manager tried to load (plain classes, these records: a dataclass costs 0.3 ms to define)."""
+    """One plugin the manager tried to load. Plain classes, both records: a dataclass adds ~0.3 ms to each start."""
 
     __slots__ = ("name", "source", "module", "status", "error", "traceback", "hook_errors", "vetting")
 
