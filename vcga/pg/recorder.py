@@ -212,7 +212,8 @@ class Call:
                  traceback: Any = None) -> None:
         self.fill(seq, op, inputs, outputs, traceback)
 
-    def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any = None) -> None:
+    def fill(self, seq: int, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...], traceback: Any = None,
+             recorder: FlightRecorder | None = None) -> None:
         """(Re)initialise this entry as call ``seq``: a ring slot is refilled in place (see
         :meth:`FlightRecorder.record`). The record id is set last: a dump that interrupts this
         (a signal) skips an entry without one and sees a refilled one whole, old or new."""
@@ -222,14 +223,14 @@ class Call:
         #: shapes as plain tuples (a torch.Size would keep the entry tracked by the collector)
         self.inputs = inputs
         self.outputs = outputs
-        self.created_ns = time.time_ns()
+        self.created_ns = _time_ns()
         self.started_ns: int | None = None
         self.ended_ns: int | None = None
         self.error: BaseException | None = None
         #: the caller's stack (:func:`where`); None: not taken (yet), (): none to take
         self.traceback = traceback
         #: the thread that issued the call (a synchronous call's stack is read there at a dump)
-        self.thread = threading.get_ident()
+        self.thread = _get_ident()
         self.stage: tuple[str, str, str] | None = None
         self.steps: list[list[Any]] | None = None
         #: the profiler span (vcga.pg.spans.Span) while one records this call, else None
@@ -237,7 +238,7 @@ class Call:
         #: a weak reference to the work of an asynchronous native call (its state is read at a dump)
         self.work: Any = None
         #: the ring it is in (None: not recorded, only profiled)
-        self.recorder: FlightRecorder | None = None
+        self.recorder = recorder
         self.record_id = next(_RECORD_IDS)
 
     @property
@@ -253,6 +254,11 @@ class Call:
         if self.traceback is None:
             self.traceback = where(0)
 
+    def _stack_if_caller(self) -> None:
+        """On the thread that issued the call, take its stack if none was taken."""
+        if self.traceback is None and self.thread == _get_ident():
+            self.traceback = where(0)
+
     def start(self) -> None:
         if self.started_ns is None:
             self.started_ns = time.time_ns()
@@ -263,8 +269,7 @@ class Call:
         if self.ended_ns is not None:
             if isinstance(error, VcgaError) and self.error is not None and not isinstance(self.error, VcgaError):
                 self.error = error
-                if self.traceback is None and self.thread == _get_ident():
-                    self.traceback = where(0)  # the caller, its typed error on the way out
+                self._stack_if_caller()  # the caller, its typed error on the way out
                 if on_failure is not None and self.recorder is not None:
                     on_failure(self, error)
             return
@@ -274,8 +279,7 @@ class Call:
                 self.span.close(self)
             return
         self.error = error
-        if self.traceback is None and self.thread == _get_ident():
-            self.traceback = where(0)  # a synchronous call failing: its caller is still on this stack
+        self._stack_if_caller()  # a synchronous call failing: its caller is still on this stack
         if self.span is not None:
             self.span.close(self)
         if on_failure is not None and self.recorder is not None:
@@ -325,19 +329,14 @@ class FlightRecorder:
         generations are what makes it run full collections: with a fresh object per call, one
         full collection of a torch process every few ten thousand calls, ~2 us a call.) An entry
         still running, or holding a profiler span, keeps its object for whoever holds it; the
-        ring takes a new one. One method, :meth:`Call.fill` inlined: this runs on every call."""
+        ring takes a new one."""
         i = self.count
         self.count = i + 1
         j = i % self.size
         call = self.ring[j]
         if call is None or call.ended_ns is None or call.span is not None:
             call = self.ring[j] = Call.__new__(Call)
-        # Call.fill, the record id last (see there)
-        call.seq, call.op, call.inputs, call.outputs = seq, op, inputs, outputs
-        call.created_ns, call.started_ns, call.ended_ns, call.error = _time_ns(), None, None, None
-        call.traceback, call.thread, call.stage, call.steps = None, _get_ident(), None, None
-        call.span, call.work, call.recorder = None, None, self
-        call.record_id = next(_RECORD_IDS)
+        call.fill(seq, op, inputs, outputs, recorder=self)
         return call
 
     def calls(self) -> list[Call]:
