@@ -95,7 +95,11 @@ class PowerSGD(Compressor):
             return [(mat @ q.to(mat.device)).contiguous()]
         if round % 2 == 0:  # a further iteration: P = M Q̂, Q̂ the last round's orthonormalised sum
             return [(mat @ state["q_hat"].to(mat.device)).contiguous()]
-        q_own = (mat.t() @ state["p"].to(mat.device)).contiguous()
+        # Mᵀ P̂ as (P̂ᵀ M)ᵀ: the BLAS walks M by rows, on the host twice as fast as through the
+        # transposed view (the same bits with the BLAS torch ships here). A BLAS that ordered the
+        # dot products otherwise would change only this rank's own payload: no peer recomputes it,
+        # and the residual keeps x - P̂ Q_ownᵀ exactly for whatever Q_own is.
+        q_own = (state["p"].to(mat.device).t() @ mat).t().contiguous()
         state["q_own"] = q_own
         return [q_own]
 

@@ -92,6 +92,23 @@ class ErrorFeedback:
     scratch: Scratch = field(default_factory=Scratch, repr=False)
     _x: torch.Tensor | None = field(default=None, repr=False)
     _fresh: bool = field(default=True, repr=False)
+    #: (hi, lo, x, their flat numpy views or None): the fused loops' operands, made again only when
+    #: one of those tensors is replaced -- each view costs more per call than a small tensor's loop
+    _arrays: tuple[object, object, object, tuple[object, object, object] | None] | None = field(default=None,
+                                                                                            repr=False)
+
+    def _host_arrays(self) -> tuple[object, object, object] | None:
+        """Flat numpy views of ``hi``, ``lo`` and the input buffer where the fused loops can take
+        them (:func:`vcga.compress.fused.usable`), else None."""
+        hi, lo, x = self.hi, self.lo, self._x
+        got = self._arrays
+        if got is not None and got[0] is hi and got[1] is lo and got[2] is x:
+            return got[3]
+        assert hi is not None and lo is not None and x is not None
+        views = ((hi.reshape(-1).numpy(), lo.reshape(-1).numpy(), x.reshape(-1).numpy()) if fused.usable(hi, lo, x)
+                 else None)
+        self._arrays = (hi, lo, x, views)
+        return views
 
     def input(self, g: torch.Tensor) -> torch.Tensor:
         """The compressor's input for gradient ``g``: ``g`` plus the residual."""
@@ -110,11 +127,12 @@ class ErrorFeedback:
             return self._x
         x, lo, hi = self._x, self.lo, self.hi
         assert x is not None and lo is not None
-        gf, xf, hf, lf = (t.reshape(-1) for t in (g, x, hi, lo))  # views: all contiguous
-        if fused.usable(gf, xf, hf, lf) and (k := fused.kernels()) is not None:
-            k[0](gf.numpy(), hf.numpy(), lf.numpy(), xf.numpy())  # the same operations, one pass
+        gf = g.reshape(-1)
+        if (k := fused.kernels()) is not None and (arrays := self._host_arrays()) is not None and fused.usable(gf):
+            k[0](gf.numpy(), arrays[0], arrays[1], arrays[2])  # the same operations, one pass
             self._fresh = False
             return x
+        xf, hf, lf = (t.reshape(-1) for t in (x, hi, lo))  # views: all contiguous
         e1, tmp = self.scratch.get(g)
         for b in _blocks(gf.numel(), g.device):
             xb, lb = xf[b], lf[b]
@@ -128,6 +146,11 @@ class ErrorFeedback:
         """Keep ``x − sent`` (exactly, as ``h + l``) plus the pending low part for the next step."""
         assert self.hi is not None and self.lo is not None
         sent = sent.to(device=x.device, dtype=x.dtype).reshape(x.shape).contiguous()
+        if (not self.record and x is self._x and (k := fused.kernels()) is not None
+                and (arrays := self._host_arrays()) is not None and fused.usable(sent)):
+            # the same operations, one pass
+            k[1](arrays[2], sent.reshape(-1).numpy(), arrays[0], arrays[1], self._fresh)
+            return
         xf, sf, hf, lf = (t.reshape(-1) for t in (x, sent, self.hi, self.lo))
         if self.record:  # the identity is checked on (h, l) before the pending part joins them
             pending = self.lo.clone()
@@ -156,6 +179,11 @@ class ErrorFeedback:
         where the fused loop can (:func:`vcga.compress.fused.factored`): one pass instead of writing
         a gradient-sized tensor and reading it back."""
         assert self.hi is not None and self.lo is not None
+        if (not self.record and x is self._x and p.shape[0] * q.shape[0] == x.numel()
+                and (k := fused.factored()) is not None and (arrays := self._host_arrays()) is not None
+                and fused.usable(x, p, q)):
+            k[0](arrays[2], p.t().contiguous().numpy(), q.t().contiguous().numpy(), arrays[0], arrays[1], self._fresh)
+            return
         xf, hf, lf = (t.reshape(-1) for t in (x, self.hi, self.lo))
         if (not self.record and p.shape[0] * q.shape[0] == xf.numel() and fused.usable(xf, p, q, hf, lf)
                 and (k := fused.factored()) is not None):

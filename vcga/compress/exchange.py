@@ -109,6 +109,7 @@ class Exchange:
         #: communication thread woken and waited for per collective)
         self.sync = False
         self._table = getattr(group, "capabilities", None) if group is not None else None
+        self._seeds: dict[Any, int] = {}  # per key, the shared seed mixed with it (ctx: every call)
 
     # -- collectives (counted here when the transport cannot be) -----------------------------------
 
@@ -171,6 +172,7 @@ class Exchange:
         """Drop the state of keys no longer used (DDP rebuilt its buckets)."""
         for k in [k for k in self.slots if not keep(k)]:
             del self.slots[k]
+        self._seeds.clear()
 
     def saved(self) -> dict[Any, dict[str, Any]]:
         """Every tensor's state between steps, as plain values (:meth:`restore` takes it back):
@@ -194,7 +196,10 @@ class Exchange:
                       for k, v in saved.items()}
 
     def ctx(self, key: Any, step: int, role: str = "worker") -> CompressContext:
-        return CompressContext(self.peers, self.peer, step, mix_seed(self.seed, repr(key)), role)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = mix_seed(self.seed, repr(key))
+        return CompressContext(self.peers, self.peer, step, seed, role)
 
     # -- the exchange --------------------------------------------------------------------------------
 
@@ -253,13 +258,14 @@ class Exchange:
         out: list[torch.Tensor | None] = [None] * len(xs)
         last_payload: list[list[torch.Tensor]] = [[] for _ in xs]
         pending = list(range(len(xs)))
+        states = [self.slot(k).state for k in keys]
+        ctxs = [self.ctx(k, step) for k in keys]  # immutable: one per tensor serves every round
         ef_done = False
         for rnd in range(c.rounds):
             if not pending:
                 break
             with stage("encode", "compress", type(c).__name__):
-                payloads = {i: c.compress(xs[i], self.slot(keys[i]).state, self.ctx(keys[i], step), rnd)
-                            for i in pending}
+                payloads = {i: c.compress(xs[i], states[i], ctxs[i], rnd) for i in pending}
             for i in pending:
                 last_payload[i] = payloads[i]
             with stage("exchange", "compress", self.label):
@@ -269,12 +275,12 @@ class Exchange:
                     # residuals while the sum travels -- the error feedback's passes over every
                     # gradient then overlap the slow hop's round trip instead of following it (where
                     # the sum is issued asynchronously, :attr:`sync`)
-                    self._update_ef(xs, keys, step, last_payload)
+                    self._update_ef(xs, keys, step, last_payload, ctxs)
                     ef_done = True
                 summed = self._finish_sum(travelling)
             with stage("decode", "compress", type(c).__name__):
                 for i in pending:
-                    state, ctx = self.slot(keys[i]).state, self.ctx(keys[i], step)
+                    state, ctx = states[i], ctxs[i]
                     if into is not None and c.decompress_into(summed[i], state, ctx, rnd, into[i], divisor):
                         out[i] = into[i]
                         continue
@@ -287,20 +293,20 @@ class Exchange:
                             f"its {c.rounds} round(s)")
         decoded = [o for o in out if o is not None]  # all of them: nothing is pending
         if forms is not None:  # before the next call of any kind can touch the state
-            forms.extend(c.decoded_form(o, self.slot(k).state) for o, k in zip(decoded, keys, strict=True))
+            forms.extend(c.decoded_form(o, st) for o, st in zip(decoded, states, strict=True))
         if not ef_done:  # every tensor decoded before the last round (PowerSGD: all of them 1-D)
-            self._update_ef(xs, keys, step, last_payload)
+            self._update_ef(xs, keys, step, last_payload, ctxs)
         return [o.to(xs[i].device) for i, o in enumerate(decoded)]
 
     def _update_ef(self, xs: list[torch.Tensor], keys: Sequence[Any], step: int,
-                   last_payload: list[list[torch.Tensor]]) -> None:
+                   last_payload: list[list[torch.Tensor]], ctxs: Sequence[CompressContext]) -> None:
         """Each tensor's residual after this step (from the factors of what was sent where the
         compressor has them, :meth:`~vcga.contract.Compressor.sent_factors`)."""
         for i, k in enumerate(keys):
             slot = self.slot(k)
             if slot.ef is None:
                 continue
-            ctx = self.ctx(k, step)
+            ctx = ctxs[i]
             factors = self.c.sent_factors(xs[i], last_payload[i], slot.state, ctx)
             if factors is not None:
                 slot.ef.update_factored(xs[i], *factors)

@@ -75,18 +75,44 @@ def _compile() -> Any:
     @jit
     def outer_sum(pt: Any, qt: Any, out: Any) -> None:  # pragma: no cover - compiled
         # out[i, j] = ((pt[0,i] qt[0,j] + pt[1,i] qt[1,j]) + ...) in order k = 0, 1, ...
+        # Up to four products per pass over a row (the same roundings in the same order, each
+        # product and each sum rounded on its own), so a rank-4 row is written once, not 7 times.
+        # The passes are written out here, not in a helper: numba caches a loop that calls
+        # another jitted closure anew in every process.
         r, n = pt.shape
         m = qt.shape[1]
         for i in range(n):
             row = out[i]
             p0 = pt[0, i]
-            for j in range(m):
-                row[j] = p0 * qt[0, j]
-            for k in range(1, r):
+            if r >= 4:
+                p1, p2, p3 = pt[1, i], pt[2, i], pt[3, i]
+                for j in range(m):
+                    row[j] = ((p0 * qt[0, j] + p1 * qt[1, j]) + p2 * qt[2, j]) + p3 * qt[3, j]
+                k = 4
+            elif r == 3:
+                p1, p2 = pt[1, i], pt[2, i]
+                for j in range(m):
+                    row[j] = (p0 * qt[0, j] + p1 * qt[1, j]) + p2 * qt[2, j]
+                k = 3
+            elif r == 2:
+                p1 = pt[1, i]
+                for j in range(m):
+                    row[j] = p0 * qt[0, j] + p1 * qt[1, j]
+                k = 2
+            else:
+                for j in range(m):
+                    row[j] = p0 * qt[0, j]
+                k = 1
+            while k + 3 <= r:
+                pa, pb, pc = pt[k, i], pt[k + 1, i], pt[k + 2, i]
+                for j in range(m):
+                    row[j] = ((row[j] + pa * qt[k, j]) + pb * qt[k + 1, j]) + pc * qt[k + 2, j]
+                k += 3
+            while k < r:
                 pk = pt[k, i]
                 for j in range(m):
-                    prod = pk * qt[k, j]
-                    row[j] = row[j] + prod
+                    row[j] = row[j] + pk * qt[k, j]
+                k += 1
 
     return ef_input, ef_update, outer_sum
 
@@ -106,14 +132,38 @@ def _compile_factored() -> Any:
         m = qt.shape[1]
         row = np.empty(m, dtype=x.dtype)
         for i in range(n):
+            # the row as outer_sum forms it: up to four products per pass (written out again here:
+            # numba caches a loop that calls another jitted closure anew in every process)
             p0 = pt[0, i]
-            for j in range(m):
-                row[j] = p0 * qt[0, j]
-            for k in range(1, r):
+            if r >= 4:
+                p1, p2, p3 = pt[1, i], pt[2, i], pt[3, i]
+                for j in range(m):
+                    row[j] = ((p0 * qt[0, j] + p1 * qt[1, j]) + p2 * qt[2, j]) + p3 * qt[3, j]
+                k = 4
+            elif r == 3:
+                p1, p2 = pt[1, i], pt[2, i]
+                for j in range(m):
+                    row[j] = (p0 * qt[0, j] + p1 * qt[1, j]) + p2 * qt[2, j]
+                k = 3
+            elif r == 2:
+                p1 = pt[1, i]
+                for j in range(m):
+                    row[j] = p0 * qt[0, j] + p1 * qt[1, j]
+                k = 2
+            else:
+                for j in range(m):
+                    row[j] = p0 * qt[0, j]
+                k = 1
+            while k + 3 <= r:
+                pa, pb, pc = pt[k, i], pt[k + 1, i], pt[k + 2, i]
+                for j in range(m):
+                    row[j] = ((row[j] + pa * qt[k, j]) + pb * qt[k + 1, j]) + pc * qt[k + 2, j]
+                k += 3
+            while k < r:
                 pk = pt[k, i]
                 for j in range(m):
-                    prod = pk * qt[k, j]
-                    row[j] = row[j] + prod
+                    row[j] = row[j] + pk * qt[k, j]
+                k += 1
             base = i * m
             for j in range(m):
                 a = x[base + j]
@@ -205,7 +255,7 @@ def _self_check(ef_input: Any, ef_update: Any, outer: Any) -> str | None:
             if not torch.equal(a.view(torch.int64 if dtype == torch.float64 else torch.int32),
                                b.view(torch.int64 if dtype == torch.float64 else torch.int32)):
                 return f"error feedback {name} ({dtype})"
-        for r in (1, 2, 4, 7):
+        for r in (1, 2, 3, 4, 5, 7, 8):  # every way a row's passes group the products
             p = probe_values(dtype, 97 * r, 5 + r).reshape(97, r) * 1e-5
             q = probe_values(dtype, 130 * r, 9 + r).reshape(130, r) * 1e-5
             want = _outer_sum_ops(p, q)
@@ -224,7 +274,8 @@ def _self_check_factored(ef_update_outer: Any, ortho: Any) -> str | None:
 
     for dtype in (torch.float32, torch.float64):
         bits = torch.int64 if dtype == torch.float64 else torch.int32
-        for r, (n, m) in ((1, (31, 17)), (4, (97, 130)), (7, (40, 65))):
+        for r, (n, m) in ((1, (31, 17)), (2, (23, 19)), (3, (29, 33)), (4, (97, 130)), (5, (17, 41)), (7, (40, 65)),
+                          (8, (13, 27))):
             p = probe_values(dtype, n * r, 20 + r).reshape(n, r) * 1e-5
             q = probe_values(dtype, m * r, 40 + r).reshape(m, r) * 1e-5
             x = probe_values(dtype, n * m, 60 + r)
@@ -323,10 +374,12 @@ def usable(*tensors: torch.Tensor) -> bool:
     """Can the loops take these tensors (all on the host, float32 or float64 alike, contiguous,
     plain memory that numpy can view: no autograd, no lazy negation)?"""
     dt = tensors[0].dtype
-    if dt not in (torch.float32, torch.float64):
+    if dt is not torch.float32 and dt is not torch.float64:
         return False
-    return all(t.device.type == "cpu" and t.dtype == dt and t.is_contiguous() and not t.requires_grad
-               and not t.is_neg() for t in tensors)
+    for t in tensors:  # a plain loop of the cheapest checks: it runs several times per tensor and step
+        if t.dtype is not dt or not t.is_cpu or t.requires_grad or not t.is_contiguous() or t.is_neg():
+            return False
+    return True
 
 
 def outer_sum(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
