@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from vcga.contract import Combine, CompressContext, Compressor
@@ -161,12 +162,15 @@ class PowerSGD(Compressor):
         if not state.get("compressed", True) or "q_sum" not in state:
             return None
         p, q = state["p"], state["q_sum"]
-        if not (bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all())):
+        # the extremes of both factors in one transfer: all finite exactly when they are (NaN
+        # propagates through both), and the largest magnitudes are the larger of |min| and |max|
+        p_lo, p_hi, q_lo, q_hi = torch.stack([*torch.aminmax(p), *torch.aminmax(q)]).tolist()
+        if not all(math.isfinite(v) for v in (p_lo, p_hi, q_lo, q_hi)):
             return False
         # each decoded element is a sum of r products p_ik q_jk (divided): at most r max|P̂| max|Q|
         # in magnitude, every partial sum too (up to roundings of relative size r u): no overflow,
         # no inf - inf, when that bound is below the dtype's largest finite value with room
-        bound = p.shape[1] * float(p.abs().max()) * float(q.abs().max())
+        bound = p.shape[1] * max(-p_lo, p_hi) * max(-q_lo, q_hi)
         return True if bound < torch.finfo(q.dtype).max / 4 else None
 
     def decoded_layout(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str]] | None:
