@@ -51,7 +51,6 @@ from vcga.errors import (
 )
 from vcga.pg.calls import CallPath
 from vcga.pg.collectives import Collectives, one_tensor
-from vcga.pg.debug import FingerprintCheck, fingerprint
 from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
 from vcga.pypg import PyWork, options, timeout_given
@@ -308,7 +307,11 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._backend = transport.backend_name
         self._store = store
         self._global_ranks = list(global_ranks) or list(range(size))
-        debug = FingerprintCheck(dist.PrefixStore("vcga/debug", store), rank, size, timeout) if config.debug else None
+        debug = None
+        if config.debug:  # VCGA_DEBUG only: a job's start does not import the fingerprints' module
+            from vcga.pg.debug import FingerprintCheck
+
+            debug = FingerprintCheck(dist.PrefixStore("vcga/debug", store), rank, size, timeout)
         #: what this group's last collectives were (None: TORCH_FR_BUFFER_SIZE=0)
         self.flight_recorder = _new_recorder(transport, config, group_name, self._global_ranks, rank,
                                              timeout.total_seconds())
@@ -520,6 +523,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
         return counter[peer]
 
     def _p2p_fingerprint_send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        from vcga.pg.debug import fingerprint
+
         n = self._p2p_next(self._p2p_sent, dst)
         fp = fingerprint("send", t)
         fp["tag"] = tag
@@ -528,6 +533,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
     def _p2p_fingerprint_recv(self, t: torch.Tensor, src: int, tag: int, n: int) -> None:
         """Debug mode, receiver side: the matching send must carry the same dtype and shape."""
         from vcga.errors import VcgaMismatchError
+        from vcga.pg.debug import fingerprint
 
         store = self._calls.debug.store  # type: ignore[union-attr]
         key = f"p2p/{src}->{self._rank}/{n}"

@@ -25,7 +25,7 @@ import re
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import profiler as _profiler
@@ -34,11 +34,12 @@ from torch.distributed import ReduceOp as _TorchReduceOp
 from vcga.contract import Collective, ReduceOp
 from vcga.errors import VcgaCollectiveError, VcgaError, VcgaTimeoutError
 from vcga.pg import recorder as _recorder
-from vcga.pg import spans as _spans
-from vcga.pg.debug import FingerprintCheck, fingerprint
 from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.recorder import Call, FlightRecorder
 from vcga.pypg import PyWork, reduce_op_of, waited_work
+
+if TYPE_CHECKING:
+    from vcga.pg.debug import FingerprintCheck
 
 __all__ = ["CallPath"]
 
@@ -84,7 +85,9 @@ class CallPath:
         """The next sequence number; in debug mode, first compare this call's fingerprint
         (built only then: the hot path pays one counter increment)."""
         seq = next(self.seqs)
-        if self.debug is not None:
+        if self.debug is not None:  # VCGA_DEBUG only
+            from vcga.pg.debug import fingerprint
+
             self.debug.check(seq, fingerprint(name, tensors, op.value if op is not None else None, root))
         return seq
 
@@ -101,8 +104,10 @@ class CallPath:
             call = rec.record(seq, op, inputs, inputs if outputs is None else outputs)
         else:
             call = Call(seq, op, inputs, inputs if outputs is None else outputs)
-        if profiled:
-            call.span = _spans.open_span(call, tensors)
+        if profiled:  # spans' module only while a profiler runs: a job's start does not import it
+            from vcga.pg.spans import open_span
+
+            call.span = open_span(call, tensors)
         return call
 
     def translate(self, e: BaseException, name: str, seq: int | None) -> BaseException:

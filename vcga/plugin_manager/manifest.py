@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
+
+from vcga._values import FrozenValue
 
 __all__ = ["BackendFacts", "Manifest", "BUILTIN_MANIFESTS", "HOOKS", "manifest_of"]
 
@@ -32,15 +34,28 @@ HOOKS = ("vcga_backends", "vcga_rank_backend", "vcga_tensor_to_host", "vcga_form
          "vcga_compressors")
 
 
-class BackendFacts(NamedTuple):
+class BackendFacts(FrozenValue):
     """What automatic selection needs to know of a backend before importing its plugin (the
-    :class:`~vcga.contract.Backend` attributes of the same names)."""
+    :class:`~vcga.contract.Backend` attributes of the same names).
 
+    A frozen value (:mod:`vcga._values`), not a NamedTuple: ``typing.NamedTuple`` builds its class
+    through ``collections.namedtuple``, which compiles ``__new__`` from source, about 0.15 ms per
+    class on every rank of every job; this module is imported by each job's first group."""
+
+    __slots__ = ("name", "priority", "simulated", "device_type", "requires")
     name: str
-    priority: int = 0
-    simulated: bool = False
-    device_type: str = "cpu"
-    requires: tuple[str, ...] = ()
+    priority: int
+    simulated: bool
+    device_type: str
+    requires: tuple[str, ...]
+
+    def __init__(self, name: str, priority: int = 0, simulated: bool = False, device_type: str = "cpu",
+                 requires: tuple[str, ...] = ()) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "simulated", simulated)
+        object.__setattr__(self, "device_type", device_type)
+        object.__setattr__(self, "requires", requires)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "priority": self.priority, "simulated": self.simulated,
@@ -72,16 +87,24 @@ class BackendFacts(NamedTuple):
         return None
 
 
-class Manifest(NamedTuple):
-    """The hooks a plugin implements and the backends it registers."""
+class Manifest(FrozenValue):
+    """The hooks a plugin implements and the backends it registers (a frozen value, as
+    :class:`BackendFacts` is)."""
 
+    __slots__ = ("hooks", "backends", "rank_backend_key")
     hooks: frozenset[str]
-    backends: tuple[BackendFacts, ...] = ()
+    backends: tuple[BackendFacts, ...]
     #: The config key without which the plugin's ``vcga_rank_backend`` answers None (the simulated
     #: vendors' ``sim_vendors``), so selection does not import it while that key is unset. Only
     #: built-in manifests say so; a third-party plugin implementing the hook is asked at every
     #: automatic selection.
-    rank_backend_key: str | None = None
+    rank_backend_key: str | None
+
+    def __init__(self, hooks: frozenset[str], backends: tuple[BackendFacts, ...] = (),
+                 rank_backend_key: str | None = None) -> None:
+        object.__setattr__(self, "hooks", hooks)
+        object.__setattr__(self, "backends", backends)
+        object.__setattr__(self, "rank_backend_key", rank_backend_key)
 
     def provides(self, hook: str) -> bool:
         return hook in self.hooks
