@@ -51,6 +51,8 @@ JOB = textwrap.dedent("""
 #: interfaces (the contract's sections 4-6) and vcga.compress (a job that sets no compression spec).
 NEVER = ("vcga.conformance", "vcga.formats", "vcga.formatspec", "vcga.formatkit", "vcga.checkspec", "vcga.compressors",
          "vcga.plugins.compressors", "vcga.compress")
+#: What a job imports only when it asks for it: VCGA_DEBUG's fingerprints, the torch profiler's spans.
+ON_REQUEST = ("vcga.pg.debug", "vcga.pg.spans")
 
 
 def test_a_job_imports_only_its_backends_plugin():
@@ -67,7 +69,8 @@ def test_a_job_imports_only_its_backends_plugin():
     vcga_first = [m for m in first if m.startswith("vcga")]
     unused = [m for m in vcga_first if m.startswith(NEVER) or m.startswith("vcga.plugins.")]
     assert unused == ["vcga.plugins.gloo"], f"imported by the job: {unused}"
-    assert len(vcga_first) <= 30, vcga_first  # 23 today: the group's own modules, the manager, gloo's plugin
+    assert len(vcga_first) <= 30, vcga_first  # 21 today: the group's own modules, the manager, gloo's plugin
+    assert not [m for m in first + sim if m in ON_REQUEST], first + sim  # no VCGA_DEBUG, no profiler running
     plugins_added = [m for m in sim if m.startswith("vcga.plugins.")]
     assert plugins_added, sim
     assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim
