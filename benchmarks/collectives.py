@@ -21,10 +21,18 @@ Usage::
     python benchmarks/collectives.py --hooks-off --vendors nccl:1,hccl:1 --ops all_reduce
         # the bridged all_reduce against itself with the flight recorder and span hooks off
         # (with --aa: off on both sides, how far from 1.0 noise alone gets there)
+    python benchmarks/collectives.py --torch-recorder off --min-bytes 4096 --max-bytes 4096
+        # torch's own flight recorder off: gloo records nothing, vcga each call once, in its ring
 
 ``--hooks-off`` replaces the gloo group by the ``vcga`` group itself with its flight recorder and
 profiler-span hooks switched off for each such call (the "gloo" columns), so the ratio is what
 the hooks cost; ``--vendors`` runs the ranks as simulated vendors (a mixed-vendor group: the bridge).
+
+torch's own flight recorder (one per process, on by default in torch 2.13) records every call of a
+gloo group: the plain gloo group's, and the native gloo call under each vcga call, which VCGA's
+ring records as well. By default, then, gloo records each call once and vcga twice.
+``--torch-recorder off`` switches torch's off for both (``TORCH_FR_BUFFER_SIZE=0``) and keeps
+VCGA's (``VCGA_FR_BUFFER_SIZE``): gloo records nothing and vcga each call once.
 """
 
 from __future__ import annotations
@@ -251,9 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hooks-off", action="store_true",
                    help="compare vcga with itself, the flight recorder and span hooks off (the 'gloo' columns)")
     p.add_argument("--vendors", metavar="SPEC", help="simulated vendors per rank, e.g. nccl:1,hccl:1 (the bridge)")
+    p.add_argument("--torch-recorder", choices=("on", "off"), default="on",
+                   help="off: torch's own flight recorder off (TORCH_FR_BUFFER_SIZE=0), VCGA's kept "
+                        "(VCGA_FR_BUFFER_SIZE): gloo records nothing, vcga each call once (in its own ring)")
     args = p.parse_args(argv)
     if args.vendors:
         os.environ["VCGA_SIM_VENDORS"] = args.vendors
+    if args.torch_recorder == "off":
+        # torch's recorder is one per process and records every gloo call: the plain gloo group's
+        # and the native gloo call under every vcga call alike (so by default vcga records twice)
+        from vcga.pg.recorder import OWN_SIZE_VAR, buffer_size
+
+        os.environ[OWN_SIZE_VAR] = str(buffer_size())
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
 
     if not args.quiet:
         other = ("a second gloo group (A/A)" if args.aa else "itself with the recorder and span hooks off"

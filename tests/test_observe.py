@@ -178,6 +178,11 @@ def test_ring_keeps_the_newest_entries_and_torch_fr_buffer_size_is_validated() -
     assert buffer_size({}) == DEFAULT_ENTRIES
     assert buffer_size({"TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}) == 7
     assert buffer_size({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}) == 0
+    # VCGA's own size first: torch's recorder off (it records the native calls again), VCGA's on
+    assert buffer_size({"VCGA_FR_BUFFER_SIZE": "5", "TORCH_FR_BUFFER_SIZE": "0"}) == 5
+    assert buffer_size({"VCGA_FR_BUFFER_SIZE": "0", "TORCH_FR_BUFFER_SIZE": "9"}) == 0
+    with pytest.raises(VcgaConfigError, match="VCGA_FR_BUFFER_SIZE"):
+        buffer_size({"VCGA_FR_BUFFER_SIZE": "many"})
     with pytest.raises(VcgaConfigError, match="TORCH_FR_BUFFER_SIZE"):
         buffer_size({"TORCH_FR_BUFFER_SIZE": "-1"})
     rec = FlightRecorder(3, "g", "d", [0, 1], 0, "gloo", {}, 1.0)

@@ -1,7 +1,8 @@
 """The flight recorder of the ``vcga`` process groups: what each rank's last collectives were.
 
 Every ``vcga`` group keeps its last ``TORCH_FR_BUFFER_SIZE`` collectives (torch's variable and
-default, 2000; 0 switches the recorder off): sequence number, op, sizes and dtypes, state
+default, 2000; 0 switches the recorder off; ``VCGA_FR_BUFFER_SIZE``, read first, sizes VCGA's
+rings alone): sequence number, op, sizes and dtypes, state
 (scheduled, started, completed), times, the bridge step it is in, and where it was called from.
 Each rank writes all of it to one file -- torch's flight-recorder schema, which torch's own
 analyzer (``torchfrtrace``) and ``vcga trace`` read -- when

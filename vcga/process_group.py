@@ -131,7 +131,8 @@ class VcgaOptions(FrozenValue):
 
 def _new_recorder(transport: Transport, config: Config, group_name: str, global_ranks: Sequence[int], rank: int,
                   timeout_s: float) -> Any:
-    """This group's flight recorder (:mod:`vcga.pg.recorder`), or None where TORCH_FR_BUFFER_SIZE is 0.
+    """This group's flight recorder (:mod:`vcga.pg.recorder`), or None where its size is 0
+    (``VCGA_FR_BUFFER_SIZE``, else ``TORCH_FR_BUFFER_SIZE``).
 
     Entries are named after the library this rank's calls run on (torch's analyzer knows nccl, hccl,
     gloo, ...): a vendor's own, the one a simulated vendor stands for."""

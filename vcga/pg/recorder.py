@@ -20,7 +20,8 @@ synchronous call that completed on the hot path lists no frames (torch's recorde
 every entry).
 
 The ring has ``TORCH_FR_BUFFER_SIZE`` entries per group (torch's variable and default, 2000;
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it); 0 switches the recorder off.
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` as torch also reads it; ``VCGA_FR_BUFFER_SIZE`` before both, for
+VCGA's rings alone); 0 switches the recorder off.
 
 Stages (:func:`stage`): the bridge's steps (in-vendor reduce-scatter, cross-vendor exchange,
 in-vendor all-gather, ...) and compression's (encode, exchange, decode) run on the group's
@@ -61,13 +62,20 @@ local = threading.local()  # .call: the Call whose stages this thread runs now
 FRAMES = 10
 
 
+#: VCGA's own size of its rings, read before torch's variables: torch's recorder is one per process
+#: and records every call of torch's gloo and NCCL groups, the native groups under a ``vcga`` group
+#: included, so ``TORCH_FR_BUFFER_SIZE=0`` with this set keeps one recorder of each call, VCGA's.
+OWN_SIZE_VAR = "VCGA_FR_BUFFER_SIZE"
+
+
 def buffer_size(env: Any = None) -> int:
-    """Entries per group: ``TORCH_FR_BUFFER_SIZE`` (else ``TORCH_NCCL_TRACE_BUFFER_SIZE``, else
-    :data:`DEFAULT_ENTRIES`); 0 switches the recorder off.
+    """Entries per group: :data:`OWN_SIZE_VAR` (``VCGA_FR_BUFFER_SIZE``), else
+    ``TORCH_FR_BUFFER_SIZE``, else ``TORCH_NCCL_TRACE_BUFFER_SIZE``, else :data:`DEFAULT_ENTRIES`;
+    0 switches the recorder off.
 
     :raises VcgaConfigError: a value that is not an integer >= 0."""
     env = os.environ if env is None else env
-    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+    for var in (OWN_SIZE_VAR, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         text = env.get(var)
         if text is None or not text.strip():
             continue
