@@ -16,7 +16,8 @@ sim-hccl, one per node (``VCGA_BACKEND`` set per node, as each node of a mixed c
    the first error goes to ``OUTDIR/rank<r>.<name>.error.json`` (its type, module, message and the
    time) and the rank goes on to the next phase, whose group talks over ``--next-interface`` (the
    earlier fault may have taken the first link). A loop that outlives ``--fault-timeout`` x 6 writes
-   a "hang" record instead (the test fails on it). The rank exits 3 after the last phase.
+   a "hang" record instead (the test fails on it). The rank exits 3 after the last phase, once every
+   rank of its node has written its last record (or a bounded wait ran out).
 """
 
 from __future__ import annotations
@@ -103,6 +104,15 @@ def main() -> None:
         if i:  # the link of the earlier fault is gone: the next group talks over the other network
             os.environ["GLOO_SOCKET_IFNAME"] = args.next_interface
         fault_phase(args.out, rank, phase, args.fault_timeout)
+    # torchrun stops a node's other ranks (SIGTERM) as soon as one of them exits with an error: wait
+    # until every rank of this node has written its last record (a failing rank first dumps its
+    # flight recorder, a second or more), bounded, as a rank of a dead node never writes one
+    first = rank - int(os.environ.get("LOCAL_RANK", 0))
+    node = [args.out / f"rank{r}.{args.faults[-1]}.error.json"
+            for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1)))]
+    deadline = time.monotonic() + 2 * args.fault_timeout + 30
+    while not all(p.exists() for p in node) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.stdout.flush()
     os._exit(3)  # every phase ended in an error; a normal exit would tear the groups down against dead peers
 

@@ -100,7 +100,7 @@ def test_a_bucket_that_goes_plain_takes_its_residual_with_it():
     red.compressor = type("C", (), {"elementwise": False})()
     red._cut_cache = {}
     red.exchange = Exchange.__new__(Exchange)
-    red.exchange.slots, red.exchange.peers = {}, 2
+    red.exchange.slots, red.exchange.peers, red.exchange._seeds = {}, 2, {}
     key = (0, ((4, 3), (5,)))
     ef = ErrorFeedback()
     ef.input(torch.ones(5))
