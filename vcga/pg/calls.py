@@ -218,7 +218,7 @@ class CallPath:
         (the bridge), ``call`` is this thread's current call meanwhile: the bridge carries it to
         the thread that runs the collective."""
         if self.steps_below:
-            return self._native_call_below(name, seq, fn, args, async_op, result, call)
+            fn = partial(_as_current, call, fn)
         try:
             work = fn(*args)
         except (ValueError, TypeError) as e:
@@ -230,40 +230,19 @@ class CallPath:
             if call is not None:
                 call.end(err)
             raise err from e
-        if async_op:
-            return self.wrap_async(work, name, seq, result, call)
-        # wait_inline, inlined: the synchronous hot path is the common call, one frame less
-        try:
-            work.wait()
-        except Exception as e:
-            err = self.translate(e, name, seq)
-            if call is not None:
-                call.end(err)
-            raise err from e
-        if call is not None:
-            call.end()
-        return waited_work()
-
-    def _native_call_below(self, name: str, seq: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
-                           async_op: bool, result: Sequence[torch.Tensor], call: Call | None) -> Any:
-        """:meth:`native_call` where the native group runs steps of its own (the bridge): ``call``
-        is this thread's current call while ``fn`` runs."""
-        local = _recorder.local
-        was = getattr(local, "call", None)
-        local.call = call
-        try:
-            work = fn(*args)
-        except (ValueError, TypeError) as e:
-            if call is not None:
-                call.end(e)
-            raise
-        except Exception as e:
-            err = self.translate(e, name, seq)
-            if call is not None:
-                call.end(err)
-            raise err from e
-        finally:
-            local.call = was
         if not async_op:
             return self.wait_inline(work, name, seq, call)
         return self.wrap_async(work, name, seq, result, call)
+
+
+def _as_current(call: Call | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``call`` as this thread's current call (:func:`vcga.pg.recorder.current`);
+    :func:`vcga.pg.recorder.running` as a plain function: every bridged call passes here, and a
+    generator-based context manager costs a microsecond a call."""
+    local = _recorder.local
+    was = getattr(local, "call", None)
+    local.call = call
+    try:
+        return fn(*args)
+    finally:
+        local.call = was
