@@ -344,7 +344,7 @@ class FlightRecorder:
         call = self.ring[j]
         if call is None or call.ended_ns is None or call.span is not None:
             call = self.ring[j] = Call.__new__(Call)
-        call.fill(seq, op, inputs, outputs, recorder=self)
+        call.fill(seq, op, inputs, outputs, None, self)  # positional: keywords cost on every call
         return call
 
     def calls(self) -> list[Call]:
