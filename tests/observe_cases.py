@@ -200,3 +200,47 @@ def _all_arrive(store: Any, key: str, rank: int, world: int) -> None:
     """A barrier through the store (the groups under test may be poisoned by then)."""
     store.set(f"{key}/{rank}", "1")
     store.wait([f"{key}/{r}" for r in range(world)], WAIT)
+
+
+def killed_ddp_peer(rank: int, port: int, queue: Any, tmp: str) -> None:
+    """``nccl:1,hccl:1``, DDP on the asynchronous bridge: rank 1's process is killed (SIGKILL, as
+    the kernel's out-of-memory killer does) before its third backward; rank 0 reports what its
+    training loop's ``except VcgaTimeoutError`` caught, and how long the backward took. Not a
+    :func:`~vcga.testing.run_world` target: a killed rank cannot report."""
+    from vcga.testing import WORLD_ENV
+
+    os.environ.update({**WORLD_ENV, "VCGA_SIM_VENDORS": "nccl:1,hccl:1", "VCGA_BRIDGE_FIGURES_CACHE": tmp,
+                       "VCGA_TRACE_DIR": tmp})
+    import torch
+    import torch.distributed as dist
+
+    import vcga  # noqa: F401 - registers the backend
+    from vcga.errors import VcgaCollectiveError, VcgaTimeoutError
+
+    dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    net = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 64)
+    caught = None
+    for step in range(4):  # DDP rebuilds its buckets in step 1's forward (a broadcast): the kill comes after
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        loss = net(x).sum()
+        t0 = time.monotonic()
+        try:
+            loss.backward()
+        except VcgaTimeoutError as e:  # no vcga.errors.typed(), and a timeout's handler sees a lost peer too
+            caught = {"type": type(e).__name__, "step": step, "seconds": time.monotonic() - t0,
+                      "collective_error": isinstance(e, VcgaCollectiveError),
+                      "dist_backend_error": isinstance(e, dist.DistBackendError),
+                      "message": str(e).splitlines()[0][:300]}
+            break
+        except Exception as e:  # noqa: BLE001 - what the loop's handler would have missed, to the test
+            caught = {"type": type(e).__name__, "step": step, "missed": True, "message": str(e).splitlines()[0][:300]}
+            break
+        opt.step()
+    queue.put(caught)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # the group is unusable: nothing left to tear down cleanly

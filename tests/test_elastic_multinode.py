@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_elastic.py")
 NPROC = 2
 TIMEOUT = 10.0  # the ranks' collective timeout (s)
-TYPED = {"VcgaCollectiveError", "VcgaTimeoutError"}
+TYPED = {"VcgaCollectiveError", "VcgaTimeoutError", "VcgaPeerLostError"}
 
 pytestmark = pytest.mark.timeout(900)
 

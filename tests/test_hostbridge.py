@@ -78,7 +78,7 @@ def test_a_killed_peer_fails_the_other_at_once(with_child: bool) -> None:
     if with_child:
         assert said["child refused"] == (True,)
     assert procs[1].exitcode == 3
-    assert error and error.startswith("VcgaCollectiveError") and "rank 1 is gone" in error, error
+    assert error and error.startswith("VcgaPeerLostError") and "rank 1 is gone" in error, error
     assert seconds < 30, seconds
 
 

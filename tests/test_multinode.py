@@ -25,7 +25,7 @@ RANK = str(ROOT / "tests" / "multinode_rank.py")
 NPROC = 2
 WORLD = 2 * NPROC
 FAULT_TIMEOUT = 10.0  # the fault phase's collective timeout (s)
-TYPED = {"VcgaCollectiveError", "VcgaTimeoutError"}
+TYPED = {"VcgaCollectiveError", "VcgaTimeoutError", "VcgaPeerLostError"}
 
 
 def make_cluster(**kwargs) -> Cluster:

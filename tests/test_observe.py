@@ -154,6 +154,38 @@ def test_ddp_loop_catches_a_dead_peer_as_vcga_timeout_error(mixed: tuple[Path, l
     assert results[3]["ddp"] is None
 
 
+def test_ddp_loop_catches_a_killed_peer_as_vcga_timeout_error(tmp_path: Path) -> None:
+    """A peer killed outright (its connections close, unlike a stopped one) in a DDP loop on the
+    asynchronous bridge: rank 0's ``except VcgaTimeoutError`` catches it -- a VcgaPeerLostError,
+    also a VcgaCollectiveError and torch's DistBackendError -- at once rather than after the 60 s
+    collective timeout, and the rank leaves a flight-recorder dump."""
+    from observe_cases import killed_ddp_peer
+
+    from vcga.spawn import get_context
+    from vcga.testing import free_port
+
+    ctx = get_context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=killed_ddp_peer, args=(r, port, queue, str(tmp_path)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        caught = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert caught is not None, "rank 0's loop ran to the end: the killed peer was not noticed"
+    assert (caught["type"], caught["step"]) == ("VcgaPeerLostError", 2), caught
+    assert caught["collective_error"] and caught["dist_backend_error"], caught
+    assert "gone" in caught["message"], caught
+    assert caught["seconds"] < 30, caught  # the collective timeout is 60 s
+    assert procs[1].exitcode == -9
+    assert (tmp_path / "vcga_fr_trace_rank_0").is_file()
+
+
 def test_fsdp_loop_catches_a_missing_peer_typed(mixed: tuple[Path, list[dict]]) -> None:
     """The timeout itself, or -- where FSDP first waits on a later all-gather, or gloo closed the
     connection of the rank that timed out first -- the group's failure after it; typed either way,
@@ -322,3 +354,34 @@ def test_vcga_trace_reads_a_library_torchs_analyzer_does_not_know(tmp_path: Path
     (problem,) = report["problems"]
     assert (problem["kind"], problem["missing_ranks"], problem["seq"]) == ("missing ranks", [1], 2)
     assert problem["ranks"]["0"]["vendor"] == "cambricon" and problem["ranks"]["0"]["op"] == "cncl:all_reduce"
+
+
+@pytest.mark.parametrize("said", [
+    "[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10670: Connection reset by peer",
+    "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:13445",
+    "[third_party/gloo/gloo/transport/tcp/pair.cc:598] Write error: Broken pipe",
+    "NCCL error: remote process exited or there was a network error, NCCL version 2.21.5",
+])
+def test_a_library_reporting_a_dead_peer_becomes_a_lost_peer_that_timeout_handlers_catch(said: str) -> None:
+    """What gloo and NCCL say when a peer's process died, as the call path types it; a timeout
+    stays a timeout and any other failure a collective error."""
+    import pickle
+    import types
+
+    import torch.distributed as dist
+
+    from vcga.errors import VcgaCollectiveError, VcgaPeerLostError, VcgaTimeoutError
+    from vcga.pg.calls import CallPath
+
+    path = CallPath(1, 2, object(), types.SimpleNamespace(), "gloo", 60.0)  # type: ignore[arg-type]
+    lost = path.translate(RuntimeError(said), "all_reduce", 7)
+    assert isinstance(lost, VcgaPeerLostError) and isinstance(lost, VcgaTimeoutError), lost
+    assert isinstance(lost, VcgaCollectiveError) and isinstance(lost, dist.DistBackendError)
+    assert (lost.rank, lost.seq, lost.collective, lost.backend) == (1, 7, "all_reduce", "gloo")
+    assert str(lost).startswith("[gloo] rank 1: all_reduce (#7) cannot complete: a peer's process or connection is gone")
+    assert said in str(lost)  # what the library said, for the logs
+    back = pickle.loads(pickle.dumps(lost))  # torch.distributed.checkpoint gathers errors by pickling
+    assert type(back) is VcgaPeerLostError and str(back) == str(lost) and back.__dict__ == lost.__dict__
+    assert type(path.translate(RuntimeError("Timed out waiting 60000ms"), "all_reduce", 7)) is VcgaTimeoutError
+    assert type(path.translate(RuntimeError("invalid usage"), "all_reduce", 7)) is VcgaCollectiveError
+    assert type(path.translate(ConnectionResetError(104, "reset"), "all_reduce", 7)) is VcgaPeerLostError

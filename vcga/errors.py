@@ -25,6 +25,7 @@ __all__ = [
     "VcgaUnsupportedError",
     "VcgaCollectiveError",
     "VcgaTimeoutError",
+    "VcgaPeerLostError",
     "VcgaMismatchError",
     "VcgaFormatError",
     "VcgaChecksumError",
@@ -216,6 +217,34 @@ class VcgaTimeoutError(VcgaError, TimeoutError, RuntimeError):
             msg += f"; {detail}"
         msg += ". Check that every rank calls the same collectives in the same order, or raise collective_timeout_s."
         super().__init__(msg)
+
+
+class VcgaPeerLostError(VcgaTimeoutError, VcgaCollectiveError):
+    """A peer's process or connection went away during a collective: it can never complete.
+
+    Both a :class:`VcgaTimeoutError` and a :class:`VcgaCollectiveError`. A training loop meets a
+    lost peer in two ways, depending on how it was lost: a process that stops (a frozen node, a
+    partitioned network) makes the others time out; a process that dies (killed, out of memory)
+    closes its connections, and the library reports that at once, long before any timeout. For the
+    loop both mean the same -- a rank is missing and the group is unusable -- so
+    ``except VcgaTimeoutError`` handles both, as NCCL's users expect from its watchdog, and code that
+    catches collective failures keeps catching this one.
+
+    :param collective: the collective that failed; :param detail: what the library said.
+    """
+
+    def __init__(self, collective: str, timeout_s: float, *, rank: int | None = None, seq: int | None = None,
+                 backend: str | None = None, detail: str = "") -> None:
+        self.collective, self.timeout_s, self.rank, self.seq, self.backend = collective, timeout_s, rank, seq, backend
+        self.missing_ranks = ()
+        msg = f"{collective}" + (f" (#{seq})" if seq is not None else "")
+        msg += " cannot complete: a peer's process or connection is gone"
+        if detail:
+            msg += f" ({detail})"
+        msg += (". Check the other ranks' logs for why it ended; the group cannot be used any more: "
+                "restart the job from its last checkpoint (or let vcga.elastic do it)")
+        prefix = (f"[{backend}] " if backend is not None else "") + (f"rank {rank}: " if rank is not None else "")
+        VcgaError.__init__(self, prefix + msg)
 
 
 class VcgaMismatchError(VcgaError, RuntimeError):

@@ -155,10 +155,11 @@ def _dump_on_failure(call: Any, error: BaseException) -> None:
     """A recorded collective failed: a timeout dumps every group's recorder, and so does the first
     other collective failure of a group (a peer's process gone, a connection reset: the peers that
     do not time out leave a dump too). Argument errors and refusals do not."""
-    from vcga.errors import VcgaCollectiveError
+    from vcga.errors import VcgaCollectiveError, VcgaPeerLostError
 
     first = not call.recorder.failed
-    if not isinstance(error, VcgaTimeoutError) and not (isinstance(error, VcgaCollectiveError) and first):
+    timeout = isinstance(error, VcgaTimeoutError) and not isinstance(error, VcgaPeerLostError)
+    if not timeout and not (isinstance(error, VcgaCollectiveError) and first):
         return
     call.recorder.failed = True
     from vcga.pg.frdump import dump_on_failure

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from vcga.contract import ReduceOp
-from vcga.errors import VcgaCollectiveError
+from vcga.errors import VcgaCollectiveError, VcgaPeerLostError
 
 __all__ = ["as_bytes", "on_host", "put_back", "combine_rows", "combiner", "every_rank", "SharedMemoryBridge",
            "SHM_DIR", "SLOT_BYTES"]
@@ -225,9 +225,9 @@ class SharedMemoryBridge:
             return None
         return cls(mm, peers, me, pipes_in, pipes_out, timeout_s, path, names)  # type: ignore[arg-type]
 
-    def _gone(self, q: int) -> VcgaCollectiveError:
-        return VcgaCollectiveError(f"bridge shared-memory barrier: the process of {self.names[q]} is gone "
-                                   "(its pipe closed); see that rank's log")
+    def _gone(self, q: int) -> VcgaPeerLostError:
+        return VcgaPeerLostError("bridge shared-memory barrier", self.timeout_s,
+                                 detail=f"the process of {self.names[q]} is gone, its pipe closed")
 
     def _barrier(self) -> None:
         for q, fd in self._to:

@@ -32,7 +32,7 @@ from torch.autograd import profiler as _profiler
 from torch.distributed import ReduceOp as _TorchReduceOp
 
 from vcga.contract import Collective, ReduceOp
-from vcga.errors import VcgaCollectiveError, VcgaError, VcgaTimeoutError
+from vcga.errors import VcgaCollectiveError, VcgaError, VcgaPeerLostError, VcgaTimeoutError
 from vcga.pg import recorder as _recorder
 from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.recorder import Call, FlightRecorder
@@ -45,6 +45,9 @@ __all__ = ["CallPath"]
 
 _SUM = _TorchReduceOp.SUM
 _TIMEOUT = r"timed?[ _-]?out|timeout"  # matched on failures only (re caches it): no compilation at import
+#: how the libraries report a peer whose process died: gloo ("Connection closed by peer", "Connection
+#: reset by peer", a write's "Broken pipe"), NCCL ("remote process exited or there was a network error")
+_PEER_LOST = r"(closed|reset) by peer|broken pipe|remote process exited"
 
 
 class CallPath:
@@ -119,6 +122,9 @@ class CallPath:
         if isinstance(e, TimeoutError) or re.search(_TIMEOUT, msg, re.IGNORECASE):
             return VcgaTimeoutError(name, self.timeout_s, rank=self.rank, seq=seq,
                                     detail=f"{self.backend}: {first}")
+        if isinstance(e, ConnectionError) or re.search(_PEER_LOST, msg, re.IGNORECASE):
+            return VcgaPeerLostError(name, self.timeout_s, rank=self.rank, seq=seq, backend=self.backend,
+                                     detail=first)
         where = f"{name}" + (f" (#{seq})" if seq is not None else "")
         return VcgaCollectiveError(f"{where} failed in the native library: {first}", rank=self.rank,
                                    backend=self.backend)
