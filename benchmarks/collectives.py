@@ -104,6 +104,9 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation of *_tensor names
     torch.set_num_threads(1)
     vcga_group = dist.group.WORLD
+    if args.vendors and not getattr(type(vcga_group._calls.native), "records_steps", False):
+        raise SystemExit(f"--vendors {args.vendors}: rank {rank}'s group is not bridged "
+                         f"({type(vcga_group._calls.native).__name__})")
     gloo_group = dist.new_group(backend="gloo")
     if args.aa and not args.hooks_off:  # A/A: the "vcga" column is a second raw gloo group -- the method's noise floor
         vcga_group = dist.new_group(backend="gloo")
@@ -225,13 +228,24 @@ def _pin(rank: int, args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {cores[rank]})
 
 
+def _backend(args: argparse.Namespace) -> None:
+    """One vendor: gloo, unless VCGA_BACKEND says otherwise. With ``--vendors`` the simulated
+    vendors choose each rank's backend, which a configured backend would override (every rank
+    would run it, and nothing would be bridged)."""
+    if not args.vendors:
+        os.environ.setdefault("VCGA_BACKEND", "gloo")
+    elif os.environ.get("VCGA_BACKEND"):
+        raise SystemExit(f"--vendors {args.vendors}: unset VCGA_BACKEND ({os.environ['VCGA_BACKEND']}), which "
+                         "would give every rank that backend instead of a mixed-vendor group")
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     _pin(rank, args)
     import torch.distributed as dist
 
     import vcga  # noqa: F401 - registers backend "vcga"
 
-    os.environ.setdefault("VCGA_BACKEND", "gloo")
+    _backend(args)
     dist.init_process_group("vcga", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = bench(rank, world, args)
     if rank == 0:
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import vcga  # noqa: F401
 
-        os.environ.setdefault("VCGA_BACKEND", "gloo")
+        _backend(args)
         dist.init_process_group("vcga")
         rows = bench(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
