@@ -47,6 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vcga._values import FrozenValue
+
 __all__ = ["AlphaBeta", "LinkFigures", "fit", "fit_past_knee", "LARGE_SIZE", "predict", "choose", "choices",
            "segments", "segment_cost", "bandwidth_time", "FIGURES_VERSION", "SIZES", "GROUP_KINDS", "BRIDGE_KINDS"]
 
@@ -65,16 +67,22 @@ GROUP_KINDS = ("reduce_bcast", "all_reduce", "rsag_collective", "rsag_p2p")
 BRIDGE_KINDS = ("leaders", "all_sets")
 
 
-@dataclass(frozen=True)
-class AlphaBeta:
+class AlphaBeta(FrozenValue):
     """``time(bytes) = alpha_s + bytes / beta_Bps``; past a burst knee (``knee_bytes`` > 0), the
     bytes beyond it at ``sustained_Bps``: a token bucket lets the first bytes through at a burst
-    rate, the rest at the link's rate (:func:`fit_past_knee`)."""
+    rate, the rest at the link's rate (:func:`fit_past_knee`). Frozen, compared by value."""
+
+    __slots__ = ("alpha_s", "beta_Bps", "knee_bytes", "sustained_Bps")
 
     alpha_s: float
     beta_Bps: float  # noqa: N815 - B is bytes (bps would be bits); a public field and JSON key
-    knee_bytes: float = 0.0
-    sustained_Bps: float = 0.0  # noqa: N815 - B/s, as beta_Bps
+    knee_bytes: float
+    sustained_Bps: float  # noqa: N815 - B/s, as beta_Bps
+
+    def __init__(self, alpha_s: float, beta_Bps: float, knee_bytes: float = 0.0,  # noqa: N803 - the fields' names
+                 sustained_Bps: float = 0.0) -> None:  # noqa: N803
+        for slot, value in zip(self.__slots__, (alpha_s, beta_Bps, knee_bytes, sustained_Bps), strict=True):
+            object.__setattr__(self, slot, value)
 
     def time(self, nbytes: float) -> float:
         if self.knee_bytes and nbytes > self.knee_bytes:

@@ -264,8 +264,6 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
     (:meth:`~vcga.bridge.allreduce.AllReducer.measure_links`, over the whole group) and rank 0 stores
     the result. Without a cache hit, a rank that cannot name its device makes every rank skip the
     measurement: "auto" then keeps the plan's rule."""
-    from vcga.bridge import figcache
-
     rank = group.rank
     if rank == 0 and directory is not None and topo is not None:
         group.reducer.cache_entry = (directory, topo)  # where corrected figures go (rank 0 writes them)
@@ -287,6 +285,8 @@ def _calibrate(group: BridgeGroup, decided: dict[str, Any], backend: Backend, di
         assert group.reducer.calibration is not None
         group.reducer.calibration["source"] = "measured"
         if rank == 0 and directory is not None and topo is not None:
+            from vcga.bridge import figcache  # only where figures were measured: a cache hit needs none of it
+
             path = figcache.store(directory, topo, fig)
             log.debug("vcga bridge: link figures stored in %s", path)
 

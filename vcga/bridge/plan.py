@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vcga import dtypes as _dtypes
+from vcga._values import FrozenValue
 from vcga.capabilities import LazyCapabilityTable
 from vcga.contract import Backend, CapabilityTable, Cell, CellKey, Collective, ReduceOp, Support
 from vcga.errors import VcgaConfigError
@@ -88,9 +88,10 @@ def node_name() -> str:
 # ===================================================================================================
 
 
-@dataclass(frozen=True)
-class VendorGroup:
-    """The ranks of one backend, in plan order (``ranks[0]`` is the leader)."""
+class VendorGroup(FrozenValue):
+    """The ranks of one backend, in plan order (``ranks[0]`` is the leader). Frozen, compared by value."""
+
+    __slots__ = ("index", "backend", "vendor", "device_type", "ranks", "nodes")
 
     index: int
     backend: str
@@ -99,6 +100,11 @@ class VendorGroup:
     ranks: tuple[int, ...]
     #: the nodes its ranks are on: host names, or in a running group node indices (describe() names them)
     nodes: tuple[str | int, ...]
+
+    def __init__(self, index: int, backend: str, vendor: str, device_type: str, ranks: tuple[int, ...],
+                 nodes: tuple[str | int, ...]) -> None:
+        for slot, value in zip(self.__slots__, (index, backend, vendor, device_type, ranks, nodes), strict=True):
+            object.__setattr__(self, slot, value)
 
     @property
     def size(self) -> int:
@@ -109,9 +115,10 @@ class VendorGroup:
         return self.ranks[0]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Vendor groups, leaders and algorithm choice; identical on every rank of the group.
+class Plan(FrozenValue):
+    """Vendor groups, leaders and algorithm choice; identical on every rank of the group. Frozen,
+    compared by value (a :class:`~vcga._values.FrozenValue`: defining a frozen dataclass compiles
+    its methods, at every mixed-vendor start).
 
     :param size: ranks in the ``vcga`` group.
     :param groups: vendor groups in bridge order.
@@ -119,10 +126,17 @@ class Plan:
     :param global_ranks: global rank of each group rank (for messages).
     """
 
+    __slots__ = ("size", "groups", "algorithm", "global_ranks")
+
     size: int
     groups: tuple[VendorGroup, ...]
-    algorithm: str = "auto"
-    global_ranks: tuple[int, ...] = ()
+    algorithm: str
+    global_ranks: tuple[int, ...]
+
+    def __init__(self, size: int, groups: tuple[VendorGroup, ...], algorithm: str = "auto",
+                 global_ranks: tuple[int, ...] = ()) -> None:
+        for slot, value in zip(self.__slots__, (size, groups, algorithm, global_ranks), strict=True):
+            object.__setattr__(self, slot, value)
 
     def group_of(self, rank: int) -> VendorGroup:
         for g in self.groups:

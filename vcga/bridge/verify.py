@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PlanCheck", "size_class", "class_bytes", "VERIFY_MIN_BYTES", "SAMPLES", "DEPART", "MARGIN", "MONITOR",
@@ -90,20 +89,26 @@ def _decode(code: int) -> tuple[int, str, bool]:
     return v // len(ALGORITHM_CODES), ALGORITHM_CODES[v % len(ALGORITHM_CODES)], watched
 
 
-@dataclass
 class _Class:
     """One size class. ``algorithm``, ``watched`` and ``calls`` are the same on every rank (changed
-    only by decisions and by counting calls); the rest is rank 0's judgement."""
+    only by decisions and by counting calls); the rest is rank 0's judgement. (A plain class: a
+    dataclass compiles its methods when defined, at every mixed-vendor start.)"""
 
-    algorithm: str
-    watched: bool = True
-    calls: int = 0
-    samples: dict[str, list[float]] = field(default_factory=dict)  # rank 0: seconds at the class's size
-    tried: list[str] = field(default_factory=list)  # rank 0: in the order tried
-    settled_s: float | None = None  # rank 0: the settled algorithm's time when it settled
-    slow: int = 0  # rank 0: monitoring observations in a row past DRIFT
-    pending: bool = False  # rank 0: a decision about this class is on its way
-    switches: int = 0
+    __slots__ = ("algorithm", "watched", "calls", "samples", "tried", "settled_s", "slow", "pending", "switches")
+
+    def __init__(self, algorithm: str, watched: bool = True) -> None:
+        self.algorithm = algorithm
+        self.watched = watched
+        self.calls = 0
+        self.samples: dict[str, list[float]] = {}  # rank 0: seconds at the class's size
+        self.tried: list[str] = []  # rank 0: in the order tried
+        self.settled_s: float | None = None  # rank 0: the settled algorithm's time when it settled
+        self.slow = 0  # rank 0: monitoring observations in a row past DRIFT
+        self.pending = False  # rank 0: a decision about this class is on its way
+        self.switches = 0
+
+    def __repr__(self) -> str:
+        return f"_Class({self.algorithm!r}, watched={self.watched}, calls={self.calls})"
 
 
 class PlanCheck:
