@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vcga._values import FrozenValue
@@ -181,35 +180,58 @@ def segments(fig: LinkFigures, nbytes: int) -> int:
     return best
 
 
-@dataclass
 class LinkFigures:
     """What one group measured: α–β per step kind, per vendor group, and the link classes.
 
     JSON round-trips through :meth:`to_json` / :meth:`from_json` (what rank 0 could broadcast and a
-    cache store; :meth:`key` names the topology it belongs to)."""
+    cache store; :meth:`key` names the topology it belongs to). Compared by value. A plain class
+    rather than a dataclass: a mixed-vendor start defines it, and a dataclass compiles its
+    methods when defined.
 
-    #: per vendor group (plan order): step kind -> AlphaBeta; kinds "reduce_bcast", "all_reduce",
-    #: "rsag_collective", "rsag_p2p" (the last three only on equal groups)
-    groups: list[dict[str, AlphaBeta]]
-    #: "leaders" (the leaders' set alone) and, on equal groups, "all_sets" (every set at once)
-    bridge: dict[str, AlphaBeta]
-    #: link class of each: "in-vendor" per vendor group (with its nodes), and the bridge's class
-    classes: dict[str, str]
-    #: the shard peers' exchange: "gloo" (pipelined) or "shared memory" (synchronous)
-    exchange: str
-    group_size: int
-    equal_groups: bool
-    #: the bandwidth algorithm's pipeline: segments of at least this many bytes, at most this many
-    min_segment_bytes: int
-    max_segments: int
-    sizes: tuple[int, int] = SIZES
-    #: the raw seconds behind the fits (slowest rank), for the record
-    seconds: dict[str, Any] = field(default_factory=dict)
-    version: int = FIGURES_VERSION
-    #: what the group observed its all_reduces take, per size class (:mod:`vcga.bridge.verify`):
-    #: ``{class: {"chosen", "bytes", "seconds": {algorithm: s}, "predicted": {algorithm: s}}}`` --
-    #: the corrected figures a cache entry carries to the next start
-    observed: dict[str, Any] = field(default_factory=dict)
+    :param groups: per vendor group (plan order): step kind -> AlphaBeta; kinds "reduce_bcast",
+        "all_reduce", "rsag_collective", "rsag_p2p" (the last three only on equal groups).
+    :param bridge: "leaders" (the leaders' set alone) and, on equal groups, "all_sets" (every set at once).
+    :param classes: link class of each: "in-vendor" per vendor group (with its nodes), and the bridge's class.
+    :param exchange: the shard peers' exchange: "gloo" (pipelined) or "shared memory" (synchronous).
+    :param min_segment_bytes: / :param max_segments: the bandwidth algorithm's pipeline: segments
+        of at least this many bytes, at most this many.
+    :param seconds: the raw seconds behind the fits (slowest rank), for the record.
+    :param observed: what the group observed its all_reduces take, per size class
+        (:mod:`vcga.bridge.verify`): ``{class: {"chosen", "bytes", "seconds": {algorithm: s},
+        "predicted": {algorithm: s}}}`` -- the corrected figures a cache entry carries to the next start.
+    """
+
+    #: the fields, in the order :meth:`__init__` takes them and :meth:`to_json` writes them
+    FIELDS = ("groups", "bridge", "classes", "exchange", "group_size", "equal_groups", "min_segment_bytes",
+              "max_segments", "sizes", "seconds", "version", "observed")
+
+    def __init__(self, groups: list[dict[str, AlphaBeta]], bridge: dict[str, AlphaBeta], classes: dict[str, str],
+                 exchange: str, group_size: int, equal_groups: bool, min_segment_bytes: int, max_segments: int,
+                 sizes: tuple[int, int] = SIZES, seconds: dict[str, Any] | None = None,
+                 version: int = FIGURES_VERSION, observed: dict[str, Any] | None = None) -> None:
+        self.groups = groups
+        self.bridge = bridge
+        self.classes = classes
+        self.exchange = exchange
+        self.group_size = group_size
+        self.equal_groups = equal_groups
+        self.min_segment_bytes = min_segment_bytes
+        self.max_segments = max_segments
+        self.sizes = sizes
+        self.seconds: dict[str, Any] = {} if seconds is None else seconds
+        self.version = version
+        self.observed: dict[str, Any] = {} if observed is None else observed
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self.FIELDS)
+
+    # mutable, so unhashable (as a dataclass without frozen=True)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "LinkFigures(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS) + ")"
 
     def group_method(self, g: int) -> str:
         """Vendor group ``g``'s in-group method for the bandwidth algorithm: the cheaper at the
@@ -219,10 +241,13 @@ class LinkFigures:
         return "p2p" if f["rsag_p2p"].time(n) < f["rsag_collective"].time(n) else "collective"
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        """Every field, copied deeply (as ``dataclasses.asdict`` would), each α–β as its :meth:`~AlphaBeta.pair`."""
+        import copy
+
+        d = {f: copy.deepcopy(getattr(self, f)) for f in self.FIELDS if f not in ("groups", "bridge")}
         d["groups"] = [{k: v.pair() for k, v in g.items()} for g in self.groups]
         d["bridge"] = {k: v.pair() for k, v in self.bridge.items()}
-        return d
+        return {f: d[f] for f in self.FIELDS}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LinkFigures:
