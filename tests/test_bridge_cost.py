@@ -114,6 +114,34 @@ def test_figures_round_trip_through_json_and_name_their_topology():
     assert LinkFigures.key(topo) == LinkFigures.key(json.loads(json.dumps(topo))) != LinkFigures.key({})
 
 
+def test_the_bridge_value_classes_compare_by_value_and_the_frozen_ones_stay_frozen():
+    """α–β figures, the plan and its vendor groups are frozen values (equal, hashed and pickled by
+    their fields); the link figures compare every field, and are mutable, so unhashable."""
+    import dataclasses
+    import pickle
+
+    from vcga.bridge.plan import make_plan
+
+    ab = AlphaBeta(1e-4, 2e9)
+    assert ab == AlphaBeta(1e-4, 2e9, 0.0, 0.0) != AlphaBeta(1e-4, 2e9, 1.0, 1e9) and hash(ab) == hash(AlphaBeta(1e-4, 2e9))
+    assert pickle.loads(pickle.dumps(ab)) == ab and repr(ab).startswith("AlphaBeta(alpha_s=")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ab.alpha_s = 1.0  # type: ignore[misc]
+    fig = figures(AlphaBeta(5e-4, 6e7), AlphaBeta(4e-4, math.inf), AlphaBeta(1e-4, 2e9))
+    other = LinkFigures.from_json(fig.to_json())
+    assert other == fig
+    other.observed = {"64 KiB": {"chosen": "leader"}}
+    assert other != fig and list(fig.to_json()) == list(LinkFigures.FIELDS)
+    with pytest.raises(TypeError):
+        hash(fig)
+    peers = [{"backend": b, "vendor": b, "device_type": "cpu", "node": "n0"} for b in ("a", "a", "b", "b")]
+    plan = make_plan(peers, "auto")
+    assert plan == make_plan(peers, "auto") != make_plan(peers, "leader") and hash(plan) == hash(make_plan(peers, "auto"))
+    assert pickle.loads(pickle.dumps(plan)) == plan and plan.groups[1].ranks == (2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.groups[0].ranks = ()  # type: ignore[misc]
+
+
 def test_a_pipelining_group_predicts_the_bandwidth_algorithm_per_all_reduce_of_a_stream():
     """Figures one group measured between two namespace nodes over 1 Gbit/s: one 4 MiB
     all_reduce alone is a tie between the leaders (41.0 ms) and the bandwidth algorithm (41.0 ms,

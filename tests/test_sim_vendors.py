@@ -123,6 +123,23 @@ def test_sim_hccl_is_hccl(seen: dict) -> None:
     assert seen["raw hccl premul"] == ("ok", "[4.0, 4.0]")
 
 
+def test_vendor_library_facts_are_read_only_and_default_as_stated() -> None:
+    """A library's facts: the defaults its docstring states, a copy of the widening map, no assignment."""
+    from vcga.contract import ReduceOp
+    from vcga.plugins.sim.libraries import LIBRARIES, VendorLibrary
+
+    wide = {"int16": "int32"}
+    lib = VendorLibrary(name="X", moves=frozenset({"int16"}), reduces=frozenset(), dtype_error=(TypeError, "no"),
+                        reduce_dtype_error=None, op_errors={ReduceOp.BAND: (ValueError, "no")}, avg="native",
+                        premul=frozenset(), premul_error=(TypeError, "no"), reduce_wide=wide)
+    wide["int8"] = "int32"
+    assert lib.reduce_wide == {"int16": "int32"} and (lib.int_avg_trunc, lib.as_bytes, lib.source) == (False, frozenset(), "")
+    with pytest.raises(AttributeError):
+        lib.avg = "refuse"  # type: ignore[misc]
+    assert LIBRARIES["hccl"].reduce_wide == {"int16": "int32"} and LIBRARIES["nccl"].int_avg_trunc
+    assert LIBRARIES["cncl"].as_float32 == frozenset({"float64"}) and LIBRARIES["cncl"].reduce_wide == {}
+
+
 def test_sim_cncl_is_cncl(seen: dict) -> None:
     """Fake-backed CNCL: AVG/PREMUL_SUM/bitwise refused in its words; fp64 silently handled as fp32."""
     assert seen["raw cncl avg"] == ("ValueError", "Cannot use ReduceOp.AVG with CNCL")
