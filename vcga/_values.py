@@ -62,6 +62,11 @@ class FrozenValue(_Frozen):
     def _names(self) -> tuple[str, ...]:
         return self.__slots__
 
+    def _set(self, *values: Any) -> None:
+        """Set the fields, in ``__slots__`` order (what a subclass's ``__init__`` calls)."""
+        for name, value in zip(self.__slots__, values, strict=True):
+            object.__setattr__(self, name, value)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__class__, self._values()
 

@@ -80,8 +80,7 @@ class AlphaBeta(FrozenValue):
 
     def __init__(self, alpha_s: float, beta_Bps: float, knee_bytes: float = 0.0,  # noqa: N803 - the fields' names
                  sustained_Bps: float = 0.0) -> None:  # noqa: N803
-        for slot, value in zip(self.__slots__, (alpha_s, beta_Bps, knee_bytes, sustained_Bps), strict=True):
-            object.__setattr__(self, slot, value)
+        self._set(alpha_s, beta_Bps, knee_bytes, sustained_Bps)
 
     def time(self, nbytes: float) -> float:
         if self.knee_bytes and nbytes > self.knee_bytes:

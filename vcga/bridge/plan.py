@@ -103,8 +103,7 @@ class VendorGroup(FrozenValue):
 
     def __init__(self, index: int, backend: str, vendor: str, device_type: str, ranks: tuple[int, ...],
                  nodes: tuple[str | int, ...]) -> None:
-        for slot, value in zip(self.__slots__, (index, backend, vendor, device_type, ranks, nodes), strict=True):
-            object.__setattr__(self, slot, value)
+        self._set(index, backend, vendor, device_type, ranks, nodes)
 
     @property
     def size(self) -> int:
@@ -135,8 +134,7 @@ class Plan(FrozenValue):
 
     def __init__(self, size: int, groups: tuple[VendorGroup, ...], algorithm: str = "auto",
                  global_ranks: tuple[int, ...] = ()) -> None:
-        for slot, value in zip(self.__slots__, (size, groups, algorithm, global_ranks), strict=True):
-            object.__setattr__(self, slot, value)
+        self._set(size, groups, algorithm, global_ranks)
 
     def group_of(self, rank: int) -> VendorGroup:
         for g in self.groups:

@@ -64,7 +64,6 @@ from vcga.pg.recorder import Call, local
 __all__ = ["WorkQueue", "QueuedWork", "Continuation"]
 
 log = logging.getLogger(__name__)
-_time_ns = time.time_ns  # the flight recorder's clock (vcga.pg.recorder.Call), one lookup on the hot path
 
 
 class QueuedWork(dist._Work):
@@ -236,8 +235,7 @@ class WorkQueue:
         try:
             if call is None:
                 return _finish_in_place(fn())
-            if call.started_ns is None:  # Call.start, inline: every synchronous bridged call passes here
-                call.started_ns = _time_ns()
+            call.start()
             was = getattr(local, "call", None)
             if was is call:  # the usual case: the call path made it current (vcga.pg.calls._as_current)
                 return _finish_in_place(fn())
