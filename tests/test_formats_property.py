@@ -31,11 +31,15 @@ component = st.text(st.characters(blacklist_categories=("Cs", "Cc"), blacklist_c
                     max_size=12).filter(lambda s: s != ".")
 
 
+FILE_META = {"k": "v"}  # the file-level metadata every random checkpoint carries
+
+
 @st.composite
 def checkpoints(draw):
     n = draw(st.integers(1, 6))
-    names = draw(st.lists(st.lists(component, min_size=1, max_size=3).map("/".join), min_size=n, max_size=n,
-                          unique=True))
+    # a tensor named as a file-level metadata key is refused by MindSpore's .ckpt (one dictionary holds both)
+    names = draw(st.lists(st.lists(component, min_size=1, max_size=3).map("/".join).filter(lambda x: x not in FILE_META),
+                          min_size=n, max_size=n, unique=True))
     # no name may be a group prefix of another (HDF5 paths)
     names = [x for x in names if not any(y.startswith(x + "/") for y in names if y != x)]
     entries = []
@@ -62,7 +66,7 @@ def test_random_checkpoints_round_trip(entries):
         for spec in SPECS:
             kept = [e for e in entries if _holds(spec, e)]
             path = Path(d) / f"c{spec.extensions[0]}"
-            write_all(spec, path, kept, {"k": "v"})
+            write_all(spec, path, kept, FILE_META)
             _, got = read_all(spec, path)
             assert set(got) == {e.name for e in kept}, spec.name
             for e in kept:
