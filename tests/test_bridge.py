@@ -342,7 +342,7 @@ def test_bridge_collectives_are_asynchronous_ordered_and_bitwise_like_the_synchr
         assert r["across_continued"] >= 5 and r["across_pipelined_all_reduces"] >= 10, r
     assert results[0]["most_in_stage2"] >= 2, results[0]
     for r in results[:3]:
-        assert r["piped_missing_peer"] in ("VcgaTimeoutError", "VcgaCollectiveError"), r
+        assert r["piped_missing_peer"] in ("VcgaTimeoutError", "VcgaCollectiveError", "VcgaPeerLostError"), r
         assert r["piped_after"] == "VcgaCollectiveError", r
     assert sum(results[0]["counts"].values()) >= 6  # five all_reduces and the reduce_scatter went through the bridge
     for r in results[:3]:
