@@ -32,8 +32,9 @@ import socket
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from vcga._values import FrozenValue
 from vcga.errors import VcgaConfigError, VcgaTimeoutError
 
 if TYPE_CHECKING:
@@ -46,11 +47,13 @@ __all__ = ["Layout", "BackendFacts", "discover", "table_digest", "table_to_wire"
 LAYOUT_VERSION = 1
 
 
-# NamedTuples, not dataclasses: every rank defines them when it creates its first group, and a
-# dataclass costs that rank ~0.5 ms of CPU to define (its methods are compiled from source).
-class BackendFacts(NamedTuple):
+# Frozen values (vcga._values), not dataclasses nor NamedTuples: every rank defines them when it
+# creates its first group; a dataclass costs that rank ~0.5 ms of CPU to define, a NamedTuple
+# ~0.15 ms (both compile methods from source).
+class BackendFacts(FrozenValue):
     """One backend as the layout names it."""
 
+    __slots__ = ("name", "vendor", "device_type", "digest", "stack")
     name: str
     vendor: str
     device_type: str
@@ -58,19 +61,27 @@ class BackendFacts(NamedTuple):
     digest: str
     #: :func:`stack_digest` of its libraries' versions, as its lowest rank found them (the
     #: link-figure cache is keyed on it: new vendor libraries, new figures)
-    stack: str = ""
+    stack: str
+
+    def __init__(self, name: str, vendor: str, device_type: str, digest: str, stack: str = "") -> None:
+        self._set(name, vendor, device_type, digest, stack)
 
 
-class Layout(NamedTuple):
+class Layout(FrozenValue):
     """What every rank of the group runs, the same on every rank (see the module docstring)."""
 
+    __slots__ = ("backends", "rank_backend", "rank_node", "store")
     backends: tuple[BackendFacts, ...]
     #: per group rank: index into :attr:`backends`
     rank_backend: tuple[int, ...]
     #: per group rank: index of its node (nodes numbered in order of their lowest rank)
     rank_node: tuple[int, ...]
     #: where the node names are (for :meth:`node_names`)
-    store: Any = None
+    store: Any
+
+    def __init__(self, backends: tuple[BackendFacts, ...], rank_backend: tuple[int, ...], rank_node: tuple[int, ...],
+                 store: Any = None) -> None:
+        self._set(backends, rank_backend, rank_node, store)
 
     @property
     def size(self) -> int:
