@@ -33,12 +33,13 @@ from vcga.contract import (
     Topology,
     hookimpl,
 )
-from vcga.cpu import CpuAccelerator, host_to_host
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vcga.cpu is imported where used: a job's group never asks for it
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend as C10dBackend
+
+    from vcga.cpu import CpuAccelerator
 
 TABLE_FILE = Path(__file__).with_name("gloo_capabilities.json")
 #: Ranks the measurement spawns (see :func:`write_table` for why three).
@@ -69,6 +70,8 @@ class GlooBackend(Backend):
                            {"torch": torch.__version__})
 
     def accelerator(self) -> CpuAccelerator:
+        from vcga.cpu import CpuAccelerator
+
         return CpuAccelerator()
 
     def capabilities(self) -> CapabilityTable:
@@ -401,6 +404,8 @@ def vcga_backends() -> list[Backend]:
 
 @hookimpl
 def vcga_tensor_to_host(tensor: torch.Tensor) -> torch.Tensor | None:
+    from vcga.cpu import host_to_host
+
     return host_to_host(tensor)
 
 
