@@ -118,7 +118,7 @@ def test_entry_point_files_are_read_as_importlib_reads_them(tmp_path, monkeypatc
     ``sys.path`` that registers a plugin is found."""
     import importlib.metadata
 
-    from vcga.plugin_manager import _entry_points_text
+    from vcga.plugin_manager.entrypoints import entry_points_text as _entry_points_text
 
     dists = list(importlib.metadata.distributions())
     assert dists and all(_entry_points_text(d) == d.read_text("entry_points.txt") for d in dists)

@@ -49,13 +49,15 @@ class EntryCache:
 
     :param namespace: the sub-folder, e.g. ``"plugins"``.
     :param check: returns True when a loaded value has the shape the caller expects.
+    :param quiet: a folder that cannot be written is logged at debug level, not as a warning: for
+        a cache every job consults, where a read-only home only costs time.
     """
 
     def __init__(self, namespace: str, *, env: Mapping[str, str] | None = None,
-                 check: Callable[[Any], bool] = lambda v: True) -> None:
+                 check: Callable[[Any], bool] = lambda v: True, quiet: bool = False) -> None:
         self.dir = cache_dir(env) / namespace
         self._check = check
-        self._warned = False
+        self._warned = quiet
 
     def path_for(self, key: Mapping[str, Any]) -> Path:
         return self.dir / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:32] + ".json")
@@ -95,7 +97,9 @@ class EntryCache:
             atomic_write_bytes(self.path_for(key), data)
             return True
         except OSError as e:
-            if not self._warned:
+            if self._warned:
+                log.debug("cannot write the VCGA cache in %s (%s)", self.dir, e)
+            else:
                 self._warned = True
                 log.warning("cannot write the VCGA cache in %s (%s); set VCGA_CACHE_DIR to a writable "
                             "folder to keep results between runs", self.dir, e)

@@ -31,7 +31,6 @@ import importlib
 import importlib.metadata
 import logging
 import os
-import pathlib
 import sys
 import threading
 import traceback
@@ -135,22 +134,6 @@ class BackendRecord:
                 self._probe = ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
                 log.warning("backend %s (plugin %s): probe raised %r", self.name, self.plugin, e)
         return self._probe
-
-
-def _entry_points_text(dist: importlib.metadata.Distribution) -> str | None:
-    """A distribution's ``entry_points.txt``, or None. For a distribution in a folder (nearly all),
-    one ``open`` of the file ``Distribution.read_text`` opens, at half its cost: that goes through
-    pathlib and an exception for each of the ~70% of distributions without the file, about 0.5 ms
-    per rank for a hundred of them. Any other kind (a zip file, a custom finder's) through
-    ``read_text``."""
-    path = getattr(dist, "_path", None)  # what PathDistribution.read_text joins the name to
-    if type(dist) is not importlib.metadata.PathDistribution or not isinstance(path, pathlib.Path):
-        return dist.read_text("entry_points.txt")
-    try:
-        with open(os.path.join(path, "entry_points.txt"), encoding="utf-8") as f:
-            return f.read()
-    except OSError:  # none (FileNotFoundError), or unreadable: read_text gives None for both
-        return None
 
 
 def _err_line(e: BaseException) -> str:
@@ -310,16 +293,15 @@ class VcgaPluginManager:
     def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
         """The entry points of the group ``vcga``, the first of each name (the same distribution can
         appear twice on ``sys.path``). Only the distributions whose entry-point file names the group
-        are parsed: ``importlib.metadata.entry_points()`` parses every distribution's, some 20 us
-        each, on every rank of every job."""
-        header = f"[{contract.PROJECT}]"
+        are parsed, and which those are is remembered between starts
+        (:mod:`vcga.plugin_manager.entrypoints`): ``importlib.metadata.entry_points()`` parses every
+        distribution's, some 20 us each, on every rank of every job."""
+        from vcga.plugin_manager.entrypoints import declaring
+
         seen: set[str] = set()
         out = []
         try:
-            for dist in importlib.metadata.distributions():
-                text = _entry_points_text(dist)
-                if not text or header not in text:
-                    continue
+            for dist in declaring(contract.PROJECT):
                 for ep in dist.entry_points.select(group=contract.PROJECT):
                     if ep.name not in seen:
                         seen.add(ep.name)
