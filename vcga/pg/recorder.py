@@ -344,7 +344,18 @@ class FlightRecorder:
         call = self.ring[j]
         if call is None or call.ended_ns is None or call.span is not None:
             call = self.ring[j] = Call.__new__(Call)
-        call.fill(seq, op, inputs, outputs, None, self)  # positional: keywords cost on every call
+            call.fill(seq, op, inputs, outputs, None, self)  # positional: keywords cost on every call
+            return call
+        # Call.fill, written out: a bridged call's hooks cost in proportion to the Python calls
+        # they make (docs/debugging.md, "What the recorder and the hooks cost")
+        call.seq = seq
+        call.op = op
+        call.inputs = inputs
+        call.outputs = outputs
+        call.created_ns = _time_ns()
+        call.started_ns = call.ended_ns = call.error = call.traceback = call.stage = call.steps = call.work = None
+        call.thread = _get_ident()
+        call.record_id = next(_RECORD_IDS)  # last, as in Call.fill
         return call
 
     def calls(self) -> list[Call]:

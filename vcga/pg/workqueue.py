@@ -61,6 +61,8 @@ from vcga import pypg
 from vcga.errors import VcgaCollectiveError, VcgaError
 from vcga.pg.recorder import Call, local
 
+_time_ns = time.time_ns
+
 __all__ = ["WorkQueue", "QueuedWork", "Continuation"]
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,8 @@ class WorkQueue:
         try:
             if call is None:
                 return _finish_in_place(fn())
-            call.start()
+            if call.started_ns is None:  # Call.start, inline: every synchronous bridged call passes here
+                call.started_ns = _time_ns()
             was = getattr(local, "call", None)
             if was is call:  # the usual case: the call path made it current (vcga.pg.calls._as_current)
                 return _finish_in_place(fn())
