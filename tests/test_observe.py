@@ -261,6 +261,25 @@ def test_a_full_ring_refills_ended_entries_and_keeps_nothing_for_the_collector()
     assert taken[0]["filename"] == __file__ and 1 <= len(taken) <= FRAMES
 
 
+def test_a_refilled_entry_keeps_nothing_of_the_call_it_held() -> None:
+    """The hot path refills an ended entry field by field (inline, not through Call.fill): the new
+    call must not inherit the old one's state, step, error, stack, work or steps."""
+    from vcga.pg.recorder import FlightRecorder
+
+    rec = FlightRecorder(1, "g", "d", [0, 1], 0, "gloo", {}, 1.0)
+    old = rec.record(1, "all_reduce", (((4,), "f"),), (((4,), "f"),))
+    old.start()
+    old.stage = ("exchange", "cross-vendor", "gloo")
+    old.error, old.traceback, old.work, old.steps = RuntimeError("old"), ("frames",), object(), [["s"]]
+    old.ended_ns = old.started_ns + 1
+    new = rec.record(2, "broadcast", (((8,), "f"),), (((8,), "f"),))
+    assert new is old  # refilled in place
+    assert (new.seq, new.op, new.inputs) == (2, "broadcast", (((8,), "f"),))
+    assert new.state == "scheduled" and new.started_ns is None and new.ended_ns is None
+    assert (new.stage, new.error, new.traceback, new.work, new.steps, new.span) == (None,) * 6
+    assert rec.calls() == [new] and new.record_id > 0
+
+
 def test_a_call_lists_its_callers_frames_while_in_flight_failed_or_asynchronous_not_once_completed() -> None:
     """The stack stays off the synchronous hot path: a synchronous call in flight shows its
     thread's live stack at a dump, a failed one the stack it failed on; an asynchronous call keeps
