@@ -224,7 +224,9 @@ class Call:
              recorder: FlightRecorder | None = None) -> None:
         """(Re)initialise this entry as call ``seq``: a ring slot is refilled in place (see
         :meth:`FlightRecorder.record`). The record id is set last: a dump that interrupts this
-        (a signal) skips an entry without one and sees a refilled one whole, old or new."""
+        (a signal) skips an entry without one and sees a refilled one whole, old or new.
+        :meth:`FlightRecorder.record` writes this out for an ended entry it refills: a field added
+        here is reset there too."""
         self.seq = seq
         self.op = op
         #: ((shape, dtype), ...) of the inputs and the outputs, in torch's recorder's convention;
