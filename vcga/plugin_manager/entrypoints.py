@@ -74,11 +74,11 @@ def declaring(group: str, env: Any = None) -> list[importlib.metadata.Distributi
 
     cache = EntryCache(_NAMESPACE, env=env, check=_valid, quiet=True)
     hit = cache.get(key)
-    if hit is not None and _stamp(hit["stamp"]) == hit["stamp"]:
+    if hit is not None and _stamp([path for path, _ in hit["stamp"]]) == hit["stamp"]:
         return [importlib.metadata.PathDistribution(pathlib.Path(p)) for p in hit["dists"]]
     dists, folders = _scan(group)
     if folders is not None:
-        stamp = _stamp([[p, None] for p in key["path"]] + [[p, None] for p in folders])
+        stamp = _stamp(key["path"] + folders)
         if all(t is None or time.time_ns() - t > RACY_S * 1e9 for _, t in stamp):
             cache.put(key, {"stamp": stamp, "dists": [str(_folder(d)) for d in dists]})
     return dists
@@ -115,10 +115,10 @@ def _scan(group: str) -> tuple[list[importlib.metadata.Distribution], list[str] 
     return out, eggs
 
 
-def _stamp(entries: list[list[Any]]) -> list[list[Any]]:
+def _stamp(paths: list[str]) -> list[list[Any]]:
     """Each path with its modification time in ns, None where it does not exist."""
     out = []
-    for path, _ in entries:
+    for path in paths:
         try:
             mtime: int | None = os.stat(path).st_mtime_ns
         except OSError:
