@@ -404,3 +404,42 @@ def test_a_library_reporting_a_dead_peer_becomes_a_lost_peer_that_timeout_handle
     assert type(path.translate(RuntimeError("Timed out waiting 60000ms"), "all_reduce", 7)) is VcgaTimeoutError
     assert type(path.translate(RuntimeError("invalid usage"), "all_reduce", 7)) is VcgaCollectiveError
     assert type(path.translate(ConnectionResetError(104, "reset"), "all_reduce", 7)) is VcgaPeerLostError
+
+
+def test_arrows_link_each_call_to_its_own_steps_when_a_preempted_thread_puts_the_clocks_apart() -> None:
+    """vcga.profiling.link_steps on a made trace (in-process): torch's slice of a call may start
+    milliseconds before VCGA's own start of it (the thread was preempted between the two records on
+    a loaded host); the arrow still runs from that call to its steps, and two calls of one name on
+    one thread each keep their own steps. A call outside the trace gets no arrow."""
+    from vcga.pg.spans import FINISHED, Span
+    from vcga.profiling import link_steps
+
+    def span(seq: int, start_us: float, end_us: float, steps: list[tuple[str, float, float]]) -> Span:
+        s = Span.__new__(Span)
+        s.name, s.seq, s.tid = "vcga:all_reduce", seq, 7
+        s.start_ns, s.end_ns = int(start_us * 1000), int(end_us * 1000)
+        s.steps = [(8, name, int(a * 1000), int(b * 1000)) for name, a, b in steps]
+        return s
+
+    def x(name: str, tid: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    step = "vcga:in-vendor all_reduce (sim-nccl)"
+    # call 1: torch recorded it 5 ms before VCGA's start; call 2 close behind it, on time
+    trace = {"traceEvents": [x("vcga:all_reduce", 7, 1_000.0, 9_000.0), x(step, 8, 7_000.0, 1_000.0),
+                             x("vcga:all_reduce", 7, 10_100.0, 2_000.0), x(step, 8, 10_500.0, 1_000.0)]}
+    made = [span(1, 6_000.0, 10_000.0, [(step, 7_000.0, 8_000.0)]),
+            span(2, 10_100.0, 12_100.0, [(step, 10_500.0, 11_500.0)]),
+            span(3, 50_000.0, 51_000.0, [(step, 50_100.0, 50_200.0)])]
+    FINISHED.extend(made)
+    try:
+        assert link_steps(trace) == 2
+    finally:
+        for s in made:
+            FINISHED.remove(s)
+    events = trace["traceEvents"]
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    arrows = sorted((starts[e["id"]]["ts"], e["ts"]) for e in events if e["ph"] == "f")
+    # each arrow starts just inside its call's slice and ends just inside that call's own step
+    assert arrows == [(1_000.5, 7_000.5), (10_100.5, 10_500.5)]
+    assert not [e for e in events if e["ph"] == "X" and e["cat"] == "vcga_step"]  # torch recorded every step

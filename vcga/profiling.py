@@ -64,10 +64,14 @@ def link_steps(trace: dict[str, Any]) -> int:
     def us(ns: int) -> float:
         return (ns - base) / 1000.0
 
-    def match(tid: int, name: str, start: float) -> dict[str, Any] | None:
-        """torch's slice for an interval VCGA timed: same thread and name, the nearest start (the
-        two clocks and the record's own setup put it some microseconds apart)."""
-        near = [e for e in recorded.get((tid, name), []) if id(e) not in used and abs(e["ts"] - start) < _NEAR_US]
+    def match(tid: int, name: str, start: float, end: float) -> dict[str, Any] | None:
+        """torch's slice for an interval VCGA timed: same thread and name, the nearest start among
+        the slices that overlap it or start near it. The two clocks and the record's own setup put
+        the starts some microseconds apart, and a thread preempted between torch's record and
+        VCGA's (a loaded host) puts them milliseconds apart; one thread's calls of one name never
+        overlap each other, so overlap still names the call."""
+        near = [e for e in recorded.get((tid, name), []) if id(e) not in used
+                and (abs(e["ts"] - start) < _NEAR_US or (e["ts"] <= end and e["ts"] + e.get("dur", 0) >= start))]
         if not near:
             return None
         best = min(near, key=lambda e: abs(e["ts"] - start))
@@ -87,12 +91,12 @@ def link_steps(trace: dict[str, Any]) -> int:
         start, end = us(span.start_ns), us(span.end_ns)
         if end < lo or start > hi:
             continue
-        parent = match(span.tid, span.name, start)
+        parent = match(span.tid, span.name, start, end)
         if parent is None:
             continue  # torch did not record the call (its thread was not profiled)
         for tid, name, a_ns, b_ns in span.steps:
             a, b = us(a_ns), us(b_ns)
-            child = match(tid, name, a)
+            child = match(tid, name, a, b)
             if child is None:
                 child = {"ph": "X", "cat": "vcga_step", "name": name, "pid": pid, "tid": tid, "ts": a,
                          "dur": max(b - a, 0.001),
