@@ -16,6 +16,7 @@ library's rules, including CNCL reducing fp64 as fp32).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import replace
@@ -49,13 +50,33 @@ def bound(dtype: torch.dtype, size: int, xs: list[torch.Tensor], exact: np.ndarr
     return gamma(size - 1, U[dtype]) * abs_sum
 
 
+@functools.cache
+def _numerics_case(n: int, dtype: torch.dtype, salt: int, size: int) -> tuple[tuple[torch.Tensor, ...], np.ndarray, np.ndarray]:
+    """Every rank's input of one :func:`numerics` case, their extended-precision sum and its bound.
+    A world checks the same cases through every group it makes, so a rank works them out once
+    (read-only: callers clone what they reduce)."""
+    xs = tuple(inputs(r, n, dtype, salt) for r in range(size))
+    exact = sum(x.double().numpy().astype(np.longdouble) for x in xs)
+    return xs, exact, bound(dtype, size, list(xs), exact)
+
+
+@functools.cache
+def _ring_error(n: int, dtype: torch.dtype, salt: int, size: int) -> np.ndarray:
+    """The error of a single-vendor ring in ``dtype`` (n-1 additions, each rounded to ``dtype``)."""
+    xs, exact, _ = _numerics_case(n, dtype, salt, size)
+    ring = xs[0].clone()
+    for x in xs[1:]:
+        ring = ring + x  # fp16 + fp16 rounds to fp16 after every step, as a ring does
+    return np.abs(ring.double().numpy().astype(np.longdouble) - exact)
+
+
 def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[str]:
     """Random-data SUM / AVG through ``group``; returns failure messages (empty: all good)."""
     failures = []
     for salt, (dtype, n) in enumerate([(torch.float32, 1000), (torch.float32, 70_000), (torch.float64, 70_000),
                                        (torch.float16, 70_000), (torch.bfloat16, 5000), (torch.float32, 1),
                                        (torch.float32, 7), (torch.float64, 70_001)]):
-        xs = [inputs(r, n, dtype, salt) for r in range(size)]
+        xs, exact, b = _numerics_case(n, dtype, salt, size)
         t = xs[rank].clone()
         dist.all_reduce(t, group=group)
         # 1. bitwise identical on every rank (compared over gloo, not through the bridge)
@@ -65,18 +86,13 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
         if not all(torch.equal(e, everyone[0]) for e in everyone):
             failures.append(f"{label} {dtype} n={n}: ranks ended with different bits")
         # 2. within the bound of an extended-precision reference
-        exact = sum(x.double().numpy().astype(np.longdouble) for x in xs)
         err = np.abs(t.double().numpy().astype(np.longdouble) - exact)
-        b = bound(dtype, size, xs, exact)
         if not (err <= b).all():
             i = int(np.argmax(err - b))
             failures.append(f"{label} {dtype} n={n}: error {float(err[i]):.3g} > bound {float(b[i]):.3g} at {i}")
         # 3. fp16: at least as accurate as a single-vendor fp16 ring (n-1 additions, each rounded to fp16)
         if dtype in (torch.float16, torch.bfloat16):
-            ring = xs[0].clone()
-            for x in xs[1:]:
-                ring = ring + x  # fp16 + fp16 rounds to fp16 after every step, as a ring does
-            ring_err = np.abs(ring.double().numpy().astype(np.longdouble) - exact)
+            ring_err = _ring_error(n, dtype, salt, size)
             if err.sum() > ring_err.sum() or err.max() > ring_err.max():
                 failures.append(f"{label} {dtype}: bridge error (sum {float(err.sum()):.3g}, max {float(err.max()):.3g}) "
                                 f"worse than an fp16 ring (sum {float(ring_err.sum()):.3g}, max {float(ring_err.max()):.3g})")
@@ -98,36 +114,52 @@ def numerics(group: Any, check: Any, rank: int, size: int, label: str) -> list[s
     return failures
 
 
+#: (dtype, chunk) of each :func:`reduce_scatters` case: chunks of one element, odd sizes, and 1.2 MB
+REDUCE_SCATTER_CASES = [(torch.int64, 1), (torch.int64, 1001), (torch.float32, 7), (torch.float32, 300_001),
+                        (torch.float64, 4097), (torch.bool, 333)]
+
+
+@functools.cache
+def _reduce_scatter_case(salt: int, dtype: torch.dtype, c: int, rank: int, size: int) -> tuple[
+        torch.Tensor, torch.Tensor | None, np.ndarray | None, np.ndarray | None]:
+    """One :func:`reduce_scatters` case for ``rank``: its input (read-only: callers clone it), and
+    its chunk's expected result -- exact (``want``: int64 SUM, bool MAX), or the extended-precision
+    sum and its bound (floats). The same for every group a world checks, so worked out once."""
+    xs = [inputs(r, size * c, torch.float64, 50 + salt) for r in range(size)]
+    if dtype == torch.int64:
+        xs = [(x * 1000).to(torch.int64) for x in xs]
+    elif dtype == torch.bool:
+        xs = [x > 0.5 for x in xs]
+    else:
+        xs = [x.to(dtype) for x in xs]
+    mine = [x.view(size, c)[rank] for x in xs]
+    if dtype == torch.bool:
+        return xs[rank], torch.stack(mine).any(0), None, None
+    if dtype == torch.int64:
+        return xs[rank], sum(mine[1:], mine[0]), None, None
+    exact = sum(x.double().numpy().astype(np.longdouble) for x in mine)
+    return xs[rank], None, exact, bound(dtype, size, mine, exact)
+
+
 def reduce_scatters(group: Any, rank: int, size: int, label: str) -> list[str]:
     """reduce_scatter_tensor and the list form: int64 exact, fp32 / fp64 within the SUM bound of an
     extended-precision reference, bool MAX exact; chunks of one element, odd sizes, and 1.2 MB
     (several pieces through shared memory are covered in tests/test_hostbridge.py)."""
     failures = []
-    for salt, (dtype, c) in enumerate([(torch.int64, 1), (torch.int64, 1001), (torch.float32, 7),
-                                       (torch.float32, 300_001), (torch.float64, 4097), (torch.bool, 333)]):
-        xs = [inputs(r, size * c, torch.float64, 50 + salt) for r in range(size)]
-        if dtype == torch.int64:
-            xs = [(x * 1000).to(torch.int64) for x in xs]
-        elif dtype == torch.bool:
-            xs = [x > 0.5 for x in xs]
-        else:
-            xs = [x.to(dtype) for x in xs]
+    for salt, (dtype, c) in enumerate(REDUCE_SCATTER_CASES):
+        mine_in, want, exact, b = _reduce_scatter_case(salt, dtype, c, rank, size)
         op = dist.ReduceOp.MAX if dtype == torch.bool else dist.ReduceOp.SUM
         for form in ("tensor", "list"):
             out = torch.empty(c, dtype=dtype)
             if form == "tensor":
-                dist.reduce_scatter_tensor(out, xs[rank].clone(), op=op, group=group)
+                dist.reduce_scatter_tensor(out, mine_in.clone(), op=op, group=group)
             else:
-                dist.reduce_scatter(out, list(xs[rank].clone().view(size, c).unbind(0)), op=op, group=group)
-            mine = [x.view(size, c)[rank] for x in xs]
-            if dtype == torch.bool:
-                ok = torch.equal(out, torch.stack(mine).any(0))
-            elif dtype == torch.int64:
-                ok = torch.equal(out, sum(mine[1:], mine[0]))
+                dist.reduce_scatter(out, list(mine_in.clone().view(size, c).unbind(0)), op=op, group=group)
+            if want is not None:
+                ok = torch.equal(out, want)
             else:
-                exact = sum(x.double().numpy().astype(np.longdouble) for x in mine)
                 err = np.abs(out.double().numpy().astype(np.longdouble) - exact)
-                ok = bool((err <= bound(dtype, size, mine, exact)).all())
+                ok = bool((err <= b).all())
             if not ok:
                 failures.append(f"{label} reduce_scatter ({form}) {dtype} chunk={c}: wrong or outside the bound")
     return failures
