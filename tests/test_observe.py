@@ -443,3 +443,31 @@ def test_arrows_link_each_call_to_its_own_steps_when_a_preempted_thread_puts_the
     # each arrow starts just inside its call's slice and ends just inside that call's own step
     assert arrows == [(1_000.5, 7_000.5), (10_100.5, 10_500.5)]
     assert not [e for e in events if e["ph"] == "X" and e["cat"] == "vcga_step"]  # torch recorded every step
+
+
+def test_a_dump_symbolizes_its_stacks_without_importing_inductor() -> None:
+    """A fresh interpreter (the rank servers of this suite import torch._dynamo, and inductor with
+    it): torch's symbolizer, through vcga.pg.frdump, names the caller's frames without importing
+    torch._inductor or torch._dynamo (about a CPU-second per rank that dumps), and torch's lazy
+    loader still imports inductor afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, torch\n"
+        "from torch._C._profiler import gather_traceback\n"
+        "from vcga.pg.frdump import _symbolize\n"
+        "def caller():\n"
+        "    return gather_traceback(True, False, False)\n"
+        "frames = _symbolize([caller()])[0]\n"
+        "out = {'frames': frames[:2], 'inductor': 'torch._inductor' in sys.modules, 'dynamo': 'torch._dynamo' in sys.modules}\n"
+        "out['later'] = torch._inductor.__name__\n"
+        "print(json.dumps(out))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["frames"] == [{"name": "caller", "filename": "<string>", "line": 5},
+                             {"name": "<module>", "filename": "<string>", "line": 6}], out
+    assert not out["inductor"] and not out["dynamo"], out
+    assert out["later"] == "torch._inductor"

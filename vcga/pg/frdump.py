@@ -147,8 +147,7 @@ _CALL_PATH = tuple(os.path.normpath(os.path.join(os.path.dirname(_recorder.__fil
 def _frames(calls: list[_recorder.Call]) -> list[list[dict[str, Any]]]:
     """Each call's frames as torch's recorder writes them, innermost first, the call path's own
     left out, at most :data:`vcga.pg.recorder.FRAMES`: the stack it took (symbolized by torch in
-    one batch: ``symbolize_tracebacks``, which loads torch._inductor the first time, about a
-    second once per process), or for a call that took none and is in flight or failed (a
+    one batch, :func:`_symbolize`), or for a call that took none and is in flight or failed (a
     synchronous call on the hot path, whose caller is still inside it) the live stack of its
     thread; none for the rest."""
     taken = [i for i, c in enumerate(calls) if c.traceback is not None and not isinstance(c.traceback, tuple)]
@@ -163,11 +162,40 @@ def _frames(calls: list[_recorder.Call]) -> list[list[dict[str, Any]]]:
                 out[i] = _shown(_walk(top))
     if not taken:
         return out
-    from torch._C._profiler import symbolize_tracebacks
-
-    for i, frames in zip(taken, symbolize_tracebacks([calls[i].traceback for i in taken]), strict=True):
+    for i, frames in zip(taken, _symbolize([calls[i].traceback for i in taken]), strict=True):
         out[i] = _shown([{"name": f["name"], "filename": f["filename"], "line": int(f["line"])} for f in frames])
     return out
+
+
+def _symbolize(tracebacks: list[Any]) -> list[list[dict[str, Any]]]:
+    """torch's ``symbolize_tracebacks``, without importing inductor where it is not imported yet.
+
+    torch's symbolizer asks ``hasattr(torch, "_inductor")`` to map frames of inductor-generated
+    code back to the model's source; torch's lazy module loader turns that question into an import
+    of torch._inductor and torch._dynamo, about a CPU-second and 70 MB in a process that
+    never compiled anything -- paid by every rank that dumps. Before inductor is imported no frame
+    can be inductor's, so for the length of the call, and on this thread only, the question is
+    answered "no" (other threads keep torch's loader)."""
+    import torch
+    from torch._C._profiler import symbolize_tracebacks
+
+    if "torch._inductor" in sys.modules:
+        return symbolize_tracebacks(tracebacks)
+    loader = torch.__dict__.get("__getattr__")
+    if loader is None:  # a torch without lazy modules: nothing to keep out
+        return symbolize_tracebacks(tracebacks)
+    me = threading.get_ident()
+
+    def lookup(name: str) -> Any:
+        if name == "_inductor" and threading.get_ident() == me:
+            raise AttributeError(name)
+        return loader(name)
+
+    torch.__dict__["__getattr__"] = lookup  # the module's own __getattr__ (PEP 562): torch's lazy modules
+    try:
+        return symbolize_tracebacks(tracebacks)
+    finally:
+        torch.__dict__["__getattr__"] = loader
 
 
 def _walk(frame: Any) -> list[dict[str, Any]]:
