@@ -27,6 +27,8 @@ class Check:
     name: ClassVar[str]
     description: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
+    #: heavy modules every rank of the check imports: the rank server imports them once instead
+    preload: ClassVar[tuple[str, ...]] = ()
 
     def run(self, ctx: Context) -> Iterator[CheckResult]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -47,6 +47,7 @@ __all__ = [
     "Event",
     "vcga_group_status",
     "run_world",
+    "planned_preloads",
 ]
 
 
@@ -67,12 +68,23 @@ class _RankState:
     done: bool = False
 
 
+def planned_preloads(plan: Sequence[PlannedCheck]) -> list[str]:
+    """The modules the planned checks name in ``preload`` (ConformanceCheck): heavy imports each of
+    their ranks would make, which the rank server makes once before it forks them."""
+    from vcga.plugin_manager import get_plugin_manager
+
+    checks = {c.name: c for c in get_plugin_manager().conformance_checks()}
+    return sorted({m for p in plan for m in getattr(checks.get(p.name), "preload", ())})
+
+
 class _Attempt:
     """One spawned world: runs ``plan`` until done, a stall, a death or the deadline."""
 
     def __init__(self, spec: WorldSpec, group_kind: str, plan: list[PlannedCheck], timeout_s: float,
-                 stall_s: float, deadline_s: float, emit: Callable[[Event], None], log_dir: str | None) -> None:
+                 stall_s: float, deadline_s: float, emit: Callable[[Event], None], log_dir: str | None,
+                 preload: Sequence[str] = ()) -> None:
         self.spec, self.group_kind, self.plan = spec, group_kind, plan
+        self.preload = list(preload)
         self.log_dir = log_dir
         self.timeout_s, self.stall_s, self.deadline_s = timeout_s, stall_s, deadline_s
         self.emit = emit
@@ -88,7 +100,8 @@ class _Attempt:
         self.group_resets = 0
 
     def run(self) -> None:
-        ctx = spawn.get_context()  # a forkserver with torch imported: a rank starts in 0.1 s, not 2
+        # a forkserver with torch imported (a rank starts in 0.1 s, not 2), and the checks' preloads
+        ctx = spawn.get_context(self.preload)
         port = spawn.free_port()
         store_timeout = self.stall_s * 2 + 60  # the parent decides about hangs before any store wait gives up
         # One pipe per rank, written synchronously: a rank that dies right after a message has
@@ -289,6 +302,7 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
     emit = on_event or (lambda e: None)
     stall = stall_s if stall_s is not None else 2 * timeout_s + 10
     start = time.monotonic()
+    preload = planned_preloads(plan)  # of the whole plan: every world of a run keeps the same rank server
     plan = [p for p in plan if p.applies_to(spec)]
     kind, why = resolve_group_kind(spec)
     if kind is None:
@@ -303,7 +317,7 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
         out.attempts += 1
         emit(Event("world-start", spec, data={"attempt": out.attempts, "group": kind,
                                               "checks": [p.name for p in remaining]}))
-        attempt = _Attempt(spec, kind, remaining, timeout_s, stall, deadline_s, emit, log_dir)
+        attempt = _Attempt(spec, kind, remaining, timeout_s, stall, deadline_s, emit, log_dir, preload)
         attempt.run()
         out.results.extend(attempt.rows())
         out.check_seconds.update(attempt.check_seconds)

@@ -13,7 +13,7 @@ from vcga.contract import CheckResult
 from .profiles import Profile, plan_checks
 from .runner import Event, PlannedCheck, WorldOutcome, WorldSpec, run_world
 
-__all__ = ["SuiteOutcome", "build_worlds", "run_suite", "CROSS_WORLD"]
+__all__ = ["SuiteOutcome", "build_worlds", "run_suite", "rank_preloads", "CROSS_WORLD"]
 
 #: The pseudo-world that results comparing several worlds are filed under.
 CROSS_WORLD = "cross-world"
@@ -62,6 +62,18 @@ def build_worlds(profile: Profile, *, backends: Sequence[str] | None = None, wor
         n = sum(count for _, count in parse_sim_vendors(spec))
         worlds.append(WorldSpec(None, n, sim_vendors=spec, group=group or "vcga"))
     return worlds
+
+
+def rank_preloads(profile: Profile, checks: list[str] | None = None) -> list[str]:
+    """The modules the rank server of :func:`run_suite` imports before it forks any rank (the
+    planned checks' ``preload``): a caller that starts the server early (``vcga verify``) passes
+    them to :func:`vcga.spawn.get_context`, so that no world restarts it."""
+    from vcga.plugin_manager import get_plugin_manager
+
+    from .runner import planned_preloads
+
+    registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
+    return planned_preloads(plan_checks(profile, registered, checks))
 
 
 def run_suite(profile: Profile, worlds: Sequence[WorldSpec], *, checks: list[str] | None = None,

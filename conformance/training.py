@@ -96,6 +96,8 @@ class Gradients(Check):
     description = ("DDP gradients of a small MLP within the derived bound of a single-process float64 "
                    "reference, per step, with identical parameters on every rank; worlds agree pairwise")
     defaults = {"steps": 3, "bucket_cap_mb": 0.0005}
+    #: DDP's constructor imports torch._dynamo: about 1.2 CPU-s in each rank, once in the server
+    preload = ("torch._dynamo",)
 
     def run(self, ctx: Context) -> Iterator[CheckResult]:
         why = needs(ctx, ctx.capabilities(), DDP_CELLS, "DDP")

@@ -490,3 +490,17 @@ def test_ranks_do_not_outlive_a_killed_runner():
         time.sleep(0.2)
     assert not any(alive(p) for p in ranks), f"ranks {ranks} outlived the runner"
     assert not any(alive(p) for p in servers), f"the forkserver {servers} outlived the runner"
+
+
+def test_the_rank_server_imports_what_the_planned_checks_preload_and_nothing_else():
+    """DDP's constructor imports torch._dynamo (about 1.2 CPU-s): the gradients check names it in
+    ``preload``, so `vcga verify` starts its rank server with it, once, instead of every rank
+    importing it; a plan without the check preloads nothing."""
+    from vcga.conformance.profiles import load_profile
+    from vcga.conformance.runner import PlannedCheck, planned_preloads
+    from vcga.conformance.suite import rank_preloads
+
+    quick = load_profile("quick")
+    assert rank_preloads(quick) == ["torch._dynamo"]
+    assert rank_preloads(quick, ["exact-reduce", "send-recv"]) == []
+    assert planned_preloads([PlannedCheck("gradients"), PlannedCheck("no-such-check")]) == ["torch._dynamo"]

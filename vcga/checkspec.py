@@ -53,11 +53,13 @@ class ConformanceCheck(Protocol):
     """One conformance check. It runs inside every rank of a world the runner spawned and uses
     only the public API (``torch.distributed`` on the ``vcga`` group, and this contract).
 
-    Two optional members (not part of the protocol, so existing checks stay valid): ``defaults``,
+    Three optional members (not part of the protocol, so existing checks stay valid): ``defaults``,
     a dict of the options the check accepts with their defaults (profiles may override exactly
-    these); and ``compare(exports)``, called once after all worlds ran with ``{world id: {key:
+    these); ``compare(exports)``, called once after all worlds ran with ``{world id: {key:
     value}}`` from the context's ``export()``, yielding :class:`CheckResult` rows that compare
-    worlds (backend against backend). See docs/conformance.md.
+    worlds (backend against backend); and ``preload``, the names of heavy modules every rank of
+    the check imports (the runner's rank server imports them once, before it forks the ranks).
+    See docs/conformance.md.
     """
 
     #: Unique name, e.g. "exact-reduce".

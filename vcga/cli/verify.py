@@ -80,18 +80,20 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
          mixed: tuple[str, ...], checks: tuple[str, ...], group: str | None, timeout: float | None,
          report: str | None, junit: str | None, quiet: bool) -> int:
     from vcga import spawn
-
-    spawn.get_context()  # starts the ranks' forkserver now: its `import torch` overlaps this process's
     from vcga.conformance.profiles import load_profile
+    from vcga.conformance.suite import build_worlds, rank_preloads, run_suite
+
+    prof = load_profile(profile_name)
+    # starts the ranks' forkserver now, with what the planned checks' ranks import (DDP's dynamo):
+    # its imports overlap this process's
+    spawn.get_context(rank_preloads(prof, list(checks) or None))
     from vcga.conformance.report import (
         build_report,
         summary_rows,
         write_junit,
         write_report,
     )
-    from vcga.conformance.suite import build_worlds, run_suite
 
-    prof = load_profile(profile_name)
     mixed_sets: list[str] | None = None
     if mixed:
         mixed_sets = [] if list(mixed) == ["none"] else list(mixed)
