@@ -5,8 +5,9 @@ what the ranks of many tests would otherwise each do after they start.
   model; ``torch.distributed.checkpoint`` for the checkpoint worlds.
 - The compressors' fused host loops (numba), compiled -- or loaded from numba's cache -- and
   self-checked against the torch operations once, here, instead of in every rank that compresses
-  (about 0.4 CPU-s each; with a cold cache, the four ranks of a world compiled at once). A rank
-  keeps the verdict the server reached on this machine, as a process does after its first check.
+  (:mod:`vcga.compress.preload` for VCGA's own; the compressor plugins' loops below; with a cold
+  cache, the four ranks of a world compiled at once). A rank keeps the verdict the server reached
+  on this machine, as a process does after its first check.
 
 The server dies on an exception other than ImportError from a preloaded module, and then no rank
 can start: so nothing here raises. Nothing here starts a thread or touches a device.
@@ -24,11 +25,10 @@ _threads = torch.get_num_threads()
 torch.set_num_threads(1)  # the self-checks' small ops must not start an OpenMP team that forked ranks inherit dead
 try:
     with contextlib.suppress(Exception):  # no numba, or one that cannot compile here: each rank checks for itself
-        from vcga.compress import fused
+        import vcga.compress.preload  # noqa: F401 - VCGA's own loops, on import
         from vcga.plugins import compressors
         from vcga.plugins.compressors import qsgd
 
-        fused.kernels()
         compressors._select_loop()
         qsgd._loops()
 finally:

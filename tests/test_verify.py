@@ -501,6 +501,6 @@ def test_the_rank_server_imports_what_the_planned_checks_preload_and_nothing_els
     from vcga.conformance.suite import rank_preloads
 
     quick = load_profile("quick")
-    assert rank_preloads(quick) == ["torch._dynamo"]
+    assert rank_preloads(quick) == ["torch._dynamo", "vcga.compress.preload"]
     assert rank_preloads(quick, ["exact-reduce", "send-recv"]) == []
     assert planned_preloads([PlannedCheck("gradients"), PlannedCheck("no-such-check")]) == ["torch._dynamo"]
