@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 
@@ -234,6 +235,18 @@ def test_preload_asks_the_server_for_more_modules() -> None:
     names = ["email.mime.text"]  # nothing the server imports brings it (the suite's server imports a lot)
     assert _one(get_context(), _modules, names) == [False]
     assert _one(get_context(names), _modules, names) == [True]
+
+
+def test_preload_finds_a_module_on_the_parents_sys_path(tmp_path, monkeypatch) -> None:
+    """A module found only through this process's ``sys.path`` (a test folder's, as
+    tests/rank_preload.py) is imported by the server as well: before Python 3.12.8 multiprocessing
+    hands the server that path and ignores it, and the import failed there without a word."""
+    from vcga.spawn import get_context
+
+    name = f"vcga_preload_probe_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _one(get_context([name]), _modules, [name]) == [True]
 
 
 def test_add_preload_reaches_every_later_server_and_starts_none(monkeypatch) -> None:

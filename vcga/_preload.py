@@ -7,6 +7,9 @@ torch, and nothing that a forked child could not inherit.
 - VCGA's own ``torch.backends`` hook is taken out too (``import vcga`` installed it just before):
   each child runs the entry points under its own environment (``vcga.spawn._like_a_spawned_child``).
 
+- The parent's ``sys.path`` is taken first (:data:`vcga.spawn.SERVER_SYS_PATH_ENV`), so the modules
+  preloaded after this one are found where the parent finds them.
+
 The forkserver dies on any exception other than ImportError from a preloaded module, and then no
 rank can start: so nothing here raises. Without torch the children import it themselves.
 """
@@ -21,7 +24,24 @@ from vcga import _autoload
 _AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
+def _take_sys_path() -> None:
+    """The parent's ``sys.path`` (:data:`vcga.spawn.SERVER_SYS_PATH_ENV`), for the modules preloaded
+    after this one; the variable is removed (each rank gets its parent's environment anyway)."""
+    import json
+
+    paths = os.environ.pop("VCGA_SPAWN_SERVER_SYS_PATH", None)
+    if paths is None:
+        return
+    try:
+        given = json.loads(paths)
+    except ValueError:
+        return
+    if isinstance(given, list) and all(isinstance(p, str) for p in given):
+        sys.path[:] = given
+
+
 def _preload() -> None:
+    _take_sys_path()
     _autoload.uninstall()
     before = os.environ.get(_AUTOLOAD)
     os.environ[_AUTOLOAD] = "0"

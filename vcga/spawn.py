@@ -59,6 +59,12 @@ IMPORT_ENV_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "O
 #: What the forkserver imports before it forks anything (see :mod:`vcga._preload`).
 _PRELOAD = "vcga._preload"
 
+#: Carries this process's ``sys.path`` to the server's preload imports (read by :mod:`vcga._preload`):
+#: multiprocessing hands it over but ignores it before Python 3.12.8 and 3.13.1 (CPython
+#: gh-117378), so a preloaded module found only through the parent's path failed to import there,
+#: silently, and every rank imported it itself.
+SERVER_SYS_PATH_ENV = "VCGA_SPAWN_SERVER_SYS_PATH"
+
 _lock = threading.Lock()
 _server: dict[str, Any] = {}  # pid: the process that started it; env, preload: what it imported under
 _always: set[str] = set()  # what add_preload() asked every server of this process to import
@@ -210,9 +216,26 @@ def get_context(preload: Sequence[str] = ()) -> mp_context.ForkServerContext | m
             running = False
         if not running:
             forkserver.set_forkserver_preload([_PRELOAD, *sorted(modules)])
-            forkserver.ensure_running()
+            _start_server(forkserver)
             _server.update(pid=os.getpid(), env=env, preload=modules)
     return _FORKSERVER
+
+
+def _start_server(forkserver: Any) -> None:
+    """Start the forkserver with this process's ``sys.path`` for its preload imports (``""``, the
+    working directory, as the directory multiprocessing recorded at import, as spawn does)."""
+    import json
+
+    paths = [p or mp.process.ORIGINAL_DIR for p in sys.path]  # type: ignore[attr-defined]
+    before = os.environ.get(SERVER_SYS_PATH_ENV)
+    os.environ[SERVER_SYS_PATH_ENV] = json.dumps(paths)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop(SERVER_SYS_PATH_ENV, None)
+        else:
+            os.environ[SERVER_SYS_PATH_ENV] = before
 
 
 def _ranks_alive() -> bool:
