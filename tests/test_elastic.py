@@ -1,21 +1,25 @@
 """examples/train_elastic.py under real torchrun with real faults (fake-backed: the vendors are
-simulated on CPU, VCGA_SIM_VENDORS=nccl:2,hccl:2).
+simulated on CPU).
 
-One uninterrupted 4-rank run is the reference (it checkpoints with async_save and records the
-magnitudes the 3-rank bound needs); it needs no launcher, so its ranks are forked from the rank
-server with torchrun's environment (tests/script_world.py) instead of a torchrun of their own. One job of the same ranks then meets, one per attempt, the
-faults of the matrix that need a restart -- torchrun restarts the workers each time:
+The uninterrupted runs are the references; they need no launcher, so their ranks are forked from
+the rank server with torchrun's environment (tests/script_world.py) instead of a torchrun of their
+own. One job of 3 ranks (nccl:2,hccl:1: an island of two ranks and one of one, so a lost rank's
+peers wait both inside an island and across the hop) meets, one per attempt, the faults of the
+matrix that need a restart -- torchrun restarts every worker each time, a fresh interpreter each
+(about 3.5 CPU-s, torch._dynamo included), so the job has the fewest ranks with both kinds of
+island:
 
 1. rank 1 SIGKILLed mid-step (after its forward pass, its peers waiting in the all_reduce);
 2. rank 2 SIGKILLed during a save, after its shard was written and before the checkpoint was
    published: the previous checkpoint stays latest, and the next attempt resumes from it;
-3. rank 3 SIGSTOPped (hung): its peers fail with a typed VcgaTimeoutError, torchrun restarts.
+3. rank 1 SIGSTOPped (hung): its peers fail with a typed VcgaTimeoutError, torchrun restarts.
 
-It must end with parameters bitwise equal to the reference. Then 3 ranks of another vendor mix
-resume the reference's step-6 checkpoint (resharded; no restart either, so forked ranks too) and
-must stay within the derived bound of the reference (the script checks; docstring of
-examples/train_elastic.py). Disk full, a corrupted
-shard and resharding without restarts: tests/test_checkpoint_world.py and tests/test_checkpoint.py."""
+It must end with parameters bitwise equal to its uninterrupted run. A 4-rank uninterrupted run
+(nccl:2,hccl:2; it checkpoints with async_save and records the magnitudes the 3-rank bound needs)
+is resumed at its step-6 checkpoint by 3 ranks of another vendor mix (resharded; no restart
+either, so forked ranks too), which must stay within the derived bound of that run (the script
+checks; docstring of examples/train_elastic.py). Disk full, a corrupted shard and resharding
+without restarts: tests/test_checkpoint_world.py and tests/test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import shutil
 import pytest
 from elastic_run import launch, run_forked
 
-VENDORS = "nccl:2,hccl:2"
+VENDORS = "nccl:2,hccl:2"  # the 4-rank run whose checkpoint 3 ranks resume
+FAULT_VENDORS = "nccl:2,hccl:1"  # the fault job's
 STEPS = ["--steps", "12", "--save-every", "3"]
 
 
@@ -44,18 +49,29 @@ def reference(tmp_path_factory):
     return tmp, run.result
 
 
-def test_killed_and_hung_ranks_restart_and_end_bitwise_equal_to_the_uninterrupted_run(reference, tmp_path):
-    _, ref = reference
+@pytest.fixture(scope="module")
+def fault_reference(tmp_path_factory):
+    """The fault job's uninterrupted run: the same ranks, vendors and steps, no fault."""
+    tmp = tmp_path_factory.mktemp("elastic-faults")
+    run = run_forked(tmp, nproc=3, vendors=FAULT_VENDORS, name="ref", args=["--root", str(tmp / "ref"), *STEPS])
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["backend"] == "bridge(sim-nccl:2,sim-hccl:1)" and run.result["final_step"] == 12
+    assert run.result["identical_on_every_rank"]
+    return run.result
+
+
+def test_killed_and_hung_ranks_restart_and_end_bitwise_equal_to_the_uninterrupted_run(fault_reference, tmp_path):
+    ref = fault_reference
     faults = ",".join(["kill:rank=1:step=4:at=mid:attempt=0",
                        "kill:rank=2:step=6:at=save:attempt=1",
-                       "hang:rank=3:step=10:attempt=2"])
-    run = launch(tmp_path, nproc=4, vendors=VENDORS, fault=faults, max_restarts=3, name="faults",
+                       "hang:rank=1:step=10:attempt=2"])
+    run = launch(tmp_path, nproc=3, vendors=FAULT_VENDORS, fault=faults, max_restarts=3, name="faults",
                  args=["--root", str(tmp_path / "ckpt"), *STEPS])
     out = run.output
     assert run.returncode == 0, out[-6000:]
     for line in ("vcga fault: kill rank 1 at mid of step 4 (attempt 0)",
                  "vcga fault: kill rank 2 at save of step 6 (attempt 1)",
-                 "vcga fault: hang rank 3 at step of step 10 (attempt 2)"):
+                 "vcga fault: hang rank 1 at step of step 10 (attempt 2)"):
         assert line in out
     assert "VcgaTimeoutError" in out  # the hung rank's peers timed out, typed
     assert run.continued >= 1  # the hung rank was torn down by torchrun (SIGTERM, then continued)
@@ -65,7 +81,7 @@ def test_killed_and_hung_ranks_restart_and_end_bitwise_equal_to_the_uninterrupte
     assert starts == [(0, None), (1, 3), (2, 3), (3, 9)], starts
     done = [e for e in run.events if e["event"] == "done"]
     assert len(done) == 1 and done[0]["final_step"] == 12
-    assert run.result["identical_on_every_rank"]
+    assert run.result["identical_on_every_rank"] and run.result["backend"] == "bridge(sim-nccl:2,sim-hccl:1)"
     assert run.result["digest"] == ref["digest"]  # bitwise equal to the uninterrupted run
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-12", "step-6", "step-9"]
 
