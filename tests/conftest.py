@@ -38,8 +38,10 @@ def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
 
 # What the rank processes of many tests would each import or prepare after they start, done once
 # by the rank server they fork from (tests/rank_preload.py; docs/testing.md). Nothing starts here:
-# the first test that starts ranks starts the server.
-add_preload(["rank_preload"])
+# the first test that starts ranks starts the server. rank_preload imports the other two; they are
+# named because `vcga verify`'s runner asks for them (its checks' preloads), and a server restarts
+# for a name it was not started with.
+add_preload(["rank_preload", "torch._dynamo", "vcga.compress.preload"])
 
 
 #: The modules that take longest in a two-worker run, longest first (wall seconds measured with
