@@ -10,6 +10,21 @@ import pytest
 from vcga.spawn import RanksFailed, run_ranks
 
 
+@pytest.fixture(scope="module", autouse=True)
+def plain_server() -> None:
+    """This worker's rank server, if one runs, is stopped first: it holds what the suite asks every
+    server to import (tests/conftest.py) and what earlier test modules asked for, and the server
+    keeps what it has, so every restart these tests provoke would import all of it again (torch,
+    dynamo, the fused loops: about 3.5 CPU-s a start, against 1.5 for torch alone)."""
+    from multiprocessing import forkserver
+
+    from vcga import spawn
+
+    if forkserver._forkserver._forkserver_pid is not None and not spawn._ranks_alive():
+        forkserver._forkserver._stop()  # the one way to end the server (CPython private)
+        spawn._server.clear()
+
+
 @pytest.fixture(autouse=True)
 def library_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server as the library starts it: without what the suite asks every server to import
