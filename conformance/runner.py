@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -68,13 +68,16 @@ class _RankState:
     done: bool = False
 
 
-def planned_preloads(plan: Sequence[PlannedCheck]) -> list[str]:
+def planned_preloads(plan: Sequence[PlannedCheck], registered: Mapping[str, Any] | None = None) -> list[str]:
     """The modules the planned checks name in ``preload`` (ConformanceCheck): heavy imports each of
-    their ranks would make, which the rank server makes once before it forks them."""
-    from vcga.plugin_manager import get_plugin_manager
+    their ranks would make, which the rank server makes once before it forks them.
 
-    checks = {c.name: c for c in get_plugin_manager().conformance_checks()}
-    return sorted({m for p in plan for m in getattr(checks.get(p.name), "preload", ())})
+    :param registered: name -> check object (default: every check the plugins register)."""
+    if registered is None:
+        from vcga.plugin_manager import get_plugin_manager
+
+        registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
+    return sorted({m for p in plan for m in getattr(registered.get(p.name), "preload", ())})
 
 
 class _Attempt:
@@ -289,7 +292,8 @@ class _Attempt:
 
 def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float = 60.0,
               stall_s: float | None = None, deadline_s: float = 1800.0, max_restarts: int = 2,
-              on_event: Callable[[Event], None] | None = None, log_dir: str | None = None) -> WorldOutcome:
+              on_event: Callable[[Event], None] | None = None, log_dir: str | None = None,
+              preload: Sequence[str] | None = None) -> WorldOutcome:
     """Run ``plan`` in a fresh world for ``spec`` and return every result.
 
     :param timeout_s: the collective timeout each rank's group is created with.
@@ -298,11 +302,14 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
     :param deadline_s: the most one attempt may take in total.
     :param max_restarts: fresh worlds started after a hang or death, for the checks that remain.
     :param log_dir: where each rank's stdout/stderr go (``<world>-rank<r>.log``); None: inherited.
+    :param preload: the modules the rank server imports (default: :func:`planned_preloads` of
+        ``plan``); the same for every world of a run, so that no world restarts the server.
     """
     emit = on_event or (lambda e: None)
     stall = stall_s if stall_s is not None else 2 * timeout_s + 10
     start = time.monotonic()
-    preload = planned_preloads(plan)  # of the whole plan: every world of a run keeps the same rank server
+    if preload is None:
+        preload = planned_preloads(plan)  # of the whole plan, before the filter below
     plan = [p for p in plan if p.applies_to(spec)]
     kind, why = resolve_group_kind(spec)
     if kind is None:

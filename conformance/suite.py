@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from vcga.contract import CheckResult
 
 from .profiles import Profile, plan_checks
-from .runner import Event, PlannedCheck, WorldOutcome, WorldSpec, run_world
+from .runner import Event, PlannedCheck, WorldOutcome, WorldSpec, planned_preloads, run_world
 
 __all__ = ["SuiteOutcome", "build_worlds", "run_suite", "rank_preloads", "CROSS_WORLD"]
 
@@ -70,10 +70,8 @@ def rank_preloads(profile: Profile, checks: list[str] | None = None) -> list[str
     them to :func:`vcga.spawn.get_context`, so that no world restarts it."""
     from vcga.plugin_manager import get_plugin_manager
 
-    from .runner import planned_preloads
-
     registered = {c.name: c for c in get_plugin_manager().conformance_checks()}
-    return planned_preloads(plan_checks(profile, registered, checks))
+    return planned_preloads(plan_checks(profile, registered, checks), registered)
 
 
 def run_suite(profile: Profile, worlds: Sequence[WorldSpec], *, checks: list[str] | None = None,
@@ -89,9 +87,10 @@ def run_suite(profile: Profile, worlds: Sequence[WorldSpec], *, checks: list[str
     outcome.started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     start = time.monotonic()
     t = timeout_s if timeout_s is not None else profile.collective_timeout_s
+    preload = planned_preloads(plan, registered)
     for spec in worlds:
         outcome.worlds.append(run_world(spec, plan, timeout_s=t, stall_s=profile.stall_s, on_event=on_event,
-                                        log_dir=log_dir))
+                                        log_dir=log_dir, preload=preload))
     for planned in plan:
         compare = getattr(registered[planned.name], "compare", None)
         if not callable(compare):
