@@ -17,7 +17,7 @@ from .world import NATIVE_DIST_BACKEND, PlannedCheck, WorldSpec
 
 
 def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[PlannedCheck],
-            timeout_s: float, store_timeout_s: float, results: Any, log_path: str | None) -> None:
+            timeout_s: float, store_timeout_s: float, results: Any, log_path: str | None, trace_dir: str) -> None:
     def emit(kind: str, payload: Any) -> None:
         results.send((kind, rank, payload))  # synchronous: delivered even if this process dies next
 
@@ -28,7 +28,9 @@ def _worker(rank: int, spec: WorldSpec, group_kind: str, port: int, plan: list[P
         os.dup2(fd, 2)
         os.close(fd)
     try:
-        env = {"VCGA_TIMEOUT": str(timeout_s)}
+        # the faults check times collectives out on purpose, and each timeout writes a flight-recorder
+        # dump: into the run's own folder, never over a job's dumps in the default one
+        env = {"VCGA_TIMEOUT": str(timeout_s), "VCGA_TRACE_DIR": trace_dir}
         if spec.sim_vendors:
             env["VCGA_SIM_VENDORS"] = spec.sim_vendors
             os.environ.pop("VCGA_BACKEND", None)

@@ -14,11 +14,13 @@ world is killed, and a fresh world runs the checks that remain (at most ``max_re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -85,8 +87,9 @@ class _Attempt:
 
     def __init__(self, spec: WorldSpec, group_kind: str, plan: list[PlannedCheck], timeout_s: float,
                  stall_s: float, deadline_s: float, emit: Callable[[Event], None], log_dir: str | None,
-                 preload: Sequence[str] = ()) -> None:
+                 trace_dir: str, preload: Sequence[str] = ()) -> None:
         self.spec, self.group_kind, self.plan = spec, group_kind, plan
+        self.trace_dir = trace_dir
         self.preload = list(preload)
         self.log_dir = log_dir
         self.timeout_s, self.stall_s, self.deadline_s = timeout_s, stall_s, deadline_s
@@ -112,7 +115,7 @@ class _Attempt:
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.spec.world_size)]
         procs = [ctx.Process(target=_worker, name=f"vcga-verify-{self.spec.id}-r{r}",
                              args=(r, self.spec, self.group_kind, port, self.plan, self.timeout_s,
-                                   store_timeout, pipes[r][1], self.log_path(r)), daemon=True)
+                                   store_timeout, pipes[r][1], self.log_path(r), self.trace_dir), daemon=True)
                  for r in range(self.spec.world_size)]
         for p in procs:
             p.start()
@@ -134,8 +137,7 @@ class _Attempt:
     def log_path(self, rank: int) -> str | None:
         if not self.log_dir:
             return None
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in self.spec.id)
-        return os.path.join(self.log_dir, f"{safe}-rank{rank}.log")
+        return os.path.join(self.log_dir, f"{_file_name(self.spec)}-rank{rank}.log")
 
     def _messages(self, readers: list[Any], closed: set[int], timeout: float) -> list[tuple[str, int, Any]]:
         """Messages ready within ``timeout``; a reader at EOF joins ``closed`` (its rank exited)."""
@@ -290,6 +292,22 @@ class _Attempt:
         return [self.results[k] for k in self.order]
 
 
+def _file_name(spec: WorldSpec) -> str:
+    """The world's id as a file-name part."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in spec.id)
+
+
+@contextlib.contextmanager
+def _trace_dir(spec: WorldSpec, log_dir: str | None) -> Iterator[str]:
+    """Where the world's ranks write flight-recorder dumps: ``<log_dir>/<world>-traces``, kept with
+    the rank logs; without a log folder, a temporary one removed when the world ends."""
+    if log_dir:
+        yield os.path.join(log_dir, f"{_file_name(spec)}-traces")  # made by the first dump
+    else:
+        with tempfile.TemporaryDirectory(prefix="vcga-verify-traces-") as path:
+            yield path
+
+
 def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float = 60.0,
               stall_s: float | None = None, deadline_s: float = 1800.0, max_restarts: int = 2,
               on_event: Callable[[Event], None] | None = None, log_dir: str | None = None,
@@ -301,7 +319,9 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
         (default ``2 * timeout_s + 10``: a collective that times out properly reports well before).
     :param deadline_s: the most one attempt may take in total.
     :param max_restarts: fresh worlds started after a hang or death, for the checks that remain.
-    :param log_dir: where each rank's stdout/stderr go (``<world>-rank<r>.log``); None: inherited.
+    :param log_dir: where each rank's stdout/stderr go (``<world>-rank<r>.log``) and its
+        flight-recorder dumps (``<world>-traces/``); None: output inherited, dumps in a temporary
+        folder removed with the world (never the default dump folder, where a job's dumps are).
     :param preload: the modules the rank server imports (default: :func:`planned_preloads` of
         ``plan``); the same for every world of a run, so that no world restarts the server.
     """
@@ -320,44 +340,46 @@ def run_world(spec: WorldSpec, plan: Sequence[PlannedCheck], *, timeout_s: float
         return out
     out = WorldOutcome(spec, group_kind=kind)
     remaining = list(plan)
-    while remaining:
-        out.attempts += 1
-        emit(Event("world-start", spec, data={"attempt": out.attempts, "group": kind,
-                                              "checks": [p.name for p in remaining]}))
-        attempt = _Attempt(spec, kind, remaining, timeout_s, stall, deadline_s, emit, log_dir, preload)
-        attempt.run()
-        out.results.extend(attempt.rows())
-        out.check_seconds.update(attempt.check_seconds)
-        out.group_resets += attempt.group_resets
-        for check, values in attempt.exports.items():
-            out.exports.setdefault(check, {}).update(values)
-        if attempt.unsupported is not None:
-            why = f"this build cannot create this mixed-vendor group: {attempt.unsupported}"
-            out.status, out.detail = "skipped", why
-            out.results = [CheckResult(p.name, spec.label, f"world of {spec.world_size}", True, skipped=True,
-                                       detail=why) for p in remaining]
-            break
-        if attempt.setup_error is not None:
-            out.status, out.detail = "setup-failed", attempt.setup_error
-            out.results.append(CheckResult("runner", spec.label, f"create a {kind} group of {spec.world_size}",
-                                           False, detail=attempt.setup_error))
-            emit(Event("world-problem", spec, detail=attempt.setup_error))
-            break
-        if attempt.problem_check is None:
-            break  # every planned check finished
-        if attempt.problem is not None:
-            out.results.append(attempt.problem)
-            emit(Event("world-problem", spec, attempt.problem.check, attempt.problem.case,
-                       detail=attempt.problem.detail))
-        out.status = "stopped"
-        out.detail = attempt.problem.detail if attempt.problem else f"check {attempt.problem_check} raised"
-        done = set(attempt.finished) | {attempt.problem_check}
-        remaining = [p for p in remaining if p.name not in done]
-        if remaining and out.attempts > max_restarts:
-            for p in remaining:
-                out.results.append(CheckResult(p.name, spec.label, "(not run)", False,
-                                               detail=f"not run: the world was stopped {out.attempts} times"))
-            break
+    with _trace_dir(spec, log_dir) as traces:
+        while remaining:
+            out.attempts += 1
+            emit(Event("world-start", spec, data={"attempt": out.attempts, "group": kind,
+                                                  "checks": [p.name for p in remaining]}))
+            attempt = _Attempt(spec, kind, remaining, timeout_s, stall, deadline_s, emit, log_dir, traces,
+                               preload)
+            attempt.run()
+            out.results.extend(attempt.rows())
+            out.check_seconds.update(attempt.check_seconds)
+            out.group_resets += attempt.group_resets
+            for check, values in attempt.exports.items():
+                out.exports.setdefault(check, {}).update(values)
+            if attempt.unsupported is not None:
+                why = f"this build cannot create this mixed-vendor group: {attempt.unsupported}"
+                out.status, out.detail = "skipped", why
+                out.results = [CheckResult(p.name, spec.label, f"world of {spec.world_size}", True, skipped=True,
+                                           detail=why) for p in remaining]
+                break
+            if attempt.setup_error is not None:
+                out.status, out.detail = "setup-failed", attempt.setup_error
+                out.results.append(CheckResult("runner", spec.label, f"create a {kind} group of {spec.world_size}",
+                                               False, detail=attempt.setup_error))
+                emit(Event("world-problem", spec, detail=attempt.setup_error))
+                break
+            if attempt.problem_check is None:
+                break  # every planned check finished
+            if attempt.problem is not None:
+                out.results.append(attempt.problem)
+                emit(Event("world-problem", spec, attempt.problem.check, attempt.problem.case,
+                           detail=attempt.problem.detail))
+            out.status = "stopped"
+            out.detail = attempt.problem.detail if attempt.problem else f"check {attempt.problem_check} raised"
+            done = set(attempt.finished) | {attempt.problem_check}
+            remaining = [p for p in remaining if p.name not in done]
+            if remaining and out.attempts > max_restarts:
+                for p in remaining:
+                    out.results.append(CheckResult(p.name, spec.label, "(not run)", False,
+                                                   detail=f"not run: the world was stopped {out.attempts} times"))
+                break
     out.elapsed_s = time.monotonic() - start
     emit(Event("world-done", spec, detail=out.detail, data={"status": out.status, "elapsed_s": out.elapsed_s}))
     return out

@@ -122,7 +122,7 @@ def _run(console: Any, backends: tuple[str, ...], world_sizes: tuple[int, ...], 
     failed = outcome.failed
     console.print(f"{passed} passed, {failed} failed, {skipped} skipped in {outcome.elapsed_s:.1f} s")
     if failed:
-        console.print(f"rank logs: {log_dir}")
+        console.print(f"rank logs and flight-recorder dumps: {log_dir}")
     else:
         shutil.rmtree(log_dir, ignore_errors=True)
     if not passed and not failed:
