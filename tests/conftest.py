@@ -36,6 +36,30 @@ def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_temp_dir(tmp_path_factory: pytest.TempPathFactory):
+    """One temporary folder per session, removed at its end: what the suite's processes leave in
+    the temporary directory (torchrun's ``torchelastic_*`` log folders, Ray's session, a default
+    flight-recorder dump) goes there instead of the machine's /tmp. Short, under the real one: Ray
+    puts Unix sockets in it, whose paths may not exceed 107 bytes. pytest's own folders (tmp_path)
+    are made before and stay where they were."""
+    import shutil
+    import tempfile
+
+    tmp_path_factory.getbasetemp()
+    old = os.environ.get("TMPDIR")
+    path = tempfile.mkdtemp(prefix="vcga-tests-")
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = None  # read TMPDIR anew
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+    shutil.rmtree(path, ignore_errors=True)
+
+
 # What the rank processes of many tests would each import or prepare after they start, done once
 # by the rank server they fork from (tests/rank_preload.py; docs/testing.md). Nothing starts here:
 # the first test that starts ranks starts the server. rank_preload imports the other two; they are
