@@ -43,10 +43,12 @@ def private_temp_dir(tmp_path_factory: pytest.TempPathFactory):
     flight-recorder dump) goes there instead of the machine's /tmp. Short, under the real one: Ray
     puts Unix sockets in it, whose paths may not exceed 107 bytes. pytest's own folders (tmp_path)
     are made before and stay where they were."""
+    import multiprocessing.util
     import shutil
     import tempfile
 
     tmp_path_factory.getbasetemp()
+    multiprocessing.util.get_temp_dir()  # made now, in the real one: multiprocessing removes it at exit
     old = os.environ.get("TMPDIR")
     path = tempfile.mkdtemp(prefix="vcga-tests-")
     os.environ["TMPDIR"] = path
