@@ -17,9 +17,6 @@ from balance_cases import SEED, B, N
 
 from vcga.testing import run_world
 
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "vcga.checkpoint.api", "vcga.process_group", "vcga.compress.hook", "vcga.balance.balancer",
-           "pytorch_lightning", "balance_cases"]
 MIX_A, MIX_B = "nccl:1,hccl:1", "cncl:1,nccl:2"
 PLANS_A = {
     "ddp": {"shares": [11, 5], "force": (5, {"nccl": 1, "hccl": 3}), "micro_batch": {"nccl": 4}, "save": True},
@@ -42,8 +39,8 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("balance"))
     from balance_cases import world
 
-    a = run_world(world, 2, PLANS_A, root, env={"VCGA_SIM_VENDORS": MIX_A}, preload=PRELOAD)
-    b = run_world(world, 3, PLANS_B, root, env={"VCGA_SIM_VENDORS": MIX_B}, preload=PRELOAD)
+    a = run_world(world, 2, PLANS_A, root, env={"VCGA_SIM_VENDORS": MIX_A})
+    b = run_world(world, 3, PLANS_B, root, env={"VCGA_SIM_VENDORS": MIX_B})
     assert a[0]["transport"] == "bridge(sim-nccl:1,sim-hccl:1)"
     assert b[0]["transport"] == "bridge(sim-cncl:1,sim-nccl:2)"
     return a, b
@@ -119,9 +116,9 @@ def test_the_example_in_docs_balance_trains_with_weights_a_cap_and_a_checkpoint(
     one vendor, a checkpoint; both ranks end with the same model, and it learned."""
     argv = ["--steps", "12", "--shares", "nccl=3,hccl=1", "--micro-batch", "nccl=64", "--ckpt", str(tmp_path),
             "--save-every", "6"]
-    first, second = run_world(_example, 2, argv, env={"VCGA_SIM_VENDORS": MIX_A}, preload=PRELOAD)
+    first, second = run_world(_example, 2, argv, env={"VCGA_SIM_VENDORS": MIX_A})
     assert first["loss"] == second["loss"] and first["steps"] == 12
     assert first["shares"] == [192, 64] and first["balancer"]["caps"] == [64, None]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-12", "step-6"]
-    untrained = run_world(_example, 2, ["--steps", "0"], env={"VCGA_SIM_VENDORS": MIX_A}, preload=PRELOAD)[0]
+    untrained = run_world(_example, 2, ["--steps", "0"], env={"VCGA_SIM_VENDORS": MIX_A})[0]
     assert first["loss"] < 0.7 * untrained["loss"], (first["loss"], untrained["loss"])

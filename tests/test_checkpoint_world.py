@@ -25,10 +25,6 @@ import torch
 from vcga.testing import run_world
 
 MiB = 1 << 20
-# Ranks fork from a server that imported these once (vcga.testing.run_world): a world starts in well
-# under a second instead of each rank importing torch anew.
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "vcga.checkpoint.api", "vcga.process_group", "test_checkpoint_world"]
 
 
 def _model_and_optimizer(seed_step: int | None):
@@ -153,8 +149,7 @@ def _equal(a: dict, b: dict) -> None:
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("world")
     root, torch_dir = tmp / "ckpt", tmp / "torch-dcp"
-    out = run_world(_save_world, 4, str(root), str(torch_dir), env={"VCGA_SIM_VENDORS": "nccl:2,hccl:2"},
-                    preload=PRELOAD)[0]
+    out = run_world(_save_world, 4, str(root), str(torch_dir), env={"VCGA_SIM_VENDORS": "nccl:2,hccl:2"})[0]
     assert out["backend"] == "bridge(sim-nccl:2,sim-hccl:2)"
     return tmp, root, torch_dir, out
 
@@ -163,8 +158,7 @@ def test_saved_on_two_vendors_loads_resharded_on_three_others_then_falls_back_on
     tmp, root, _, out = saved
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1", "step-2"]
     assert len(list((root / "step-2").glob("__*_0.vbin"))) == 4
-    three = run_world(_load_world, 3, "vcga", str(root), env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1,cncl:1"},
-                      preload=PRELOAD)[0]
+    three = run_world(_load_world, 3, "vcga", str(root), env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1,cncl:1"})[0]
     assert three["step"] == 2 and three["step_count"] == 2 and not three["warnings"]
     _equal(three["full"], out["full2"])
 
@@ -179,7 +173,7 @@ def test_saved_on_two_vendors_loads_resharded_on_three_others_then_falls_back_on
     data = bytearray(shard.read_bytes())
     data[rec.offset + rec.nbytes // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    two = run_world(_load_world, 2, "gloo", str(damaged), preload=PRELOAD)[0]
+    two = run_world(_load_world, 2, "gloo", str(damaged))[0]
     assert two["step"] == 1
     _equal(two["full"], out["full1"])
     text = " ".join(two["warnings"])
@@ -269,7 +263,7 @@ def test_disk_full_during_save_fails_typed_on_every_rank_and_the_previous_checkp
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
         outs = run_world(_disk_full_world, 2, str(mnt / "ckpt"), str(mnt / "ballast"),
-                         env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}, preload=PRELOAD)
+                         env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1"})
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
     for out in outs:

@@ -26,8 +26,7 @@ def _rank(rank: int, world: int, init_method: str) -> list[dict]:
 
 
 def test_one_stage_per_vendor_trains_bitwise_equal_to_gloo_with_1f1b_and_gpipe():
-    reports = run_world(_rank, 3, env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1,cncl:1"},
-                        preload=["torch.distributed.pipelining"])[0]
+    reports = run_world(_rank, 3, env={"VCGA_SIM_VENDORS": "nccl:1,hccl:1,cncl:1"})[0]
     assert [r["schedule"] for r in reports] == ["1f1b", "gpipe"]
     for r in reports:
         assert r["vendors"] == "bridge(sim-nccl:1,sim-hccl:1,sim-cncl:1)" and r["stages"] == 3, r
