@@ -1,15 +1,20 @@
-"""Run examples/train_elastic.py under real torchrun for the fault-matrix tests, and without it for
-their references.
+"""Run examples/train_elastic.py under torchrun's elastic agent for the fault-matrix tests, and
+without it for their references.
 
-:func:`launch` starts torchrun and waits for it, acting as the operator of a hung worker would be
-expected to: when a worker stopped by SIGSTOP (``VCGA_FAULT=hang:...``) has a SIGTERM pending --
-torchrun's agent sends it when it tears the failed attempt down, and a stopped process cannot act
-on it -- the harness continues it (SIGCONT) so it dies at once, instead of the agent waiting its
-fixed 30 s before SIGKILL. The waiting polls the process table with a deadline; nothing is
-synchronised by sleeping.
+:func:`launch` starts the agent as one subprocess (in a session of its own) and waits for it:
+``agent="torchrun"`` is the torchrun CLI (``python -m torch.distributed.run``, a fresh interpreter
+per worker and attempt), ``agent="fork"`` is tests/elastic_agent.py (torchrun's command line and
+agent, its workers forked from an interpreter that has imported torch, torch._dynamo and vcga
+once). Either way the workers are the agent's children, and the harness acts as the operator of a
+hung worker would be expected to: when a worker stopped by SIGSTOP (``VCGA_FAULT=hang:...``) has a
+SIGTERM pending -- the agent sends it when it tears the failed attempt down, and a stopped process
+cannot act on it -- the harness continues it (SIGCONT) so it dies at once, instead of the agent
+waiting its fixed 30 s before SIGKILL. The waiting polls the process table with a deadline, at
+which the agent's process group (its workers included) is SIGKILLed; nothing is synchronised by
+sleeping.
 
-:func:`run_forked` runs the same script and environment without torchrun, its ranks forked from the
-rank server (tests/script_world.py): for a reference run, with no fault and no restart to launch.
+:func:`run_forked` runs the same script and environment without an agent, its ranks forked from
+the rank server (tests/script_world.py): for a reference run, with no fault and no restart to launch.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_elastic.py"
+AGENT = Path(__file__).resolve().parent / "elastic_agent.py"
 _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
 
@@ -66,12 +72,15 @@ def _stopped_with_sigterm_pending(pid: int) -> bool:
 
 
 def launch(tmp: Path, *, nproc: int, vendors: str, args: list[str], fault: str = "", max_restarts: int = 0,
-           timeout_s: float = 20.0, deadline_s: float = 540.0, name: str = "run") -> Run:
+           timeout_s: float = 20.0, deadline_s: float = 540.0, name: str = "run", agent: str = "torchrun") -> Run:
+    """The script under torchrun's elastic agent, ``agent="torchrun"`` (the CLI: a fresh interpreter
+    per worker) or ``"fork"`` (tests/elastic_agent.py: workers forked from the agent's interpreter)."""
     out, events = tmp / f"{name}.json", tmp / f"{name}.events"
     env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "VCGA_DISABLE_PLUGIN_AUTOLOAD": "1",
            "VCGA_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault,
            "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    launcher = {"torchrun": ["-m", "torch.distributed.run"], "fork": ["-u", str(AGENT)]}[agent]
+    cmd = [sys.executable, *launcher, "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(SCRIPT), *args,
            "--out", str(out), "--events", str(events)]
     log = tmp / f"{name}.log"
@@ -82,7 +91,7 @@ def launch(tmp: Path, *, nproc: int, vendors: str, args: list[str], fault: str =
         try:
             while proc.poll() is None:
                 if time.monotonic() > end:
-                    raise AssertionError(f"torchrun did not finish within {deadline_s:g} s; log: {log}")
+                    raise AssertionError(f"the {agent} launch did not finish within {deadline_s:g} s; log: {log}")
                 for child in _children(proc.pid):
                     if _stopped_with_sigterm_pending(child):
                         os.kill(child, signal.SIGCONT)

@@ -8,7 +8,8 @@ test compares with does not need that launcher -- only the script's numbers -- s
 :func:`vcga.spawn.get_context` (torch already imported), with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
 ``TORCHELASTIC_RESTART_COUNT=0`` set as torchrun sets them, and ``sys.argv`` as the script would see
-it. The launches under test (restarts, faults, the user's command line) stay real torchrun.
+it. The launches under test (restarts, faults, the user's command line) stay torchrun's: its agent
+(tests/elastic_run.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,29 @@
-"""examples/train_elastic.py under real torchrun with real faults (fake-backed: the vendors are
-simulated on CPU).
+"""examples/train_elastic.py under torchrun's elastic agent with real faults (fake-backed: the
+vendors are simulated on CPU).
 
 The uninterrupted runs are the references; they need no launcher, so their ranks are forked from
-the rank server with torchrun's environment (tests/script_world.py) instead of a torchrun of their
-own. One job of 3 ranks (nccl:2,hccl:1: an island of two ranks and one of one, so a lost rank's
-peers wait both inside an island and across the hop) meets, one per attempt, the faults of the
-matrix that need a restart -- torchrun restarts every worker each time, a fresh interpreter each
-(about 3.5 CPU-s, torch._dynamo included), so the job has the fewest ranks with both kinds of
-island:
+the rank server with torchrun's environment (tests/script_world.py). One job of 3 ranks
+(nccl:2,hccl:1: an island of two ranks and one of one, so a lost rank's peers wait both inside an
+island and across the hop) meets, one per attempt, the faults of the matrix that need a restart:
 
 1. rank 1 SIGKILLed mid-step (after its forward pass, its peers waiting in the all_reduce);
 2. rank 2 SIGKILLed during a save, after its shard was written and before the checkpoint was
    published: the previous checkpoint stays latest, and the next attempt resumes from it;
 3. rank 1 SIGSTOPped (hung): its peers fail with a typed VcgaTimeoutError, torchrun restarts.
 
-It must end with parameters bitwise equal to its uninterrupted run. A 4-rank uninterrupted run
-(nccl:2,hccl:2; it checkpoints with async_save and records the magnitudes the 3-rank bound needs)
-is resumed at its step-6 checkpoint by 3 ranks of another vendor mix (resharded; no restart
-either, so forked ranks too), which must stay within the derived bound of that run (the script
-checks; docstring of examples/train_elastic.py). Disk full, a corrupted shard and resharding
-without restarts: tests/test_checkpoint_world.py and tests/test_checkpoint.py."""
+It must end with parameters bitwise equal to its uninterrupted run. Its launcher is torchrun's
+command line and elastic agent (rendezvous, restarts, teardown) with each attempt's workers forked
+from the agent's interpreter (tests/elastic_agent.py), not a fresh interpreter each: its four
+attempts start twelve workers, each of which would import torch, torch._dynamo and vcga again
+(about 3.5 CPU-s). The compressed job -- two ranks, one killed, one restart, the cheapest job with
+a restart -- runs under the torchrun CLI itself, a fresh interpreter per worker: the launch a user
+types, restart included.
+
+A 4-rank uninterrupted run (nccl:2,hccl:2; it checkpoints with async_save and records the
+magnitudes the 3-rank bound needs) is resumed at its step-6 checkpoint by 3 ranks of another
+vendor mix (resharded; no restart, so forked ranks too), which must stay within the derived bound
+of that run (the script checks; docstring of examples/train_elastic.py). Disk full, a corrupted
+shard and resharding without restarts: tests/test_checkpoint_world.py and tests/test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ FAULT_VENDORS = "nccl:2,hccl:1"  # the fault job's
 STEPS = ["--steps", "12", "--save-every", "3"]
 
 
-# Each launch starts a fresh interpreter per rank (torchrun, not a forkserver): on a busy 2-core
-# machine a launch with restarts can take minutes. The runs end on their own; these are backstops.
+# A launch with restarts waits out its faults (the hang: the collective timeout) and starts every
+# worker again: on a busy 2-core machine it can take minutes. The runs end on their own; these are
+# backstops.
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -65,7 +70,7 @@ def test_killed_and_hung_ranks_restart_and_end_bitwise_equal_to_the_uninterrupte
     faults = ",".join(["kill:rank=1:step=4:at=mid:attempt=0",
                        "kill:rank=2:step=6:at=save:attempt=1",
                        "hang:rank=1:step=10:attempt=2"])
-    run = launch(tmp_path, nproc=3, vendors=FAULT_VENDORS, fault=faults, max_restarts=3, name="faults",
+    run = launch(tmp_path, nproc=3, vendors=FAULT_VENDORS, fault=faults, max_restarts=3, name="faults", agent="fork",
                  args=["--root", str(tmp_path / "ckpt"), *STEPS])
     out = run.output
     assert run.returncode == 0, out[-6000:]
@@ -74,7 +79,7 @@ def test_killed_and_hung_ranks_restart_and_end_bitwise_equal_to_the_uninterrupte
                  "vcga fault: hang rank 1 at step of step 10 (attempt 2)"):
         assert line in out
     assert "VcgaTimeoutError" in out  # the hung rank's peers timed out, typed
-    assert run.continued >= 1  # the hung rank was torn down by torchrun (SIGTERM, then continued)
+    assert run.continued >= 1  # the hung rank was torn down by the agent (SIGTERM, then continued)
     starts = [(e["attempt"], e["resumed_from"]) for e in run.events if e["event"] == "start"]
     # 0: fresh. 1: after the kill at step 4, from step 3. 2: the save of step 6 never published,
     # so from step 3 again. 3: after the hang at step 10, from step 9.
