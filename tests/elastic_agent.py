@@ -24,7 +24,7 @@ A forked worker starts as a fresh one would, where the script could tell:
   threads it started that are not daemons are joined and its atexit hooks run, as at an
   interpreter's exit (a forked process ends in ``os._exit``).
 
-The agent starts threads (the TCP store's server, the rendezvous' keep-alive) before it forks:
+The agent has started threads when it forks (the TCP store's server, the rendezvous' heartbeats):
 a worker uses none of them -- it connects to the store as a client, as a fresh worker does.
 tests/elastic_run.py starts this as one subprocess, as it starts torchrun.
 """
