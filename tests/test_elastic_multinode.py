@@ -1,6 +1,7 @@
 """A node's link goes down during checkpointed training: examples/train_elastic.py on two namespace
-nodes (vcga.testing.multinode; fake-backed: sim-nccl on node 0, sim-hccl on node 1), torchrun with
-c10d rendezvous. The ranks' traffic runs over a second network (``VCGA_NETWORK_INTERFACE=eth1``)
+nodes (vcga.testing.multinode; fake-backed: sim-nccl on node 0, sim-hccl on node 1), torchrun's
+command line and agent with c10d rendezvous, each node's workers forked from its agent
+(tests/elastic_agent.py; tests/test_multinode.py launches the torchrun command itself). The ranks' traffic runs over a second network (``VCGA_NETWORK_INTERFACE=eth1``)
 whose link on node 1 is taken down mid-training, while torchrun's own rendezvous keeps network 0.
 
 Every rank must end with a typed error within the collective timeout (no hang), the newest
@@ -21,6 +22,9 @@ from vcga.testing.multinode import Cluster, NodesUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_elastic.py")
+# torchrun's command line and agent, its workers forked from the agent's interpreter
+# (tests/elastic_agent.py): torch and vcga imported once per node and launch, not once per worker
+AGENT = [str(ROOT / "tests" / "elastic_agent.py")]
 NPROC = 2
 TIMEOUT = 10.0  # the ranks' collective timeout (s)
 TYPED = {"VcgaCollectiveError", "VcgaTimeoutError", "VcgaPeerLostError"}
@@ -57,7 +61,8 @@ def test_a_node_link_down_ends_typed_and_the_job_resumes_from_its_last_checkpoin
     node_env = [_env("sim-nccl"), _env("sim-hccl")]
     cluster = _cluster()
     with cluster:
-        launch = cluster.torchrun([*args, "--out", str(tmp_path / "first.json")], NPROC, env={}, node_env=node_env)
+        launch = cluster.torchrun([*args, "--out", str(tmp_path / "first.json")], NPROC, env={}, node_env=node_env,
+                                  launcher=AGENT)
         deadline = time.monotonic() + 600
         while (ckpt.latest_step(root) or 0) < 4:  # trained and checkpointed a little
             if any(c is not None for c in launch.poll()) or time.monotonic() > deadline:
@@ -80,7 +85,8 @@ def test_a_node_link_down_ends_typed_and_the_job_resumes_from_its_last_checkpoin
         assert report.format == "dcp" and report.tensors and report.mismatches == 0
 
         cluster.nodes[1].set_link(True, network=1)
-        again = cluster.torchrun([*args, "--out", str(tmp_path / "second.json")], NPROC, env={}, node_env=node_env)
+        again = cluster.torchrun([*args, "--out", str(tmp_path / "second.json")], NPROC, env={}, node_env=node_env,
+                                  launcher=AGENT)
         results = again.wait(timeout=600)
         assert all(r.returncode == 0 for r in results), [r.output[-3000:] for r in results]
         starts = [e for e in _events(events) if e["event"] == "start"]

@@ -470,7 +470,8 @@ class Cluster:
 
     def torchrun(self, argv: Sequence[str], nproc_per_node: int, *, env: Mapping[str, str] | None = None,
                  node_env: Sequence[Mapping[str, str]] | None = None, cwd: str | None = None,
-                 torchrun_args: Sequence[str] = ()) -> Launch:
+                 torchrun_args: Sequence[str] = (),
+                 launcher: Sequence[str] = ("-m", "torch.distributed.run")) -> Launch:
         """Start ``torchrun --nnodes N --nproc-per-node k --rdzv-backend c10d`` with its rendezvous on
         node 0's address on every node. Node *i*'s workers are global ranks
         ``i*k .. i*k + k-1`` (the rendezvous orders nodes by host name, :meth:`hostname`).
@@ -480,6 +481,8 @@ class Cluster:
             it on node *i* (e.g. ``VCGA_BACKEND`` per node, as each node of a mixed cluster has its
             own vendor).
         :param torchrun_args: more torchrun options (e.g. ``["--rdzv-conf", "join_timeout=60"]``).
+        :param launcher: what the node's Python runs with torchrun's options: torchrun itself, or a
+            script that takes the same command line (a test's agent that forks its workers, say).
         :returns: a :class:`Launch`; :meth:`Launch.wait` gives each node's result.
         """
         if node_env is not None and len(node_env) != self.size:
@@ -490,7 +493,7 @@ class Cluster:
             for node in self.nodes:
                 e = dict(os.environ if env is None else env)
                 e.update(node_env[node.index] if node_env else {})
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.size),
+                cmd = [sys.executable, *launcher, "--nnodes", str(self.size),
                        "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", f"{self.run_id}-{n}",
                        "--max-restarts", "0", *torchrun_args, *argv]
