@@ -401,7 +401,8 @@ def test_refusal_names_everything_and_hints() -> None:
 
 def test_emulation_loop_is_refused_not_followed() -> None:
     from vcga.contract import Cell, Support
-    from vcga.pg.dispatch import MAX_EMULATION_DEPTH, Dispatcher, Steps
+    from vcga.pg.dispatch import Dispatcher, Steps
+    from vcga.pg.recipes import MAX_EMULATION_DEPTH
     from vcga.pg.transport import Transport
 
     loop = {(Collective.BROADCAST, "int16", None): Cell(Support.EMULATED, via="upcast:int32"),

@@ -41,8 +41,11 @@ JOB = textwrap.dedent("""
     g = dist.new_group([0], backend="vcga", pg_options=VcgaOptions(replace(load_config(), sim_vendors="hccl:1")))
     dist.all_reduce(x, group=g)
     sim = sorted(set(sys.modules) - before)
+    before = set(sys.modules)
+    dist.broadcast(x, 0)
+    later = sorted(set(sys.modules) - before)
     table = dist.group.WORLD.transport.table
-    print(json.dumps({"first": first, "sim": sim, "backend": dist.group.WORLD.transport.backend_name,
+    print(json.dumps({"first": first, "sim": sim, "later": later, "backend": dist.group.WORLD.transport.backend_name,
                       "sim_backend": g.transport.backend_name, "table_in_full": table._full is not None}))
     dist.destroy_process_group()
 """)
@@ -53,6 +56,9 @@ NEVER = ("vcga.conformance", "vcga.formats", "vcga.formatspec", "vcga.formatkit"
          "vcga.plugins.compressors", "vcga.compress")
 #: What a job imports only when it asks for it: VCGA_DEBUG's fingerprints, the torch profiler's spans.
 ON_REQUEST = ("vcga.pg.debug", "vcga.pg.spans")
+#: What a job imports at the first call that needs it: the collectives besides all_reduce, and the
+#: dispatcher's recipes (a call the native fast path does not take).
+AT_FIRST_USE = ("vcga.pg.collectives", "vcga.pg.recipes")
 
 
 def test_a_job_imports_only_its_backends_plugin():
@@ -71,6 +77,8 @@ def test_a_job_imports_only_its_backends_plugin():
     assert unused == ["vcga.plugins.gloo"], f"imported by the job: {unused}"
     assert len(vcga_first) <= 30, vcga_first  # 21 today: the group's own modules, the manager, gloo's plugin
     assert not [m for m in first + sim if m in ON_REQUEST], first + sim  # no VCGA_DEBUG, no profiler running
+    assert not [m for m in first + sim if m in AT_FIRST_USE], first + sim
+    assert "vcga.pg.collectives" in out["later"], out["later"]  # a broadcast loads the other collectives
     plugins_added = [m for m in sim if m.startswith("vcga.plugins.")]
     assert plugins_added, sim
     assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim

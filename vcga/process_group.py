@@ -18,7 +18,8 @@ that waited. In debug mode (``VCGA_DEBUG=1``) ranks compare fingerprints first (
 
 Each group owns a :class:`~vcga.pg.calls.CallPath` (how a call reaches the library: numbering,
 the hot path, dispatch, typed failures) and a :class:`~vcga.pg.collectives.Collectives` on it
-(reductions, data movement, their argument checks); this module keeps creation, torch's c10d
+(reductions, data movement, their argument checks; ``all_reduce`` in :mod:`vcga.pg.allreduce`,
+the others made at the first call of one); this module keeps creation, torch's c10d
 methods, point to point, barriers and coalescing.
 """
 
@@ -35,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +50,14 @@ from vcga.errors import (
     VcgaError,
     VcgaTimeoutError,
 )
+from vcga.pg.allreduce import all_reduce, one_tensor
 from vcga.pg.calls import CallPath
-from vcga.pg.collectives import Collectives, one_tensor
 from vcga.pg.dispatch import Dispatcher, Steps
 from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
 from vcga.pypg import PyWork, options, timeout_given
+
+if TYPE_CHECKING:
+    from vcga.pg.collectives import Collectives
 
 __all__ = [
     "BACKEND_NAME",
@@ -320,7 +324,7 @@ class VcgaProcessGroup(dist.ProcessGroup):
         #: how every call reaches the library (numbering, hot path, dispatch, typed failures)
         self._calls = CallPath(rank, size, transport.group, Dispatcher(transport, rank, size), self._backend,
                                timeout.total_seconds(), debug, self.flight_recorder)
-        self._collectives = Collectives(self._calls)
+        self._collectives: Collectives | None = None  # made at the first call besides all_reduce
         self._mb_store = dist.PrefixStore("vcga/monitored_barrier", store)
         self._mb_round = 0
         self._p2p_sent: dict[int, int] = {}
@@ -395,73 +399,82 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._calls.use_native(self.transport.group)
 
     # ===========================================================================================
-    # Collectives (torch's c10d signatures; vcga.pg.collectives implements them)
+    # Collectives (torch's c10d signatures; vcga.pg.allreduce and vcga.pg.collectives implement them)
     # ===========================================================================================
+
+    def _others(self) -> Collectives:
+        """The collectives besides all_reduce (:mod:`vcga.pg.collectives`), made at the first call
+        of one: a job's start, whose first calls are all-reduces, does not load them."""
+        if self._collectives is None:
+            from vcga.pg.collectives import Collectives
+
+            self._collectives = Collectives(self._calls)
+        return self._collectives
     # c10d calls them as (tensors, opts); torch's type stub also declares the other forms of its
     # Python helpers as overloads, so these overrides name [override] (the aliases [assignment]).
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        return self._collectives.allreduce(tensors, opts)
+        return all_reduce(self._calls, tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self._collectives.allreduce_coalesced(tensors, opts)
+        return self._others().allreduce_coalesced(tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        return self._collectives.reduce(tensors, opts)
+        return self._others().reduce(tensors, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> Any:
-        return self._collectives.reduce_scatter(output_tensors, input_tensors, opts)
+        return self._others().reduce_scatter(output_tensors, input_tensors, opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
-        return self._collectives.reduce_scatter_tensor(output, input, opts)
+        return self._others().reduce_scatter_tensor(output, input, opts)
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
-        return self._collectives.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        return self._others().reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        return self._collectives.broadcast(tensors, opts)
+        return self._others().broadcast(tensors, opts)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
-        return self._collectives.allgather(output_tensors, input_tensors, opts)
+        return self._others().allgather(output_tensors, input_tensors, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
-        return self._collectives.allgather_into_tensor(output, input, opts)
+        return self._others().allgather_into_tensor(output, input, opts)
 
     all_gather_single = _allgather_base
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
-        return self._collectives.allgather_coalesced(output_lists, input_list, opts)
+        return self._others().allgather_coalesced(output_lists, input_list, opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
-        return self._collectives.allgather_into_tensor_coalesced(outputs, inputs, opts)
+        return self._others().allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> Any:
-        return self._collectives.gather(output_tensors, input_tensors, opts)
+        return self._others().gather(output_tensors, input_tensors, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> Any:
-        return self._collectives.scatter(output_tensors, input_tensors, opts)
+        return self._others().scatter(output_tensors, input_tensors, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
-        return self._collectives.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        return self._others().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self._collectives.alltoall(output_tensors, input_tensors, opts)
+        return self._others().alltoall(output_tensors, input_tensors, opts)
 
     @contextmanager
     def native_replaced(self, group: Any) -> Iterator[None]:

@@ -1,7 +1,10 @@
 """The path under the ``vcga`` process group (:mod:`vcga.process_group`, the public entry).
 
-- :mod:`~vcga.pg.collectives` -- the collectives: argument checks, reductions, data movement;
-- :mod:`~vcga.pg.dispatch` -- capability-aware dispatch: native, emulated or refused;
+- :mod:`~vcga.pg.allreduce` -- ``all_reduce``: argument checks and the hot path;
+- :mod:`~vcga.pg.collectives` -- the other collectives: argument checks, reductions, data movement
+  (loaded at the first call of one);
+- :mod:`~vcga.pg.dispatch` -- capability-aware dispatch: native, emulated or refused; its recipes
+  and refusals :mod:`~vcga.pg.recipes` load at the first call the native fast path does not take;
 - :mod:`~vcga.pg.transport` -- what moves the bytes: one vendor's native group, or the bridge;
 - :mod:`~vcga.pg.discovery` -- every rank of a new group learns what every other rank runs;
 - :mod:`~vcga.pg.workqueue` -- one ordered queue of collectives per group, on its own thread;

@@ -1,7 +1,10 @@
-"""The collectives of the ``vcga`` process group: reductions, data movement and their argument checks.
+"""The collectives of the ``vcga`` process group but ``all_reduce``: reductions, data movement and
+their argument checks.
 
-A :class:`~vcga.process_group.VcgaProcessGroup` owns one :class:`Collectives` and hands it each
-collective with torch's c10d signature. Each checks its arguments and runs on the group's
+A :class:`~vcga.process_group.VcgaProcessGroup` makes one :class:`Collectives` at the first call of
+one of them and hands it each with torch's c10d signature; ``all_reduce``, a training job's first
+and most frequent call, has a module of its own (:mod:`vcga.pg.allreduce`), so a job that has
+only all-reduced so far has not loaded this one. Each checks its arguments and runs on the group's
 :class:`~vcga.pg.calls.CallPath`: the hot path straight to the native group when the table calls
 the cell native and the tensors are contiguous, otherwise the dispatcher (:mod:`vcga.pg.dispatch`).
 Point to point, barriers and coalescing stay in :mod:`vcga.process_group`.
@@ -11,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from vcga import dtypes as _dtypes
 from vcga.contract import Collective
 from vcga.errors import VcgaError
+from vcga.pg.allreduce import complex_again, one_tensor
 from vcga.pg.calls import CallPath
 from vcga.pg.dispatch import Steps
 from vcga.pg.recorder import described, one, stacked
@@ -32,27 +36,6 @@ _DTYPE_CODES: dict[torch.dtype, int] = {_dtypes.to_torch(name): i for i, name in
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor as 1-D (gloo's *_base collectives compare shapes chunk by chunk)."""
     return t if t.dim() == 1 else t.view(-1)
-
-
-_COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
-
-
-def _complex_again(t: torch.Tensor) -> torch.Tensor:
-    """The complex tensor behind ``t`` when ``t`` is ``torch.view_as_real`` of one, else ``t``.
-
-    ``torch.distributed.all_reduce`` (and ``all_reduce_coalesced``) hand backends complex tensors
-    as ``view_as_real`` views. Dispatching the view would consult the table's real cell and name
-    the real dtype in a refusal; the user passed a complex tensor, so the complex cell decides
-    (its ``as_real`` recipe views the pairs again) and a refusal names complex128. The view shares
-    the storage: the result lands in ``t``."""
-    base = t._base
-    if (base is None or not base.is_complex() or t.dim() == 0 or t.shape[-1] != 2
-            or _COMPLEX_OF.get(t.dtype) != base.dtype):
-        return t
-    try:
-        return torch.view_as_complex(t)
-    except RuntimeError:  # strides that no complex tensor has: not torch's view after all
-        return t
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,17 +53,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-_T = TypeVar("_T")
-
-
-def one_tensor(tensors: Sequence[_T], what: str) -> _T:
-    """The one entry of a per-process list (a tensor, or a list of tensors)."""
-    if len(tensors) != 1:
-        raise ValueError(f"vcga {what} takes exactly one tensor per process, got {len(tensors)} "
-                         "(several tensors per process are deprecated in torch.distributed)")
-    return tensors[0]
-
-
 class Collectives:
     """The collectives of one :class:`~vcga.process_group.VcgaProcessGroup` (see the module docstring).
 
@@ -93,29 +65,6 @@ class Collectives:
     # ===========================================================================================
     # Reductions
     # ===========================================================================================
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else options("allreduce")
-        t = one_tensor(tensors, "all_reduce")
-        red = opts.reduceOp
-        if t.layout is not torch.strided:
-            # Sparse tensors (DDP's sparse embedding gradients): capability tables describe dense
-            # tensors; the library itself decides (gloo sums sparse COO tensors, NCCL refuses).
-            seq = self.calls.next("all_reduce")
-            return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
-                                          async_op=opts.asyncOp, result=tensors,
-                                          call=self.calls.record(seq, "all_reduce", one(t)))
-        if self.calls.debug is None and self.calls.fast_native(Collective.ALL_REDUCE, t, red):
-            seq = next(self.calls.seqs)
-            call = self.calls.record(seq, "all_reduce", one(t), None, tensors)
-            return self.calls.native_call("all_reduce", seq, self.calls.native.allreduce, tensors, opts,
-                                          async_op=opts.asyncOp, result=tensors, call=call)
-        op, factor = reduce_op_of(red)
-        seq = self.calls.next("all_reduce", t, op)
-        call = self.calls.record(seq, "all_reduce", one(t), None, tensors)
-        c = _complex_again(t)
-        return self.calls.issue("all_reduce", seq, lambda s: self.calls.d.all_reduce(c, op, factor, opts, s), tensors,
-                                opts.asyncOp, call)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else options("allreduce_coalesced")
@@ -130,7 +79,7 @@ class Collectives:
 
         def build(s: Steps) -> None:
             for t in tensors:
-                self.calls.d.all_reduce(_complex_again(t), op, factor, opts, s)
+                self.calls.d.all_reduce(complex_again(t), op, factor, opts, s)
 
         return self.calls.issue("all_reduce_coalesced", seq, build, tensors, opts.asyncOp, call)
 
