@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # vcga.cpu is imported where used: a job's group never asks f
 TABLE_FILE = Path(__file__).with_name("gloo_capabilities.json")
 #: Ranks the measurement spawns (see :func:`write_table` for why three).
 MEASURE_WORLD_SIZE = 3
+#: What each row of the table file holds (:func:`table_text`).
+COLUMNS = ("collective", "dtype", "op", "ok", "detail")
 
 
 class GlooBackend(Backend):
@@ -102,51 +104,67 @@ def load_table(backend_name: str = "gloo", path: Path = TABLE_FILE) -> Capabilit
     emulations where one exists (fp8 moved as uint8, fp16 with a float32 upcast, ...), else stay
     refused with gloo's own error message as the reason.
 
-    Each cell is read from the file's rows when a collective first asks for it: stating all of
-    them to a :class:`~vcga.capabilities.CapabilityBuilder` cost every rank of every job about 2 ms
-    at group creation. tests/test_plugin_manifest.py checks the cells are the builder's."""
+    Only the file's bytes are read here: the table is named by their digest, so a group's creation
+    parses nothing, and each cell is read from the rows when a collective first asks for it
+    (stating all of them to a :class:`~vcga.capabilities.CapabilityBuilder` cost every rank of
+    every job about 2 ms at group creation). tests/test_plugin_manifest.py checks the cells are
+    the builder's."""
     source = path.read_bytes()
-    data = json.loads(source)
-    rows = _Rows({(row["collective"], row["dtype"], row["op"] or None): row for row in data["cells"]})
-    native = Cell(Support.NATIVE, note=f"measured with torch {data['torch']} ({path.name})")
-    refused: dict[str, Cell] = {}  # one cell per reason, as a builder's statement makes
-
-    def stated(key: CellKey) -> Cell | None:
-        row = rows.row(key)
-        if row is None:
-            return None
-        if row["ok"]:
-            return native
-        cell = refused.get(row["detail"])
-        if cell is None:
-            cell = refused[row["detail"]] = Cell(Support.REFUSED, note=f"gloo: {row['detail']}")
-        return cell
-
-    return LazyCapabilityTable.from_source(backend_name, stated, rows, source)  # the derived cells as asked for
+    rows = _Rows(source, path.name)
+    return LazyCapabilityTable.from_source(backend_name, rows.stated, rows, source)  # the derived cells as asked for
 
 
 class _Rows(AbstractSet[CellKey]):
-    """The measured table's rows by name; as a set, the keys measured native: a builder's final
-    statements (every other cell may get an emulation derived on top)."""
+    """The measured table's rows, parsed from the file's bytes when a cell is first asked for;
+    as a set, the keys measured native: a builder's final statements (every other cell may get an
+    emulation derived on top)."""
 
-    def __init__(self, rows: dict[tuple[str, str, str | None], dict[str, Any]]) -> None:
-        self._rows = rows
+    def __init__(self, source: bytes, file_name: str) -> None:
+        self._source, self._file_name = source, file_name
+        self._parsed: tuple[dict[tuple[str, str, str | None], tuple[bool, str]], Cell] | None = None
+        self._refused: dict[str, Cell] = {}  # one cell per reason, as a builder's statement makes
 
-    def row(self, key: CellKey) -> dict[str, Any] | None:
+    @property
+    def _rows(self) -> dict[tuple[str, str, str | None], tuple[bool, str]]:
+        return self._load()[0]
+
+    def _load(self) -> tuple[dict[tuple[str, str, str | None], tuple[bool, str]], Cell]:
+        if self._parsed is None:
+            data = json.loads(self._source)
+            rows = {(coll, dt, op): (ok, detail) for coll, dt, op, ok, detail in data["cells"]}
+            self._parsed = rows, Cell(Support.NATIVE, note=f"measured with torch {data['torch']} ({self._file_name})")
+        return self._parsed
+
+    def row(self, key: CellKey) -> tuple[bool, str] | None:
+        """``(ok, detail)`` of the cell measured for ``key``, or None where none was."""
         coll, dt, op = key
         return self._rows.get((coll.value, dt, op.value if op is not None else None))
 
+    def stated(self, key: CellKey) -> Cell | None:
+        """The cell a builder would have been told for ``key``: native where measured so, else
+        refused with gloo's own message."""
+        row = self.row(key)
+        if row is None:
+            return None
+        ok, detail = row
+        if ok:
+            return self._load()[1]
+        cell = self._refused.get(detail)
+        if cell is None:
+            cell = self._refused[detail] = Cell(Support.REFUSED, note=f"gloo: {detail}")
+        return cell
+
     def __contains__(self, key: object) -> bool:
         row = self.row(key) if isinstance(key, tuple) and len(key) == 3 else None
-        return row is not None and bool(row["ok"])
+        return row is not None and row[0]
 
     def __iter__(self) -> Iterator[CellKey]:
-        for (coll, dt, op), row in self._rows.items():
-            if row["ok"]:
+        for (coll, dt, op), (ok, _) in self._rows.items():
+            if ok:
                 yield Collective(coll), dt, ReduceOp(op) if op else None
 
     def __len__(self) -> int:
-        return sum(1 for row in self._rows.values() if row["ok"])
+        return sum(1 for ok, _ in self._rows.values() if ok)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -389,12 +407,19 @@ def write_table(path: Path = TABLE_FILE) -> None:
     # Three ranks, not two: gloo sums bools as bytes, so True+True+False comes back as a bool
     # tensor holding the byte 2 -- wrong, and invisible in a 2-rank world (True+False = 1).
     result = measure_in_subprocesses(MEASURE_WORLD_SIZE)
-    rows = [{"collective": c, "dtype": dt, "op": op, "ok": ok, "detail": detail}
-            for (c, dt, op), (ok, detail) in result.items()]
-    payload = {"torch": torch.__version__.split("+")[0], "world_size": MEASURE_WORLD_SIZE, "cells": rows}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.write_text(table_text(torch.__version__.split("+")[0], result))
     os.replace(tmp, path)
+
+
+def table_text(torch_version: str, result: dict[tuple, tuple[bool, str]]) -> str:
+    """The table file: JSON, one cell a line as ``[collective, dtype, op or null, ok, detail]``
+    (:data:`COLUMNS`). Rows, not objects: every rank of every job parses the file at its first
+    collective, and rows parse in a third of the time; one a line, a re-measurement's diff shows
+    each cell that changed."""
+    head = json.dumps({"torch": torch_version, "world_size": MEASURE_WORLD_SIZE, "columns": COLUMNS})
+    rows = ",\n".join(" " + json.dumps([c, dt, op, ok, detail]) for (c, dt, op), (ok, detail) in result.items())
+    return head[:-1] + ', "cells": [\n' + rows + "\n]}\n"
 
 
 @hookimpl
