@@ -521,6 +521,7 @@ class VcgaPluginManager:
         when a candidate was ruled out without importing its plugin (the caller imports all, so the
         reason is the probe's)."""
         ruled_out = False
+        why_not: dict[BackendFacts, str | None] = {}  # each declared backend asked once: find_spec walks sys.path
         while True:
             self._import_where(lambda m: False)  # plugins of unknown manifest: their backends count too
             # (-priority, plugin order, place in the plugin, then the loaded record or the declared facts)
@@ -542,7 +543,9 @@ class VcgaPluginManager:
                     reasons.append(f"{cand.name}: {probe.reason}")
                     continue
                 facts, plugin = cand
-                why = facts.why_not_here()
+                if facts not in why_not:
+                    why_not[facts] = facts.why_not_here()
+                why = why_not[facts]
                 if why is not None:
                     ruled_out = True
                     reasons.append(f"{facts.name}: {why}")
