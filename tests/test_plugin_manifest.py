@@ -63,9 +63,9 @@ NEVER = ("vcga.conformance", "vcga.formats", "vcga.formatspec", "vcga.formatkit"
          "vcga.plugins.compressors", "vcga.compress")
 #: What a job imports only when it asks for it: VCGA_DEBUG's fingerprints, the torch profiler's spans.
 ON_REQUEST = ("vcga.pg.debug", "vcga.pg.spans")
-#: What a job imports at the first call that needs it: the collectives besides all_reduce, and the
-#: dispatcher's recipes (a call the native fast path does not take).
-AT_FIRST_USE = ("vcga.pg.collectives", "vcga.pg.recipes")
+#: What a job imports at the first call that needs it: the collectives besides all_reduce, the
+#: dispatcher's recipes (a call the native fast path does not take), point to point, monitored barriers.
+AT_FIRST_USE = ("vcga.pg.collectives", "vcga.pg.recipes", "vcga.pg.p2p", "vcga.pg.monitored")
 
 
 def test_a_job_imports_only_its_backends_plugin():

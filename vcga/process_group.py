@@ -20,16 +20,15 @@ Each group owns a :class:`~vcga.pg.calls.CallPath` (how a call reaches the libra
 the hot path, dispatch, typed failures) and a :class:`~vcga.pg.collectives.Collectives` on it
 (reductions, data movement, their argument checks; ``all_reduce`` in :mod:`vcga.pg.allreduce`,
 the others made at the first call of one); this module keeps creation, torch's c10d
-methods, point to point, barriers and coalescing.
+methods, barriers and coalescing (point to point in :mod:`vcga.pg.p2p`, ``monitored_barrier`` in
+:mod:`vcga.pg.monitored`, each loaded at its first call).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -45,19 +44,19 @@ from torch.distributed import distributed_c10d as c10d
 from vcga import pypg
 from vcga._values import FrozenValue
 from vcga.config import Config, load_config
-from vcga.contract import Collective
 from vcga.errors import (
-    VcgaError,
     VcgaTimeoutError,
 )
-from vcga.pg.allreduce import all_reduce, one_tensor
+from vcga.pg.allreduce import all_reduce
 from vcga.pg.calls import CallPath
-from vcga.pg.dispatch import Dispatcher, Steps
+from vcga.pg.dispatch import Dispatcher
 from vcga.pg.transport import ClosedGroup, StartupClock, Transport, make_transport
-from vcga.pypg import PyWork, options, timeout_given
+from vcga.pypg import PyWork, options
 
 if TYPE_CHECKING:
     from vcga.pg.collectives import Collectives
+    from vcga.pg.monitored import MonitoredBarrier
+    from vcga.pg.p2p import PointToPoint
 
 __all__ = [
     "BACKEND_NAME",
@@ -267,35 +266,6 @@ def create_process_group(dist_opts: Any, pg_options: Any = None) -> VcgaProcessG
 # ===================================================================================================
 
 
-class _CheckWork:
-    """A step that runs a check when waited on, in a work's native-work list."""
-
-    def __init__(self, check: Any) -> None:
-        self._check = check
-        self._done = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self._done:
-            self._done = True
-            self._check()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        try:
-            self.wait()
-            fut.set_result([])
-        except BaseException as e:  # noqa: BLE001
-            fut.set_exception(e)
-        return fut
-
-    def synchronize(self) -> None:
-        pass
-
-
 class VcgaProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed.ProcessGroup`` that dispatches every collective through a transport.
 
@@ -325,10 +295,8 @@ class VcgaProcessGroup(dist.ProcessGroup):
         self._calls = CallPath(rank, size, transport.group, Dispatcher(transport, rank, size), self._backend,
                                timeout.total_seconds(), debug, self.flight_recorder)
         self._collectives: Collectives | None = None  # made at the first call besides all_reduce
-        self._mb_store = dist.PrefixStore("vcga/monitored_barrier", store)
-        self._mb_round = 0
-        self._p2p_sent: dict[int, int] = {}
-        self._p2p_recv: dict[int, int] = {}
+        self._p2p: PointToPoint | None = None  # made at the first point-to-point call
+        self._monitored: MonitoredBarrier | None = None  # made at the first monitored barrier
         if log.isEnabledFor(logging.DEBUG):
             log.debug("vcga group %s rank %d/%d on %s", group_name, rank, size, transport.describe())
         _OPEN.add(self)  # shut down at exit if the script does not (see _shutdown_at_exit)
@@ -491,75 +459,22 @@ class VcgaProcessGroup(dist.ProcessGroup):
     # Point to point
     # ===========================================================================================
 
+    def _point_to_point(self) -> PointToPoint:
+        """This group's point-to-point calls (:mod:`vcga.pg.p2p`), made at the first one."""
+        if self._p2p is None:
+            from vcga.pg.p2p import PointToPoint
+
+            self._p2p = PointToPoint(self._calls, self._rank, self.timeout)
+        return self._p2p
+
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Any:  # noqa: N803 - torch's names
-        t = one_tensor(tensors, "send")
-        if t.numel() and self._calls.fast_native(Collective.SEND_RECV, t):  # empty messages: see Dispatcher._empty_p2p
-            if self._calls.debug is not None:
-                self._p2p_fingerprint_send(t, dstRank, tag)
-            return self._calls.native_call("send", None, self._calls.native.send, tensors, dstRank, tag, async_op=True,
-                                           result=tensors)
-        steps = Steps()
-        try:
-            # A refused dtype raises here, before anything is posted or counted; the receiver's
-            # recv refuses the same dtype from the same table, so neither end waits for the other.
-            self._calls.d.send(t, dstRank, tag, steps)
-        except (VcgaError, ValueError, TypeError):
-            raise
-        except Exception as e:
-            raise self._calls.translate(e, "send", None) from e
-        if self._calls.debug is not None:
-            self._p2p_fingerprint_send(t, dstRank, tag)
-        return self._calls.wrap("send", None, steps, tensors, True)
+        return self._point_to_point().send(tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:  # noqa: N803
-        t = one_tensor(tensors, "recv")
-        steps = Steps()
-        try:
-            self._calls.d.recv(t, srcRank, tag, steps)
-        except (VcgaError, ValueError, TypeError):
-            raise
-        except Exception as e:
-            raise self._calls.translate(e, "recv", None) from e
-        if self._calls.debug is not None:
-            # Checked when the receiver waits, before the data is awaited: a sender never blocks on
-            # it (isend/irecv pairs in any order still work), and a mismatched send is named
-            # instead of delivering reinterpreted bytes or a library error.
-            n = self._p2p_next(self._p2p_recv, srcRank)
-            steps.works.insert(0, _CheckWork(partial(self._p2p_fingerprint_recv, t, srcRank, tag, n)))
-        return self._calls.wrap("recv", None, steps, tensors, True)
+        return self._point_to_point().recv(tensors, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        t = one_tensor(tensors, "recv")
-        return self._calls.issue("recv", None, lambda s: self._calls.d.recv(t, None, tag, s), tensors, True)
-
-    @staticmethod
-    def _p2p_next(counter: dict[int, int], peer: int) -> int:
-        counter[peer] = counter.get(peer, 0) + 1
-        return counter[peer]
-
-    def _p2p_fingerprint_send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        from vcga.pg.debug import fingerprint
-
-        n = self._p2p_next(self._p2p_sent, dst)
-        fp = fingerprint("send", t)
-        fp["tag"] = tag
-        self._calls.debug.store.set(f"p2p/{self._rank}->{dst}/{n}", json.dumps(fp))  # type: ignore[union-attr]
-
-    def _p2p_fingerprint_recv(self, t: torch.Tensor, src: int, tag: int, n: int) -> None:
-        """Debug mode, receiver side: the matching send must carry the same dtype and shape."""
-        from vcga.errors import VcgaMismatchError
-        from vcga.pg.debug import fingerprint
-
-        store = self._calls.debug.store  # type: ignore[union-attr]
-        key = f"p2p/{src}->{self._rank}/{n}"
-        store.wait([key], self.timeout)
-        sent = json.loads(store.get(key))
-        store.delete_key(key)
-        mine = fingerprint("recv", t)
-        diffs = {f: {src: sent.get(f), self._rank: mine.get(f)} for f in ("dtype", "shape")
-                 if str(sent.get(f)) != str(mine.get(f))}
-        if diffs:
-            raise VcgaMismatchError(n, diffs, rank=self._rank)
+        return self._point_to_point().recv_anysource(tensors, tag)
 
     # ===========================================================================================
     # Barriers and coalescing
@@ -572,70 +487,20 @@ class VcgaProcessGroup(dist.ProcessGroup):
                                        result=[], call=self._calls.record(seq, "barrier", ()))
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        """A barrier through the store that names the ranks that did not arrive.
+        """A barrier through the store that names the ranks that did not arrive
+        (:class:`vcga.pg.monitored.MonitoredBarrier`).
 
         Rank 0 waits for each other rank's arrival (within ``timeout``, default the collective
         timeout), then releases everyone with a verdict; a missing rank makes rank 0 raise
         :class:`~vcga.errors.VcgaTimeoutError` naming it (all missing ones with ``wait_all_ranks``),
         and the other ranks raise the same verdict.
         """
-        limit = timeout_given(timeout) or self.timeout
-        seq = self._calls.next("monitored_barrier")
-        call = self._calls.record(seq, "barrier", ())
-        try:
-            self._monitored_barrier(limit, wait_all_ranks)
-        except BaseException as e:
-            if call is not None:
-                call.end(e)
-            raise
-        if call is not None:
-            call.end()
+        if self._monitored is None:
+            from vcga.pg.monitored import MonitoredBarrier
 
-    def _monitored_barrier(self, limit: timedelta, wait_all_ranks: bool) -> None:
-        self._mb_round += 1
-        n, store = self._mb_round, self._mb_store
-        store.set(f"{n}/arrive/{self._rank}", "1")
-        ms = int(limit.total_seconds() * 1000)
-        if self._rank == 0:
-            deadline = time.monotonic() + limit.total_seconds()
-            missing: list[int] = []
-            for r in range(1, self._size):
-                key = f"{n}/arrive/{r}"
-                if missing and not wait_all_ranks:
-                    break
-                left = deadline - time.monotonic()
-                try:
-                    if left <= 0:
-                        raise TimeoutError
-                    store.wait([key], timedelta(seconds=left))
-                except Exception:  # noqa: BLE001 - DistStoreError on timeout
-                    if not store.check([key]):
-                        missing.append(r)
-            for r in range(self._size):
-                store.delete_key(f"{n}/arrive/{r}")
-            if n > 1:
-                store.delete_key(f"{n - 1}/verdict")
-            if missing:
-                who = (f"Rank {missing[0]}" if len(missing) == 1 else
-                       "Ranks " + ", ".join(map(str, missing)))
-                verdict = f"{who} failed to pass monitoredBarrier in {ms} ms"
-            else:
-                verdict = "ok"
-            store.set(f"{n}/verdict", verdict)
-            if missing:
-                raise VcgaTimeoutError("monitored_barrier", limit.total_seconds(), rank=self._rank,
-                                       missing_ranks=[self._global_ranks[r] for r in missing], detail=verdict)
-            return None
-        try:
-            # rank 0 may spend the whole timeout waiting for a late rank before it answers
-            store.wait([f"{n}/verdict"], limit + timedelta(seconds=max(5.0, limit.total_seconds())))
-        except Exception as e:
-            raise VcgaTimeoutError("monitored_barrier", limit.total_seconds(), rank=self._rank, missing_ranks=[0],
-                                   detail="rank 0 never released the barrier") from e
-        verdict = store.get(f"{n}/verdict").decode()
-        if verdict != "ok":
-            raise VcgaTimeoutError("monitored_barrier", limit.total_seconds(), rank=self._rank, detail=verdict)
-        return None
+            self._monitored = MonitoredBarrier(self._store, self._rank, self._size, self._global_ranks, self.timeout,
+                                               self._calls)
+        self._monitored.run(timeout, wait_all_ranks)
 
     def start_coalescing(self, device: Any = None) -> None:
         """Collect the works issued until :meth:`end_coalescing` (torch's ``_coalescing_manager``)."""

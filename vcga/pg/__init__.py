@@ -5,6 +5,8 @@
   (loaded at the first call of one);
 - :mod:`~vcga.pg.dispatch` -- capability-aware dispatch: native, emulated or refused; its recipes
   and refusals :mod:`~vcga.pg.recipes` load at the first call the native fast path does not take;
+- :mod:`~vcga.pg.p2p`, :mod:`~vcga.pg.monitored` -- point to point and ``monitored_barrier``
+  (each loaded at a group's first call of it);
 - :mod:`~vcga.pg.transport` -- what moves the bytes: one vendor's native group, or the bridge;
 - :mod:`~vcga.pg.discovery` -- every rank of a new group learns what every other rank runs;
 - :mod:`~vcga.pg.workqueue` -- one ordered queue of collectives per group, on its own thread;
