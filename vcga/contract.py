@@ -23,14 +23,14 @@ Sections:
 1. Capabilities -- collectives, reduce ops, how a capability is supported, and the
    CapabilityTable a backend returns: defined in :mod:`vcga.capabilities` (with the builder that
    derives VCGA's emulations) and re-exported here, so a plugin imports its interface from one module.
-2. Accelerator -- the device interface, with pinned return types.
+2. Accelerator -- the device interface, with pinned return types: defined in :mod:`vcga._accelerator`.
 3. Backend -- one vendor stack: probe, accelerator, capabilities, native group factory, env, topology.
 4. Checkpoint formats -- tensor entries, readers, writers: defined in :mod:`vcga.formatspec`.
 5. Conformance checks -- what ``vcga verify`` runs: defined in :mod:`vcga.checkspec`.
 6. Gradient compressors -- what ``vcga.compress`` drives on the slow hop: defined in
    :mod:`vcga.compressors`.
 
-Sections 4 to 6 are re-exported here when first asked for (``from vcga.contract import
+Sections 2 and 4 to 6 are re-exported here when first asked for (``from vcga.contract import
 FormatSpec`` works as for any other name): a training job's ``init_process_group`` needs none of
 them and does not pay for defining them.
 7. Hook specifications -- what a plugin implements.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from vcga._values import FrozenValue
 from vcga.capabilities import (
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo's and NCCL's base
 
+    from vcga._accelerator import Accelerator, EventLike, MemoryStats, StreamLike
     from vcga.checkspec import CheckResult, ConformanceCheck
     from vcga.compressors import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec
     from vcga.config import Config
@@ -215,97 +216,8 @@ hookimpl = _HookimplMarker()
 
 
 # ===================================================================================================
-# 2. Accelerator -- the device interface
+# 2. Accelerator -- the device interface: vcga/_accelerator.py, re-exported here on first use (below)
 # ===================================================================================================
-
-
-class MemoryStats(FrozenValue):
-    """Device memory in bytes. ``None`` where the device cannot tell (e.g. the CPU's reserved pool).
-
-    This module's value classes are frozen and compare by value, as ``@dataclass(frozen=True)``
-    would make them; defined without dataclasses, which would cost each rank 0.5 ms a class at
-    every start (:mod:`vcga._values`)."""
-
-    __slots__ = ("allocated", "reserved", "peak_allocated", "total")
-    allocated: int
-    reserved: int | None
-    peak_allocated: int | None
-    total: int | None
-
-    def __init__(self, allocated: int, reserved: int | None, peak_allocated: int | None, total: int | None) -> None:
-        object.__setattr__(self, "allocated", allocated)
-        object.__setattr__(self, "reserved", reserved)
-        object.__setattr__(self, "peak_allocated", peak_allocated)
-        object.__setattr__(self, "total", total)
-
-
-@runtime_checkable
-class StreamLike(Protocol):
-    """What VCGA needs of a vendor stream (``torch.cuda.Stream``, ``torch.npu.Stream``, ...)."""
-
-    def synchronize(self) -> None: ...
-
-    def wait_stream(self, stream: Any) -> None: ...
-
-
-@runtime_checkable
-class EventLike(Protocol):
-    """What VCGA needs of a vendor event."""
-
-    def record(self, stream: Any = None) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def query(self) -> bool: ...
-
-
-@runtime_checkable
-class Accelerator(Protocol):
-    """One vendor's device module seen through a small, typed interface.
-
-    Return types are part of the contract (DeepSpeed's accelerator interface drifted because they
-    were not): ``device`` returns a ``torch.device``, counts and indices are ``int``, memory is a
-    :class:`MemoryStats`, RNG state is a CPU ``torch.ByteTensor``.
-    """
-
-    #: "cuda", "npu", "mlu" or "cpu": the torch device type.
-    device_type: str
-    #: The environment variable that restricts visible devices (``CUDA_VISIBLE_DEVICES``, ...), or None.
-    visible_devices_env: str | None
-
-    def is_available(self) -> bool: ...
-
-    def device_count(self) -> int: ...
-
-    def device(self, index: int | None = None) -> torch.device:
-        """The ``torch.device`` for ``index`` (default: the current device)."""
-        ...
-
-    def set_device(self, index: int) -> None: ...
-
-    def current_device(self) -> int: ...
-
-    def synchronize(self, index: int | None = None) -> None: ...
-
-    def memory_stats(self, index: int | None = None) -> MemoryStats: ...
-
-    def manual_seed(self, seed: int) -> None:
-        """Seed every device of this type."""
-        ...
-
-    def get_rng_state(self, index: int | None = None) -> torch.Tensor: ...
-
-    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None: ...
-
-    def current_stream(self, index: int | None = None) -> StreamLike: ...
-
-    def new_stream(self, index: int | None = None) -> StreamLike: ...
-
-    def new_event(self, enable_timing: bool = False) -> EventLike: ...
-
-    def supported_dtypes(self) -> frozenset[str]:
-        """Canonical dtype names the device can hold (not: that collectives accept them)."""
-        ...
 
 
 # ===================================================================================================
@@ -432,11 +344,13 @@ class Backend(abc.ABC):
                 "dist_backend": self.dist_backend, "priority": self.priority, "simulated": self.simulated}
 
 
-# 4. Checkpoint formats: vcga/formatspec.py, and 5. Conformance checks: vcga/checkspec.py -- like 6.
-#    Gradient compressors: vcga/compressors.py -- re-exported here on first use: a process that never
-#    converts, checks or compresses (a training job's ``init_process_group``) does not define them.
+# 2. Accelerator: vcga/_accelerator.py, 4. Checkpoint formats: vcga/formatspec.py, and 5. Conformance
+#    checks: vcga/checkspec.py -- like 6. Gradient compressors: vcga/compressors.py -- re-exported here
+#    on first use: a process that never asks a backend for its device, converts, checks or compresses
+#    (a training job's ``init_process_group``) does not define them.
 
 _SECTIONS = {
+    "vcga._accelerator": ("MemoryStats", "StreamLike", "EventLike", "Accelerator"),
     "vcga.formatspec": ("TensorEntry", "FormatReader", "RandomAccessReader", "FormatWriter", "FormatSpec"),
     "vcga.checkspec": ("CheckResult", "ConformanceCheck"),
     "vcga.compressors": ("Combine", "CompressContext", "Compressor", "CompressorOption", "CompressorSpec"),

@@ -31,13 +31,14 @@ from vcga.contract import (
     ReduceOp,
     hookimpl,
 )
-from vcga.cpu import CpuAccelerator
 from vcga.errors import VcgaConfigError
 
 from .libraries import LIBRARIES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vcga.cpu is imported where used: a job's group never asks for it
     import torch.distributed as dist
+
+    from vcga.cpu import CpuAccelerator
 
 FLOATS_NO_FP8 = ("float16", "bfloat16", "float32", "float64")
 
@@ -128,6 +129,8 @@ class SimBackend(Backend):
                            {"torch": torch.__version__})
 
     def accelerator(self) -> CpuAccelerator:
+        from vcga.cpu import CpuAccelerator
+
         return CpuAccelerator()
 
     def capabilities(self) -> CapabilityTable:
