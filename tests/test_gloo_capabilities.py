@@ -12,16 +12,17 @@ import pytest
 
 from vcga.contract import Support
 from vcga.plugins import gloo
+from vcga.plugins.gloo import measure
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return gloo.measure_in_subprocesses(world_size=gloo.MEASURE_WORLD_SIZE)
+    return measure.measure_in_subprocesses(world_size=measure.MEASURE_WORLD_SIZE)
 
 
 def test_every_cell_matches_torch_gloo(measured):
     table = gloo.load_table()
-    assert len(measured) == len(gloo.all_cells())
+    assert len(measured) == len(measure.all_cells())
     wrong = []
     for (coll, dt, op), (ok, detail) in measured.items():
         claimed_native = table.lookup(coll, dt, op).support is Support.NATIVE

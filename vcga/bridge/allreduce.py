@@ -69,7 +69,7 @@ def _run(steps: Steps) -> None:
 #: a watched call's report (seconds, a decision code) exactly.
 _CHECKED_DTYPES = (torch.float32, torch.float64)
 
-#: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo_capabilities.json).
+#: (dtype, op) gloo reduces exactly as the host would (measured table, plugins/gloo/gloo_capabilities.json).
 _GLOO_REDUCES = {(dt, op) for dt in (torch.float32, torch.float64, torch.int32, torch.int64)
                  for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)}
 
