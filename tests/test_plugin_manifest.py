@@ -131,9 +131,17 @@ def test_lazy_tables_are_the_built_tables():
             stated.refuse([coll], [dt], [op] if op else None, note=f"gloo: {detail}", final=False)
     assert table.cells() == stated.build().cells()
     assert table_digest(table) == digest
-    parsed = gloo.load_table()
-    table_digest(parsed)
-    assert parsed._stated_fn.__self__._parsed is None, "naming the table parsed its file"
+    fresh = gloo.load_table()
+    table_digest(fresh)
+    assert fresh.lookup("all_reduce", "float32", "SUM") == table.lookup("all_reduce", "float32", "SUM")
+    assert fresh._stated_fn.__self__._parsed is None, "naming the table or a native cell parsed the whole file"
+    from vcga.plugins.gloo.measure import all_cells
+
+    by_line = gloo._Rows(gloo.TABLE_FILE.read_bytes(), gloo.TABLE_FILE.name)
+    whole = gloo._Rows(gloo.TABLE_FILE.read_bytes(), gloo.TABLE_FILE.name)
+    assert whole._rows and whole.native() == by_line.native()
+    assert [by_line.row(k) for k in all_cells()] == [whole.row(k) for k in all_cells()]
+    assert by_line._parsed is None  # every one of them read from its own line
 
 
 def _env() -> dict[str, str]:

@@ -113,30 +113,58 @@ def load_table(backend_name: str = "gloo", path: Path = TABLE_FILE) -> Capabilit
 
 
 class _Rows(AbstractSet[CellKey]):
-    """The measured table's rows, parsed from the file's bytes when a cell is first asked for;
-    as a set, the keys measured native: a builder's final statements (every other cell may get an
-    emulation derived on top)."""
+    """The measured table's rows, read from the file's bytes when a cell is first asked for; as a
+    set, the keys measured native: a builder's final statements (every other cell may get an
+    emulation derived on top).
+
+    The file holds one cell a line (:func:`vcga.plugins.gloo.measure.table_text`), so one cell is
+    read from its own line, found by the row's opening: a job's first collectives ask for a few
+    cells of 561, and parsing them all cost every rank 0.2 ms at its first all_reduce. What needs
+    every row (the set's methods), or a file not laid out so, parses the whole file, once."""
 
     def __init__(self, source: bytes, file_name: str) -> None:
         self._source, self._file_name = source, file_name
-        self._parsed: tuple[dict[tuple[str, str, str | None], tuple[bool, str]], Cell] | None = None
+        self._parsed: dict[tuple[str, str, str | None], tuple[bool, str]] | None = None
+        self._native: Cell | None = None
         self._refused: dict[str, Cell] = {}  # one cell per reason, as a builder's statement makes
 
     @property
     def _rows(self) -> dict[tuple[str, str, str | None], tuple[bool, str]]:
-        return self._load()[0]
-
-    def _load(self) -> tuple[dict[tuple[str, str, str | None], tuple[bool, str]], Cell]:
         if self._parsed is None:
             data = json.loads(self._source)
-            rows = {(coll, dt, op): (ok, detail) for coll, dt, op, ok, detail in data["cells"]}
-            self._parsed = rows, Cell(Support.NATIVE, note=f"measured with torch {data['torch']} ({self._file_name})")
+            self._parsed = {(coll, dt, op): (ok, detail) for coll, dt, op, ok, detail in data["cells"]}
         return self._parsed
+
+    def _line(self, name: tuple[str, str, str | None]) -> tuple[bool, str] | None:
+        """The row of ``name`` from its own line, or None where no line opens with it."""
+        opening = b"\n " + json.dumps(list(name)).encode()[:-1] + b", "
+        start = self._source.find(opening)
+        if start < 0:
+            return None
+        end = self._source.find(b"\n", start + 1)
+        coll, dt, op, ok, detail = json.loads(self._source[start + 2:end].rstrip(b","))
+        return ok, detail
 
     def row(self, key: CellKey) -> tuple[bool, str] | None:
         """``(ok, detail)`` of the cell measured for ``key``, or None where none was."""
         coll, dt, op = key
-        return self._rows.get((coll.value, dt, op.value if op is not None else None))
+        name = (coll.value, dt, op.value if op is not None else None)
+        if self._parsed is None:
+            found = self._line(name)
+            if found is not None:
+                return found
+        return self._rows.get(name)
+
+    def native(self) -> Cell:
+        """The cell of every cell measured native (it names the torch the table was measured with)."""
+        if self._native is None:
+            head = self._source.split(b"\n", 1)[0]
+            try:  # the first line: the file's facts, up to its rows
+                torch_version = json.loads(head[:head.rindex(b', "cells": [')] + b"}")["torch"]
+            except ValueError:  # laid out otherwise: the whole file
+                torch_version = json.loads(self._source)["torch"]
+            self._native = Cell(Support.NATIVE, note=f"measured with torch {torch_version} ({self._file_name})")
+        return self._native
 
     def stated(self, key: CellKey) -> Cell | None:
         """The cell a builder would have been told for ``key``: native where measured so, else
@@ -146,7 +174,7 @@ class _Rows(AbstractSet[CellKey]):
             return None
         ok, detail = row
         if ok:
-            return self._load()[1]
+            return self.native()
         cell = self._refused.get(detail)
         if cell is None:
             cell = self._refused[detail] = Cell(Support.REFUSED, note=f"gloo: {detail}")
