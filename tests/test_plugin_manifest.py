@@ -61,7 +61,7 @@ JOB = textwrap.dedent("""
 #: interfaces (the contract's sections 4-6), the device interface (section 2: nothing asks a backend
 #: for its accelerator) and vcga.compress (a job that sets no compression spec).
 NEVER = ("vcga.conformance", "vcga.formats", "vcga.formatspec", "vcga.formatkit", "vcga.checkspec", "vcga.compressors",
-         "vcga.plugins.compressors", "vcga.compress", "vcga._accelerator")
+         "vcga.plugins.compressors", "vcga.compress", "vcga.devicespec")
 #: What a job imports only when it asks for it: VCGA_DEBUG's fingerprints, the torch profiler's spans.
 ON_REQUEST = ("vcga.pg.debug", "vcga.pg.spans")
 #: What a job imports at the first call that needs it: the collectives besides all_reduce, the

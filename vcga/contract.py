@@ -23,7 +23,7 @@ Sections:
 1. Capabilities -- collectives, reduce ops, how a capability is supported, and the
    CapabilityTable a backend returns: defined in :mod:`vcga.capabilities` (with the builder that
    derives VCGA's emulations) and re-exported here, so a plugin imports its interface from one module.
-2. Accelerator -- the device interface, with pinned return types: defined in :mod:`vcga._accelerator`.
+2. Accelerator -- the device interface, with pinned return types: defined in :mod:`vcga.devicespec`.
 3. Backend -- one vendor stack: probe, accelerator, capabilities, native group factory, env, topology.
 4. Checkpoint formats -- tensor entries, readers, writers: defined in :mod:`vcga.formatspec`.
 5. Conformance checks -- what ``vcga verify`` runs: defined in :mod:`vcga.checkspec`.
@@ -68,10 +68,10 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo's and NCCL's base
 
-    from vcga._accelerator import Accelerator, EventLike, MemoryStats, StreamLike
     from vcga.checkspec import CheckResult, ConformanceCheck
     from vcga.compressors import Combine, CompressContext, Compressor, CompressorOption, CompressorSpec
     from vcga.config import Config
+    from vcga.devicespec import Accelerator, EventLike, MemoryStats, StreamLike
     from vcga.formatspec import FormatReader, FormatSpec, FormatWriter, RandomAccessReader, TensorEntry
 
 __all__ = [
@@ -124,6 +124,7 @@ PUBLIC_API: tuple[str, ...] = (
     "vcga.compressors",  # the gradient compressor interface (re-exported here)
     "vcga.formatspec",  # the checkpoint format interface (re-exported here)
     "vcga.checkspec",  # the conformance check interface (re-exported here)
+    "vcga.devicespec",  # the device interface (re-exported here)
     "vcga.errors",  # every error VCGA raises
     "vcga.dtypes",  # the one dtype table
     "vcga.config",  # the unified configuration
@@ -216,7 +217,7 @@ hookimpl = _HookimplMarker()
 
 
 # ===================================================================================================
-# 2. Accelerator -- the device interface: vcga/_accelerator.py, re-exported here on first use (below)
+# 2. Accelerator -- the device interface: vcga/devicespec.py, re-exported here on first use (below)
 # ===================================================================================================
 
 
@@ -344,13 +345,13 @@ class Backend(abc.ABC):
                 "dist_backend": self.dist_backend, "priority": self.priority, "simulated": self.simulated}
 
 
-# 2. Accelerator: vcga/_accelerator.py, 4. Checkpoint formats: vcga/formatspec.py, and 5. Conformance
+# 2. Accelerator: vcga/devicespec.py, 4. Checkpoint formats: vcga/formatspec.py, and 5. Conformance
 #    checks: vcga/checkspec.py -- like 6. Gradient compressors: vcga/compressors.py -- re-exported here
 #    on first use: a process that never asks a backend for its device, converts, checks or compresses
 #    (a training job's ``init_process_group``) does not define them.
 
 _SECTIONS = {
-    "vcga._accelerator": ("MemoryStats", "StreamLike", "EventLike", "Accelerator"),
+    "vcga.devicespec": ("MemoryStats", "StreamLike", "EventLike", "Accelerator"),
     "vcga.formatspec": ("TensorEntry", "FormatReader", "RandomAccessReader", "FormatWriter", "FormatSpec"),
     "vcga.checkspec": ("CheckResult", "ConformanceCheck"),
     "vcga.compressors": ("Combine", "CompressContext", "Compressor", "CompressorOption", "CompressorSpec"),
