@@ -44,15 +44,8 @@ JOB = textwrap.dedent("""
     before = set(sys.modules)
     dist.broadcast(x, 0)
     later = sorted(set(sys.modules) - before)
-    from vcga.errors import VcgaCollectiveError, VcgaTimeoutError
-    adopted_at_start = issubclass(VcgaTimeoutError, dist.DistBackendError)
-    try:
-        raise VcgaTimeoutError("all_reduce", 1.0, rank=0)
-    except dist.DistBackendError as e:  # what torch's own backends raise: caught as theirs
-        caught = isinstance(e, VcgaTimeoutError) and isinstance(VcgaCollectiveError("x"), dist.DistBackendError)
     table = dist.group.WORLD.transport.table
-    print(json.dumps({"first": first, "sim": sim, "later": later, "adopted_at_start": adopted_at_start, "caught": caught,
-                      "backend": dist.group.WORLD.transport.backend_name,
+    print(json.dumps({"first": first, "sim": sim, "later": later, "backend": dist.group.WORLD.transport.backend_name,
                       "sim_backend": g.transport.backend_name, "table_in_full": table._full is not None}))
     dist.destroy_process_group()
 """)
@@ -87,8 +80,6 @@ def test_a_job_imports_only_its_backends_plugin():
     assert not [m for m in first + sim if m in ON_REQUEST], first + sim  # no VCGA_DEBUG, no profiler running
     assert not [m for m in first + sim if m in AT_FIRST_USE], first + sim
     assert "vcga.pg.collectives" in out["later"], out["later"]  # a broadcast loads the other collectives
-    # the collective errors take torch's DistBackendError as a base when the first error is made, not at the start
-    assert (out["adopted_at_start"], out["caught"]) == (False, True)
     plugins_added = [m for m in sim if m.startswith("vcga.plugins.")]
     assert plugins_added, sim
     assert all(m == "vcga.plugins.sim" or m.startswith("vcga.plugins.sim.") for m in plugins_added), sim

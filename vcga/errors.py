@@ -10,7 +10,6 @@ This module imports nothing heavy: the CLI imports it to turn errors into one-li
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections import deque
@@ -51,8 +50,6 @@ class VcgaError(Exception):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        if not _adopted:
-            _adopt_if_torch_loaded()
         with _RECENT_LOCK:  # for typed(): torch's futures may hand the caller a wrapper instead
             _RECENT.append(weakref.ref(self))
 
@@ -92,32 +89,15 @@ def typed(error: BaseException) -> BaseException:
 def adopt_torch_bases(dist_backend_error: type[BaseException]) -> None:
     """Make :class:`VcgaCollectiveError` and :class:`VcgaTimeoutError` also torch's
     ``torch.distributed.DistBackendError`` (and so ``DistError``), what torch's own backends raise
-    when a collective fails: code written against torch catches ours. Idempotent.
-
-    Done when the first VCGA error is created (or unpickled) in a process that has loaded
-    torch.distributed, not when torch is loaded: this module imports nothing heavy, and rewriting
-    two classes' bases costs 0.15 ms, which every rank of every job would pay at its start for
-    errors it rarely raises. An ``except`` clause only ever meets instances, each created after."""
+    when a collective fails: code written against torch catches ours. Called when torch.distributed
+    is loaded (:mod:`vcga.pypg`): this module imports nothing heavy. Idempotent."""
     for cls in (VcgaCollectiveError, VcgaTimeoutError):
         if issubclass(cls, dist_backend_error):
             continue
         cls.__bases__ = tuple(dist_backend_error if b is RuntimeError else b for b in cls.__bases__)
 
 
-_adopted = False
-
-
-def _adopt_if_torch_loaded() -> None:
-    global _adopted
-    backend_error = getattr(sys.modules.get("torch.distributed"), "DistBackendError", None)
-    if isinstance(backend_error, type) and issubclass(backend_error, BaseException):
-        _adopted = True
-        adopt_torch_bases(backend_error)
-
-
 def _rebuild_error(cls: type[VcgaError], args: tuple[Any, ...], state: dict[str, Any]) -> VcgaError:
-    if not _adopted:
-        _adopt_if_torch_loaded()
     err = cls.__new__(cls)
     err.args = args
     err.__dict__.update(state)
@@ -193,8 +173,7 @@ class VcgaUnsupportedError(VcgaError, ValueError):
 class VcgaCollectiveError(VcgaError, RuntimeError):
     """A collective failed inside the native library or while creating a group.
 
-    Created while torch.distributed is loaded, also a ``torch.distributed.DistBackendError``
-    (:func:`adopt_torch_bases`)."""
+    Once torch.distributed is loaded also a ``torch.distributed.DistBackendError`` (:func:`adopt_torch_bases`)."""
 
     def __init__(self, message: str, *, rank: int | None = None, backend: str | None = None) -> None:
         self.rank, self.backend = rank, backend
@@ -210,8 +189,8 @@ class VcgaTimeoutError(VcgaError, TimeoutError, RuntimeError):
     """A collective did not complete within the configured timeout.
 
     Also a ``RuntimeError``: torch.distributed's own backends raise ``RuntimeError`` subclasses
-    (``DistBackendError``) on timeouts, and code written against them keeps catching ours; created
-    while torch.distributed is loaded, a ``torch.distributed.DistBackendError`` itself (:func:`adopt_torch_bases`).
+    (``DistBackendError``) on timeouts, and code written against them keeps catching ours; once
+    torch.distributed is loaded, a ``torch.distributed.DistBackendError`` itself (:func:`adopt_torch_bases`).
     """
 
     def __init__(

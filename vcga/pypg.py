@@ -31,8 +31,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from vcga.contract import ReduceOp
+from vcga.errors import adopt_torch_bases
 
 log = logging.getLogger("vcga.work")
+
+# The collective errors are torch's DistBackendError too, from here on (torch is loaded).
+adopt_torch_bases(dist.DistBackendError)
 
 __all__ = [
     "PyWork",
