@@ -408,8 +408,10 @@ class TorchrunDriver(Driver):
         if self.args.profile:
             env["STARTUP_PROFILE"] = os.path.abspath(self.args.profile)
         log_path = os.path.join(self.logs.name, f"{it}.log")
+        # --log-dir: torchrun's own folder for the start, in ours (removed at the end), not a
+        # torchelastic_* folder it would leave in the temporary directory for every start
         cmd = [self.args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.world),
-               str(RANK_SCRIPT)]
+               "--log-dir", os.path.join(self.logs.name, f"{it}-torchrun"), str(RANK_SCRIPT)]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
