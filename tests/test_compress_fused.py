@@ -346,3 +346,38 @@ def test_every_fused_loop_is_loaded_from_numba_cache_in_a_second_process(tmp_pat
     first = entries()
     assert first, "nothing was cached"
     assert entries() == first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_orthonormalize_takes_correctly_rounded_square_roots_whatever_torchs_kernel_gives(monkeypatch, dtype):
+    """exact.orthonormalize's bits are those of its element-wise operations with IEEE square roots
+    (numpy's, written out here in the same order), also where torch's host ``sqrt`` is not
+    correctly rounded: MKL's on AMD Zen 4 is one ulp off for float64, made here on every CPU by
+    a ``Tensor.sqrt`` that returns the next float up. Ranks on different hosts then agree."""
+    import numpy as np
+
+    from vcga.compress.exact import orthonormalize, sqrt1
+
+    def tree(x: np.ndarray) -> np.ndarray:  # exact.tree_sum's order
+        while x.shape[0] > 1:
+            h = x.shape[0] // 2
+            y = x[:h] + x[h:2 * h]
+            x = np.concatenate([y, x[2 * h:]]) if x.shape[0] % 2 else y
+        return x[0]
+
+    real_sqrt = torch.Tensor.sqrt
+    monkeypatch.setattr(torch.Tensor, "sqrt", lambda t: torch.nextafter(real_sqrt(t), torch.full_like(t, np.inf)))
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    for r, n in ((1, 31), (4, 97), (8, 13), (8, 513)):
+        p = fused.probe_values(dtype, n * r, 20 + r).reshape(n, r) * 1e-5
+        want = p.numpy().copy()
+        with np.errstate(all="ignore"):  # float32 squares of the probe's largest values overflow, as in torch
+            for i in range(r):
+                d = tree(want[:, i:i + 1] * want[:, i:])
+                norm = np.sqrt(d[:1])
+                want[:, i:i + 1] /= norm
+                want[:, i + 1:] -= (d[1:] / norm) * want[:, i:i + 1]
+        got = orthonormalize(p.clone())
+        assert torch.equal(got.view(bits), torch.from_numpy(want).view(bits)), (r, n)
+    x = torch.tensor([2.0], dtype=dtype)
+    assert sqrt1(x).item() == np.sqrt(np.array(2.0, dtype=x.numpy().dtype))

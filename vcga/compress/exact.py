@@ -3,7 +3,10 @@
 Decoding a compressed gradient must give the same bits on every rank -- across vendors too -- or
 the replicas drift apart. IEEE 754 makes each element-wise ``+ - * / sqrt`` correctly rounded on
 every CPU and accelerator; library reductions (``sum``, ``norm``, ``matmul``) add in an order of
-their own. So decoders use only element-wise operations and the fixed-order reductions below:
+their own. So decoders use only element-wise operations and the fixed-order reductions below.
+One library kernel breaks the rule: torch's host ``sqrt`` goes through MKL's vector math, which
+is not correctly rounded on every CPU (float64 one ulp off on AMD Zen 4), so host square roots
+are taken by Python's ``math.sqrt`` (C's, correctly rounded) instead (:func:`sqrt1`).
 
 - :func:`tree_sum`: a sum over dim 0 as a fixed binary tree of element-wise additions;
 - :func:`orthonormalize`: Gram-Schmidt with :func:`tree_sum` dot products;
@@ -15,9 +18,11 @@ their own. So decoders use only element-wise operations and the fixed-order redu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["two_sum", "two_sum_", "two_diff_", "tree_sum", "orthonormalize", "outer_sum"]
+__all__ = ["two_sum", "two_sum_", "two_diff_", "tree_sum", "sqrt1", "orthonormalize", "outer_sum"]
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +70,19 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[0] if x.shape[0] else torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device)
 
 
+def sqrt1(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a one-element tensor, in its dtype and on its device.
+
+    On the host, ``math.sqrt`` of the value: torch's CPU kernel (MKL's ``vdSqrt``) gives other
+    bits on some CPUs, and ranks on different hosts would then orthonormalise differently. A
+    double's square root rounded to float32, float16 or bfloat16 is their correctly rounded root
+    (53 >= 2p + 2 bits). On an accelerator the device's own ``sqrt`` (CUDA's is correctly rounded),
+    so no value leaves the device."""
+    if x.device.type != "cpu":
+        return x.sqrt()
+    return torch.full_like(x, math.sqrt(x.item()))
+
+
 def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     """Modified Gram-Schmidt on the columns of ``p`` (``[n, r]``), in place, with fixed-order dot
     products (:func:`tree_sum`): column i is normalised, then its projection is removed from every
@@ -80,7 +98,7 @@ def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     r = p.shape[-1]
     for i in range(r):
         d = tree_sum(p[:, i:i + 1] * p[:, i:])  # [r - i]: ‖c‖², then <c, later columns>
-        norm = d[:1].sqrt()
+        norm = sqrt1(d[:1])
         nz = norm > 0
         safe = torch.where(nz, norm + eps, torch.ones_like(norm))
         col = p[:, i:i + 1]
