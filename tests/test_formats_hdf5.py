@@ -115,6 +115,21 @@ def test_metadata_hdf5_cannot_hold_is_refused(tmp_path, meta, match):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_dtype_metadata_key_on_labelled_opaque_data_is_refused_not_dropped(tmp_path):
+    """The ``dtype`` attribute of a bfloat16/float8 dataset is its dtype label (Keras' convention):
+    a tensor whose own metadata has another ``dtype`` value (found by the property test: an fp8
+    tensor with ``dtype = ""``) is refused typed, where the writer once dropped the key silently.
+    The label's own value is the label: written once, read back as the dtype."""
+    entry = TensorEntry("t", "float8_e4m3fn", (), b"\x00", {"dtype": ""})
+    with pytest.raises(VcgaConversionError, match="rename the metadata key"):
+        write_all(h5f.SPEC, tmp_path / "o.h5", [entry])
+    assert list(tmp_path.iterdir()) == []
+    write_all(h5f.SPEC, tmp_path / "o.h5", [TensorEntry("t", "bfloat16", (1,), b"\x80\x3f", {"dtype": "bfloat16", "k": "v"})])
+    assert read_all(h5f.SPEC, tmp_path / "o.h5")[1]["t"] == ("bfloat16", (1,), b"\x80\x3f", {"k": "v"})
+    with h5py.File(tmp_path / "o.h5") as f:
+        assert f["t"].attrs["dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("name", ["libhdf5_segfault_attr_heap_1.h5", "libhdf5_segfault_attr_heap_2.h5"])
 def test_files_that_crash_libhdf5_give_format_errors(name):
     """Fuzzer finds (keras3_legacy.h5 seed 2746 mutant 1481; h5py_tree.h5 seed 2354 mutant 1802):

@@ -22,12 +22,12 @@ from typing import Any
 from vcga import dtypes
 from vcga.contract import FormatSpec, hookimpl
 
-from ._format import ATTR_PREFIX, DTYPE_ATTR, GROUPS_KEY, NAME, SIGNATURE, decode_attr, encode_attr
+from ._format import ATTR_PREFIX, DTYPE_ATTR, GROUPS_KEY, NAME, OPAQUE_DTYPES, SIGNATURE, decode_attr, encode_attr
 from .reader import Hdf5Reader
 from .writer import Hdf5Writer
 
 __all__ = ["Hdf5Reader", "Hdf5Writer", "sniff", "SPEC", "encode_attr", "decode_attr",
-           "GROUPS_KEY", "DTYPE_ATTR", "ATTR_PREFIX"]
+           "GROUPS_KEY", "DTYPE_ATTR", "ATTR_PREFIX", "OPAQUE_DTYPES"]
 
 
 def sniff(path: Any) -> bool:

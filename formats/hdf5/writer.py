@@ -90,6 +90,14 @@ class Hdf5Writer(WriterContext):
                 f"tensor name {name!r} is not a valid HDF5 path (a NUL character, empty or '.' components, leading, "
                 "trailing or doubled '/'); rename it before converting to hdf5", tensor=name, target=NAME)
         buf = check_entry(entry, target=NAME)
+        label = entry.metadata.get(DTYPE_ATTR)
+        if entry.dtype in OPAQUE_DTYPES and label is not None and label != entry.dtype:
+            # The attribute holds the dtype label of the opaque data (Keras' convention): writing the
+            # tensor's own value there would change its dtype on read, and dropping it would lose it.
+            raise VcgaConversionError(
+                f"tensor {name!r} ({entry.dtype}) has metadata {DTYPE_ATTR!r} = {label!r}, but HDF5 keeps the dtype "
+                f"label of {entry.dtype} data in that attribute; rename the metadata key or convert to a format "
+                "that keeps it (safetensors, vendor-bin)", tensor=name, target=NAME)
         group = self._group(parts[:-1], name)
         leaf = parts[-1]
         if leaf in group:
