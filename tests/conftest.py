@@ -22,6 +22,18 @@ VENV_BIN = Path(sys.executable).parent
 # Set before anything imports torch, which reads it once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Property tests (Hypothesis) draw new examples on every run here, to find what no one wrote down;
+# CI (.ci/run sets HYPOTHESIS_PROFILE=ci) draws the same examples every run, as Hypothesis advises
+# for CI, so an unrelated change never fails there on a newly drawn example. A failing example is
+# printed with its reproduction blob either way.
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # the property tests skip themselves
+    pass
+else:
+    _hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def private_user_cache(tmp_path_factory: pytest.TempPathFactory):
