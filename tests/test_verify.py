@@ -281,10 +281,12 @@ def test_verify_on_gloo_writes_a_report_that_follows_the_schema_and_junit_xml(tm
 
 @pytest.fixture(scope="module")
 def broken_sum(tmp_path_factory: pytest.TempPathFactory):
-    """One `vcga verify` run on broken-sum that two tests read: its JUnit XML and its table."""
+    """One `vcga verify` run on broken-sum that two tests read: its JUnit XML and its table. It runs
+    on the plugin's native group (``--group native``: the path a build without the vcga process
+    group takes), which the other runs here, through the vcga group, leave out."""
     tmp = tmp_path_factory.mktemp("broken-sum")
     junit = tmp / "broken.xml"
-    r = run_vcga("verify", "--profile", TINY, "--backend", "broken-sum", "--check", "exact-reduce",
+    r = run_vcga("verify", "--profile", TINY, "--backend", "broken-sum", "--group", "native", "--check", "exact-reduce",
                  "--check", "collectives", "--junit", str(junit),
                  env={**_env("broken_backends"), "TMPDIR": str(tmp)}, timeout=240)  # its rank logs: tmp
     return r, junit
@@ -309,6 +311,7 @@ def test_junit_marks_failures_for_a_junit_parser(broken_sum):
 def test_a_wrong_sum_in_one_dtype_fails_exact_reduce_on_that_dtype_only(broken_sum):
     r, _ = broken_sum
     assert r.returncode == 1, r.stdout + r.stderr
+    assert "broken-sum ws=2: native group" in r.stdout, r.stdout  # the plugin's own group
     fails = _failures(r.stdout)
     assert fails and all(f.startswith("FAIL exact-reduce") and "float16" in f for f in fails), fails
     assert any("expected bit-exact" in f for f in fails)
