@@ -15,7 +15,7 @@ import pytest
 from test_plugin_manager import _Backend  # the same test backend, with what selection reads added
 
 from vcga.config import load_config
-from vcga.contract import Backend, CapabilityTable, ProbeResult, hookimpl
+from vcga.contract import Backend, CapabilityTable, Collective, ProbeResult, ReduceOp, hookimpl
 from vcga.errors import VcgaBackendUnavailable
 from vcga.plugin_manager import BUILTIN_PLUGINS, VcgaPluginManager
 from vcga.plugin_manager.hooks import HookRegistry, _plain_impls
@@ -133,6 +133,13 @@ def test_lazy_tables_are_the_built_tables():
     assert whole._rows and whole.native() == by_line.native()
     assert [by_line.row(k) for k in all_cells()] == [whole.row(k) for k in all_cells()]
     assert by_line._parsed is None  # every one of them read from its own line
+    # as a set, the keys measured native; a file laid out otherwise (one line) is parsed whole
+    native_keys = {(Collective(c), dt, ReduceOp(op) if op else None) for c, dt, op, ok, _ in data["cells"] if ok}
+    assert set(by_line) == native_keys and len(by_line) == len(native_keys)
+    assert all(k in by_line for k in native_keys) and ("x", "y", "z") not in by_line and 3 not in by_line
+    one_line = gloo._Rows(json.dumps(data).encode(), "one-line.json")
+    assert [one_line.row(k) for k in all_cells()] == [whole.row(k) for k in all_cells()]
+    assert one_line.native().note == f"measured with torch {data['torch']} (one-line.json)"
 
 
 def _env() -> dict[str, str]:

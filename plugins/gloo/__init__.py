@@ -181,7 +181,10 @@ class _Rows(AbstractSet[CellKey]):
         return cell
 
     def __contains__(self, key: object) -> bool:
-        row = self.row(key) if isinstance(key, tuple) and len(key) == 3 else None
+        if not (isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], Collective) and isinstance(key[1], str)
+                and (key[2] is None or isinstance(key[2], ReduceOp))):
+            return False  # not a cell key: in no set of them
+        row = self.row(key)
         return row is not None and row[0]
 
     def __iter__(self) -> Iterator[CellKey]:
