@@ -381,3 +381,6 @@ def test_orthonormalize_takes_correctly_rounded_square_roots_whatever_torchs_ker
         assert torch.equal(got.view(bits), torch.from_numpy(want).view(bits)), (r, n)
     x = torch.tensor([2.0], dtype=dtype)
     assert sqrt1(x).item() == np.sqrt(np.array(2.0, dtype=x.numpy().dtype))
+    for v in (-1.0, float("nan"), float("inf"), -0.0):  # as torch's sqrt: NaN below 0, -0 stays -0
+        assert torch.equal(sqrt1(torch.tensor([v], dtype=dtype)).isnan(), torch.tensor([v]).sqrt().isnan())
+        assert str(sqrt1(torch.tensor([v], dtype=dtype)).item()) == str(real_sqrt(torch.tensor([v], dtype=dtype)).item())

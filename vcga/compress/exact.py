@@ -80,7 +80,8 @@ def sqrt1(x: torch.Tensor) -> torch.Tensor:
     so no value leaves the device."""
     if x.device.type != "cpu":
         return x.sqrt()
-    return torch.full_like(x, math.sqrt(x.item()))
+    v = x.item()
+    return torch.full_like(x, math.sqrt(v) if v >= 0 else math.nan)  # NaN below 0 (and for NaN), as torch's
 
 
 def orthonormalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
