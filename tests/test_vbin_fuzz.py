@@ -23,8 +23,10 @@ of 56-64 bytes plus a pointer) per two bytes of index text -- 1,000 nested empty
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -43,7 +45,8 @@ EXAMPLES = int(os.environ.get("VCGA_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 
-_DIR = Path(tempfile.mkdtemp(prefix="vcga-vbin-fuzz-"))
+_DIR = Path(tempfile.mkdtemp(prefix="vcga-vbin-fuzz-"))  # made when the module is collected, in every worker
+atexit.register(shutil.rmtree, _DIR, True)  # and removed when that process ends
 STATS = {"files": 0, "rejected": 0, "max_peak_over_bound": 0.0}
 
 
