@@ -121,7 +121,9 @@ class _Process(mp_context.ForkServerProcess):
     """A forkserver process that starts and ends as a spawned one would: the parent's environment
     and stdout/stderr at ``start()``, the device extensions loaded after the fork, no hold on the
     server's lifetime, and its atexit hooks run at the end. (Python's ``random`` reseeds itself
-    after a fork; the server imports nothing else with a global random state.)"""
+    after a fork; the server imports nothing else with a global random state.) Torch's intra-op
+    thread count is set once at the start, to the count the child inherited: that replaces the
+    thread pool a fork leaves behind before the child has a second thread."""
 
     def start(self) -> None:
         self._vcga_env = dict(os.environ)
@@ -157,9 +159,18 @@ def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
         forkserver._forkserver._forkserver_alive_fd = None  # type: ignore[attr-defined]  # CPython private
     from vcga import _autoload
 
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # A server that set torch's thread count (the compressors' preload does) made torch's
+        # intra-op pthreadpool, which a forked child must replace: torch does that at the child's
+        # first call that asks for the pool, without a lock (caffe2's pthreadpool(): release the
+        # old pool, make a new one). Every thread's first parallel operation asks for it, so two
+        # threads of a rank (gloo's workers, the bridge's) could ask at once, and one got no pool:
+        # "Invalid thread pool!" in a bridge rank's all_gather. Asked here, while the child has one
+        # thread, the replacement is done before any other thread exists.
+        torch.set_num_threads(torch.get_num_threads())
     # What the server's `import torch` left out: the torch.backends entry points (device extensions
     # and VCGA's own registration), under this child's environment.
-    torch = sys.modules.get("torch")
     autoload = getattr(torch, "_is_device_backend_autoload_enabled", None)
     if torch is not None and autoload is not None and autoload():
         torch._import_device_backends()
