@@ -232,6 +232,25 @@ def test_a_changed_import_time_variable_restarts_the_server_or_spawns(monkeypatc
     assert holder.exitcode == 0
 
 
+def _nvml_check(queue) -> None:
+    import os
+
+    queue.put((os.getppid(), os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")))
+
+
+def test_a_variable_read_when_used_reaches_the_rank_without_a_new_server(monkeypatch) -> None:
+    """PYTORCH_NVML_BASED_CUDA_CHECK (set by importing Lightning) is read by torch.cuda when called,
+    not at import: the rank gets the parent's value from the same server."""
+    from vcga.spawn import get_context
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    server, seen = _one(get_context(), _nvml_check)
+    assert seen is None
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    again, seen = _one(get_context(), _nvml_check)
+    assert (again, seen) == (server, "1")  # (a variable read at import: the test above)
+
+
 def torch_threads_default() -> int:
     import torch
 

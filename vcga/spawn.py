@@ -55,6 +55,10 @@ START_METHOD_ENV = "VCGA_START_METHOD"
 #: read once, at import: a forkserver child keeps the values the server saw.
 IMPORT_ENV_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON",
                        "CUDA_", "ASCEND_", "NEUWARE_", "MLU_")
+#: Variables under those prefixes that are read when used, not at import: a child has the parent's
+#: environment at ``start()``, so a change needs no new server. Lightning sets the first one in
+#: ``os.environ`` when it is imported (torch reads it in ``torch.cuda.is_available()``).
+CALL_TIME_ENV = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK"})
 
 #: What the forkserver imports before it forks anything (see :mod:`vcga._preload`).
 _PRELOAD = "vcga._preload"
@@ -83,7 +87,7 @@ def free_port() -> int:
 
 
 def _import_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV_PREFIXES) and k not in CALL_TIME_ENV}
 
 
 class _Stdio:
