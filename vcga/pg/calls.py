@@ -154,24 +154,31 @@ class CallPath:
         """Run ``build(steps)`` (which issues the native calls) and wrap what it issued. ``call``
         (:meth:`record`) is this thread's current call meanwhile: the bridge carries it to the
         thread that runs the collective."""
-        steps = Steps()
         local = _recorder.local
         was = getattr(local, "call", None)
         local.call = call
         try:
-            build(steps)
-        except (VcgaError, ValueError, TypeError) as e:
+            steps = self.translated(name, seq, build)
+        except Exception as e:
             if call is not None:
                 call.end(e)
-            raise  # refusals and argument errors are the caller's to see as they are
-        except Exception as e:
-            err = self.translate(e, name, seq)
-            if call is not None:
-                call.end(err)
-            raise err from e
+            raise
         finally:
             local.call = was
         return self.wrap(name, seq, steps, result, async_op, call)
+
+    def translated(self, name: str, seq: int | None, build: Callable[[Steps], Any]) -> Steps:
+        """The steps ``build(steps)`` issued (for a caller that adds to them before :meth:`wrap`):
+        refusals and argument errors raised as they are, the caller's to see; any other failure as
+        the typed error (:meth:`translate`)."""
+        steps = Steps()
+        try:
+            build(steps)
+        except (VcgaError, ValueError, TypeError):
+            raise
+        except Exception as e:
+            raise self.translate(e, name, seq) from e
+        return steps
 
     def wrap(self, name: str, seq: int | None, steps: Steps, result: Sequence[torch.Tensor], async_op: bool,
              call: Call | None = None) -> Any:

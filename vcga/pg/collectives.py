@@ -20,7 +20,6 @@ import torch
 
 from vcga import dtypes as _dtypes
 from vcga.contract import Collective
-from vcga.errors import VcgaError
 from vcga.pg.allreduce import complex_again, one_tensor
 from vcga.pg.calls import CallPath
 from vcga.pg.dispatch import Steps
@@ -370,13 +369,8 @@ class Collectives:
         else:
             vec = torch.tensor(row, dtype=torch.int64, device=mine.device)
             table = torch.empty((self.calls.size, len(row)), dtype=torch.int64, device=mine.device)
-            steps = Steps()
-            try:
-                self.calls.d.all_gather(list(table.unbind(0)), vec, options("allgather"), steps)
-            except (VcgaError, ValueError, TypeError):
-                raise
-            except Exception as e:
-                raise self.calls.translate(e, name, seq) from e
+            steps = self.calls.translated(name, seq, lambda s: self.calls.d.all_gather(list(table.unbind(0)), vec,
+                                                                                     options("allgather"), s))
             self.calls.wrap(name, seq, steps, [table], False)
             rows = table.cpu().tolist()
         want_n, want_dt = rows[root][0], rows[root][1]

@@ -13,10 +13,8 @@ from typing import Any
 import torch
 
 from vcga.contract import Collective
-from vcga.errors import VcgaError
 from vcga.pg.allreduce import one_tensor
 from vcga.pg.calls import CallPath
-from vcga.pg.dispatch import Steps
 
 __all__ = ["PointToPoint"]
 
@@ -77,28 +75,16 @@ class PointToPoint:
                 self._fingerprint_send(t, dstRank, tag)
             return self.calls.native_call("send", None, self.calls.native.send, tensors, dstRank, tag, async_op=True,
                                            result=tensors)
-        steps = Steps()
-        try:
-            # A refused dtype raises here, before anything is posted or counted; the receiver's
-            # recv refuses the same dtype from the same table, so neither end waits for the other.
-            self.calls.d.send(t, dstRank, tag, steps)
-        except (VcgaError, ValueError, TypeError):
-            raise
-        except Exception as e:
-            raise self.calls.translate(e, "send", None) from e
+        # A refused dtype raises here, before anything is posted or counted; the receiver's recv
+        # refuses the same dtype from the same table, so neither end waits for the other.
+        steps = self.calls.translated("send", None, lambda s: self.calls.d.send(t, dstRank, tag, s))
         if self.calls.debug is not None:
             self._fingerprint_send(t, dstRank, tag)
         return self.calls.wrap("send", None, steps, tensors, True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Any:  # noqa: N803
         t = one_tensor(tensors, "recv")
-        steps = Steps()
-        try:
-            self.calls.d.recv(t, srcRank, tag, steps)
-        except (VcgaError, ValueError, TypeError):
-            raise
-        except Exception as e:
-            raise self.calls.translate(e, "recv", None) from e
+        steps = self.calls.translated("recv", None, lambda s: self.calls.d.recv(t, srcRank, tag, s))
         if self.calls.debug is not None:
             # Checked when the receiver waits, before the data is awaited: a sender never blocks on
             # it (isend/irecv pairs in any order still work), and a mismatched send is named
