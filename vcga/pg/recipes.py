@@ -346,17 +346,7 @@ def all_gather(d: Dispatcher, outs: list[torch.Tensor], inp: torch.Tensor, like:
             _copy_back(steps, o, b)
         return
     via, target = moving_recipe(d, Collective.ALL_GATHER, inp.dtype, depth)
-    if via == "bitcast":
-        src, _ = _units(inp, target)
-        staged = [_units(o, target, fill=False) for o in outs]
-        d.all_gather([u for u, _ in staged], src, like, steps, depth + 1)
-        for _, back in staged:
-            _then(steps, back)
-    else:
-        wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
-        d.all_gather(wide, inp.to(target), like, steps, depth + 1)
-        for o, w in zip(outs, wide, strict=True):
-            steps.finish.append(partial(o.copy_, w))
+    _gather_as(via, target, outs, inp, steps, lambda o, i: d.all_gather(o, i, like, steps, depth + 1))
 
 
 def gather(d: Dispatcher, outs: list[torch.Tensor], inp: torch.Tensor, root: int, like: Any, steps: Steps,
@@ -372,15 +362,23 @@ def gather(d: Dispatcher, outs: list[torch.Tensor], inp: torch.Tensor, root: int
             _copy_back(steps, o, b)
         return
     via, target = moving_recipe(d, Collective.GATHER, inp.dtype, depth)
+    _gather_as(via, target, outs, inp, steps, lambda o, i: d.gather(o, i, root, like, steps, depth + 1))
+
+
+def _gather_as(via: str, target: torch.dtype, outs: list[torch.Tensor], inp: torch.Tensor, steps: Steps,
+               gather: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
+    """all_gather's and gather's emulation: ``gather(outs, inp)`` on stand-ins of dtype ``target``
+    (``via`` "bitcast": the same bytes as ``target`` units; else widened to it), copied back into
+    ``outs`` when the works end."""
     if via == "bitcast":
         src, _ = _units(inp, target)
         staged = [_units(o, target, fill=False) for o in outs]
-        d.gather([u for u, _ in staged], src, root, like, steps, depth + 1)
+        gather([u for u, _ in staged], src)
         for _, back in staged:
             _then(steps, back)
     else:
         wide = [torch.empty(o.shape, dtype=target, device=o.device) for o in outs]
-        d.gather(wide, inp.to(target), root, like, steps, depth + 1)
+        gather(wide, inp.to(target))
         for o, w in zip(outs, wide, strict=True):
             steps.finish.append(partial(o.copy_, w))
 
