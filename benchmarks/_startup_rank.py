@@ -14,6 +14,8 @@ backend alike, which would drown what the backends differ in.
 
 Environment (set by the driver): ``STARTUP_CTL`` (host:port of the control store), ``STARTUP_IT``
 (the start's number), ``STARTUP_BACKEND`` ("gloo" or "vcga"), ``STARTUP_TIMEOUT`` (seconds),
+``STARTUP_IMPORT_FIRST`` ("vcga" or "mixed": import the modules that variant's start imports before
+the start, as ``import torch`` loads gloo's code before gloo's; the equal-work figure),
 ``STARTUP_RELEASE`` ("own" or "together"), ``STARTUP_PROFILE`` (a folder: rank 0 writes a CPU
 profile of its start there).
 """
@@ -34,11 +36,28 @@ import torch.distributed as dist
 
 ELEMS = 1024  # 4 KiB of fp32
 
+#: The modules ``init_process_group("vcga")`` and the first all_reduce import, per variant (the
+#: ``vcga_facts`` of a start list them; ``in_start`` says which a start still imported itself). Under
+#: STARTUP_IMPORT_FIRST a rank imports them before the start: gloo's code comes with ``import torch``,
+#: so this is the start with the same code loading left out of both.
+START_MODULES = {
+    "vcga": ("vcga.process_group", "vcga.pg.discovery", "vcga.plugin_manager.entrypoints", "vcga._usercache",
+             "vcga.plugins.gloo"),
+    "mixed": ("vcga.process_group", "vcga.pg.discovery", "vcga.plugin_manager.entrypoints", "vcga._usercache",
+              "vcga.bridge.create", "vcga.bridge.verify", "vcga.bridge.figcache", "vcga.pg.workqueue",
+              "vcga.pg.recipes", "vcga.plugins.sim.group", "vcga.plugins.sim.libraries"),
+}
 
-def vcga_facts() -> dict[str, Any]:
+
+def vcga_modules() -> set[str]:
+    return {m for m in sys.modules if m == "vcga" or m.startswith("vcga.")}
+
+
+def vcga_facts(before: set[str]) -> dict[str, Any]:
     """How this process got vcga: from a wheel or an editable checkout, with or without bytecode
-    caches, and how many of its modules the start imported."""
-    facts: dict[str, Any] = {"modules": sorted(m for m in sys.modules if m == "vcga" or m.startswith("vcga."))}
+    caches, which of its modules the process had at the end and which the start itself imported."""
+    now = vcga_modules()
+    facts: dict[str, Any] = {"modules": sorted(now), "in_start": sorted(now - before)}
     pg = sys.modules.get("vcga.process_group")
     if pg is not None and getattr(pg, "__file__", None):
         facts["file"] = pg.__file__
@@ -53,6 +72,12 @@ def main() -> None:
     it, backend = os.environ["STARTUP_IT"], os.environ["STARTUP_BACKEND"]
     timeout = timedelta(seconds=float(os.environ["STARTUP_TIMEOUT"]))
     torch.set_num_threads(1)
+    first = os.environ.get("STARTUP_IMPORT_FIRST")
+    if first:
+        import importlib
+
+        for name in START_MODULES[first]:
+            importlib.import_module(name)
     ctl = dist.TCPStore(host, int(port), None, False, timeout=timeout)
     gc_s: list[float] = []
     gc_t0: list[float] = []
@@ -79,6 +104,7 @@ def main() -> None:
 
         prof = cProfile.Profile(time.process_time)  # CPU: the ranks share the cores
         prof.enable()
+    before = vcga_modules()
     t1, c1 = time.time(), time.process_time()
     if job_store is not None:
         dist.init_process_group(backend, store=job_store, rank=rank, world_size=world, timeout=timeout)
@@ -101,7 +127,7 @@ def main() -> None:
     res = {"t0": t1, "t_end": t3, "init": [t2 - t1, c2 - c1], "first": [t3 - t2, c3 - c2], "startup": startup,
            "gc_s": sum(gc_s), "gc_n": len(gc_s)}
     if rank == 0:
-        res["vcga"] = vcga_facts()
+        res["vcga"] = vcga_facts(before)
     ctl.set(f"res/{it}/{rank}", json.dumps(res))
     ctl.wait([f"done/{it}"])
     dist.destroy_process_group()

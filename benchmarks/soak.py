@@ -19,7 +19,7 @@ Usage::
     python benchmarks/soak.py                      # 50 x 3000 calls, 4 ranks: gloo, vcga, nccl:2,hccl:2
     python benchmarks/soak.py --reps 5 --calls 300 --setups "gloo;vcga"
     python benchmarks/soak.py --setups "gloo;sim-nccl;sim-hccl;sim-cncl;nccl:2,hccl:2" --markdown
-    python benchmarks/soak.py --lock /work/locks/heavy --progress   # a long run on a shared machine
+    python benchmarks/soak.py --lock /tmp/benchmarks.lock --progress   # a long run on a shared machine
 
 A setup is ``gloo`` (backend gloo), ``vcga`` (backend vcga on gloo), a simulated vendor
 (``sim-nccl``...: backend vcga with ``VCGA_BACKEND``), or a mixed-vendor layout (``nccl:2,hccl:2``:

@@ -9,7 +9,11 @@ first 4 KiB fp32 all_reduce -- for one variant:
   bridge: discovery, vendor groups, bridge sub-groups, link figures), its figures in the cache
   (an untimed start before the timed ones measured and stored them, as a job's first start does);
 - ``mixed-measure``: the same with ``bridge_calibration: measure``: every start measures its
-  links (what a first start on a new topology pays).
+  links (what a first start on a new topology pays);
+- ``vcga-imported``, ``mixed-imported`` (torchrun only): ``vcga`` and ``mixed`` with the modules
+  their start imports imported by each rank before the start. gloo's code is loaded by ``import
+  torch``, before gloo's start; vcga's own, at the start. These variants leave code loading out of
+  both, the equal-work figure beside the figure of record (which counts vcga's imports).
 
 The variants rotate, each world size's starts back to back. Two launchers:
 
@@ -50,6 +54,8 @@ Usage::
 
     make wheel-venv
     python benchmarks/startup.py --python .venv-wheel/bin/python --ranks 16 32 --reps 3 --markdown
+    python benchmarks/startup.py --python .venv-wheel/bin/python --ranks 16 32 --reps 3 --markdown \
+        --variants gloo,vcga,mixed,vcga-imported,mixed-imported
     PYTHONDONTWRITEBYTECODE=1 python benchmarks/startup.py --ranks 16 32 --reps 3 --markdown
     python benchmarks/startup.py --launch forkserver --ranks 4 8 16 32 64 --reps 5 --json startup.json
 """
@@ -74,7 +80,9 @@ from _store_proxy import StoreProxy
 
 VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure", "vcga-fresh", "mixed-fresh")
 #: Under torchrun every rank is a fresh process: the ``-fresh`` variants are what every variant is.
-TORCHRUN_VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure")
+#: ``-imported``: each rank imports the modules its start would before the start (as ``import torch``
+#: loads gloo's): the equal-work figure beside the figure of record.
+TORCHRUN_VARIANTS = ("gloo", "vcga", "mixed", "mixed-measure", "vcga-imported", "mixed-imported")
 #: The rank program of the torchrun launch.
 RANK_SCRIPT = Path(__file__).resolve().with_name("_startup_rank.py")
 #: The phases a start is split into, in the order of the tables.
@@ -102,7 +110,7 @@ def classify(key: str) -> str:
 
 def variant_env(variant: str, world: int, cache: str) -> dict[str, str | None]:
     """The environment of a variant's ranks (``cache``: the run's own link-figure cache)."""
-    if variant in ("mixed", "mixed-measure", "mixed-fresh"):
+    if base(variant) == "mixed":
         half = world // 2
         return {"VCGA_SIM_VENDORS": f"nccl:{world - half},hccl:{half}", "VCGA_BRIDGE_FIGURES_CACHE": cache,
                 "VCGA_BRIDGE_CALIBRATION": "measure" if variant == "mixed-measure" else "cached"}
@@ -113,7 +121,7 @@ def schedule(reps: int, variants: tuple[str, ...], count: bool) -> list[tuple[st
     """(kind, variant) per start: one untimed mixed start that fills the link-figure cache (as the
     job's first start, or ``vcga info --plan --calibrate``, would), the timed starts rotating, then
     one counted start each."""
-    out: list[tuple[str, str]] = [("warm", "mixed")] if any(v in ("mixed", "mixed-fresh") for v in variants) else []
+    out: list[tuple[str, str]] = [("warm", "mixed")] if any(base(v) == "mixed" and v != "mixed-measure" for v in variants) else []
     for i in range(reps):
         k = i % len(variants)
         out += [("timed", v) for v in variants[k:] + variants[:k]]
@@ -404,6 +412,7 @@ class TorchrunDriver(Driver):
         env.update({"STARTUP_CTL": f"127.0.0.1:{self.ctl.port}", "STARTUP_IT": str(it),
                     "STARTUP_BACKEND": "gloo" if variant == "gloo" else "vcga", "STARTUP_TIMEOUT": str(self.timeout),
                     "STARTUP_RELEASE": self.args.release,
+                    "STARTUP_IMPORT_FIRST": base(variant) if variant.endswith("-imported") else "",
                     "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
         if self.args.profile:
             env["STARTUP_PROFILE"] = os.path.abspath(self.args.profile)
@@ -576,8 +585,9 @@ def render(summaries: list[dict[str, Any]], variants: tuple[str, ...], markdown:
             continue
         how = "a wheel (site-packages)" if f.get("installed") else "an editable checkout"
         cached = "with" if f.get("bytecode") else "without"
-        out.append(f"{v}: vcga from {how}, {cached} bytecode caches; {len(f['modules'])} vcga modules imported "
-                   f"by the start")
+        inside = f.get("in_start", f["modules"])
+        out.append(f"{v}: vcga from {how}, {cached} bytecode caches; {len(f['modules'])} vcga modules at the end, "
+                   f"{len(inside)} of them imported by the start")
     if facts:
         out.append("")
     for key, what in (("phases_s", "wall"), ("phases_cpu_s", "CPU")):
