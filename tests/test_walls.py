@@ -223,3 +223,17 @@ def test_no_module_of_the_four_folders_outgrows_the_size_rule():
     assert len(sizes) > 50  # the walk found the modules
     over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by responsibility): {over}"
+
+
+def test_every_package_of_the_four_folders_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel installs (the folders map to installed names through
+    package-dir, so setuptools cannot discover them): a package left off that list works in the
+    editable checkout, where the suite runs, and is missing for every user who pip-installs."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {pkg: folder for folder, pkg in TREES.items()}
+    packages = {_module_name(p) for tree in TREES for p in (ROOT / tree).rglob("__init__.py")}
+    assert "vcga.pg" in packages  # the walk found the packages
+    missing = sorted(packages - set(setuptools["packages"]))
+    assert not missing, f"add these to [tool.setuptools] packages in pyproject.toml: {missing}"
