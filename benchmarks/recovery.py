@@ -321,7 +321,8 @@ def _launch(work: Path, name: str, backend: str, vendors: str, fault: str) -> di
            "OMP_NUM_THREADS": "1", "VCGA_FAULT": fault, "VCGA_FAULT_LOG": str(faults),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "--max-restarts", "1", "--monitor-interval", "0.1", str(ROOT / "examples" / "train_elastic.py"),
+           "--max-restarts", "1", "--monitor-interval", "0.1", "--log-dir", str(work / f"{name}-torchrun"),
+           str(ROOT / "examples" / "train_elastic.py"),
            "--root", str(work / f"{name}-ckpt"), "--steps", "10", "--save-every", "3", "--backend", backend,
            "--events", str(events)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

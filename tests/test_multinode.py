@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,6 +153,20 @@ def test_two_node_mixed_vendor_world(tmp_path):
         assert cluster.nodes[0].shm_entries() == [] and cluster.nodes[1].shm_entries() == []
     assert cluster.remaining() == []
     assert host_state() == before
+    assert torchrun_folders(cluster.run_id) == []  # torchrun's logs went into the cluster's own folder
+
+
+def torchrun_folders(run_id: str) -> list[str]:
+    """The torchelastic_* folders in the temporary directory (the nodes' too) holding a launch of
+    this cluster: torchrun makes one per launch without ``--log-dir`` and never removes it."""
+    found = []
+    for d in Path(tempfile.gettempdir()).glob("torchelastic_*"):
+        try:
+            if any(c.name.startswith(run_id) for c in d.iterdir()):
+                found.append(d.name)
+        except OSError:  # another test's torchrun removing its own
+            continue
+    return found
 
 
 def read_errors(out: Path, phase: str, ranks, launch, watch: tuple[int, ...] = (0, 1)) -> list[dict]:

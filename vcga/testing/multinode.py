@@ -493,10 +493,14 @@ class Cluster:
             for node in self.nodes:
                 e = dict(os.environ if env is None else env)
                 e.update(node_env[node.index] if node_env else {})
+                # torchrun's own log folder in the cluster's (removed with it), not a torchelastic_*
+                # folder in the temporary directory that torchrun makes for every launch and never removes
+                own_logs = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in torchrun_args)
+                log_dir = [] if own_logs else ["--log-dir", str(self._logdir / f"launch{n}-node{node.index}-torchrun")]
                 cmd = [sys.executable, *launcher, "--nnodes", str(self.size),
                        "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", f"{self.run_id}-{n}",
-                       "--max-restarts", "0", *torchrun_args, *argv]
+                       "--max-restarts", "0", *log_dir, *torchrun_args, *argv]
                 log = self._logdir / f"launch{n}-node{node.index}.log"
                 with open(log, "wb") as out:
                     procs.append(node.popen(cmd, env=e, cwd=cwd, stdout=out, stderr=subprocess.STDOUT))
