@@ -33,7 +33,7 @@ Three parts (``--part io|stall|recovery``, all by default):
   start to their first completed step, from the kill to that step, and the steps lost (done but
   not checkpointed).
 
-    flock /work/locks/heavy .venv/bin/python benchmarks/recovery.py            # docs/benchmarks.md
+    .venv/bin/python benchmarks/recovery.py            # docs/benchmarks.md
     .venv/bin/python benchmarks/recovery.py --part io --mib 64 --reps 2        # a quick look
 """
 
