@@ -490,12 +490,12 @@ class Cluster:
         n = len(self._launches)
         procs, logs = [], []
         try:
+            # torchrun's own log folder in the cluster's (removed with it), not a torchelastic_* folder
+            # in the temporary directory that torchrun makes for every launch and never removes
+            own_logs = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in torchrun_args)
             for node in self.nodes:
                 e = dict(os.environ if env is None else env)
                 e.update(node_env[node.index] if node_env else {})
-                # torchrun's own log folder in the cluster's (removed with it), not a torchelastic_*
-                # folder in the temporary directory that torchrun makes for every launch and never removes
-                own_logs = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in torchrun_args)
                 log_dir = [] if own_logs else ["--log-dir", str(self._logdir / f"launch{n}-node{node.index}-torchrun")]
                 cmd = [sys.executable, *launcher, "--nnodes", str(self.size),
                        "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
