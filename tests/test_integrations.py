@@ -43,25 +43,42 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.fixture(scope="module")
+def lightning_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-process Lightning job (Lightning's own launcher) for the tests below: its runs one after
+    another, each with a new process group (tests/integrations/lightning_run.py). Returns the
+    folder that holds each run's folder, or skips where neither Lightning package is installed."""
+    runs = []
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        runs += ["pytorch_lightning:one-vendor", "pytorch_lightning:mixed"]
+    if importlib.util.find_spec("lightning") is not None:
+        runs += ["lightning.pytorch:mixed"]
+    if not runs:
+        pytest.skip("neither pytorch_lightning nor lightning is installed (test extras)")
+    out = tmp_path_factory.mktemp("lightning")
+    # VCGA's strategy is given no spec: it takes the configured one (Lightning's ignore it)
+    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(out), *runs],
+         {"VCGA_COMPRESSION": "powersgd:rank=2,min_rate=0"}, timeout=360)
+    return out
+
+
 @pytest.mark.parametrize("vendors", [{}, MIXED], ids=["one-vendor", "mixed"])
-def test_lightning_ddp_and_fsdp_strategies(tmp_path, vendors):
+def test_lightning_ddp_and_fsdp_strategies(lightning_job, vendors):
     """DDPStrategy(process_group_backend="vcga"), vcga.integrations.lightning.DDPStrategy with
     the configured compression (VCGA_COMPRESSION; on CPU, where Lightning's own registers no
     hook), and FSDP (ModelParallelStrategy + fully_shard)."""
     pytest.importorskip("pytorch_lightning")
-    # VCGA's strategy is given no spec: it takes the configured one (Lightning's ignore it)
-    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path)],
-         {**vendors, "VCGA_COMPRESSION": "powersgd:rank=2,min_rate=0"})
+    folder = lightning_job / f"pytorch_lightning-{'mixed' if vendors else 'one-vendor'}"
     digests = {}
     for strategy in ("pytorch_lightning.DDPStrategy", "vcga.DDPStrategy", "pytorch_lightning.ModelParallelStrategy"):
-        ranks = [_read(tmp_path / f"{strategy}-{r}.json") for r in (0, 1)]
+        ranks = [_read(folder / f"{strategy}-{r}.json") for r in (0, 1)]
         assert ranks[0]["sha256"] == ranks[1]["sha256"], strategy
         assert ranks[0]["sha256"] != ranks[0]["start_sha256"] and ranks[0]["steps"] == 4  # it trained
         for x in ranks:
             assert x["backend"] == "vcga" and x["transport"] == (BRIDGE if vendors else "gloo") and x["world"] == 2
         digests[strategy] = ranks[0]["sha256"]
-    plain, compressed = (_read(tmp_path / f"{s}-0.json")["compression"] for s in ("pytorch_lightning.DDPStrategy",
-                                                                                   "vcga.DDPStrategy"))
+    plain, compressed = (_read(folder / f"{s}-0.json")["compression"] for s in ("pytorch_lightning.DDPStrategy",
+                                                                                "vcga.DDPStrategy"))
     assert plain is None
     # every bucket of the 4 steps went through the PowerSGD hook (mixed: scope bridge)
     assert compressed["spec"].startswith("powersgd") and compressed["step"] == 4, compressed
@@ -70,14 +87,13 @@ def test_lightning_ddp_and_fsdp_strategies(tmp_path, vendors):
     assert digests["vcga.DDPStrategy"] != digests["pytorch_lightning.DDPStrategy"]  # rank 2 of 32x8: lossy
 
 
-def test_lightning_package_trainer_compresses_through_vcgas_strategy_for_it(tmp_path):
+def test_lightning_package_trainer_compresses_through_vcgas_strategy_for_it(lightning_job):
     """``lightning.pytorch``'s Trainer takes only strategies of its own package (ours for
     ``pytorch_lightning`` is refused with a ValueError): vcga.integrations.lightning.pytorch's
     DDPStrategy is the same adapter for it. Mixed vendors, configured compression."""
     pytest.importorskip("lightning")
-    _run([sys.executable, str(SCRIPTS / "lightning_run.py"), str(tmp_path), "lightning.pytorch"],
-         {**MIXED, "VCGA_COMPRESSION": "powersgd:rank=2,min_rate=0"})
-    ranks = [_read(tmp_path / f"vcga.DDPStrategy-{r}.json") for r in (0, 1)]
+    folder = lightning_job / "lightning.pytorch-mixed"
+    ranks = [_read(folder / f"vcga.DDPStrategy-{r}.json") for r in (0, 1)]
     assert ranks[0]["sha256"] == ranks[1]["sha256"] != ranks[0]["start_sha256"]
     for x in ranks:
         assert x["trainer_package"] == "lightning.pytorch" and x["steps"] == 4

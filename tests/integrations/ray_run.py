@@ -67,6 +67,10 @@ def main() -> None:
     out = sys.argv[1]
     runs = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[2] == "--runs" else ["mixed"]
     envs = {"single": {}, "mixed": {"VCGA_SIM_VENDORS": "nccl:1,hccl:1"}}
+    # The raylet starts no idle workers ahead of demand (by default it starts one per CPU when the
+    # driver connects: an interpreter each that no task of this job uses, as the workers Ray
+    # Train asks for are actors); read by the raylet that ray.init starts, from this environment.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         for run in runs:
