@@ -223,7 +223,8 @@ def _job(config: str, args: argparse.Namespace) -> dict[str, Any]:
         out = Path(tmp) / "out.json"
         env = {**os.environ, "VCGA_SIM_VENDORS": vendors, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(speeds)),
-               "--log-dir", str(Path(tmp) / "torchrun"), __file__, "--as-rank", "--config", config, "--out", str(out), "--rounds", str(args.rounds),
+               "--log-dir", str(Path(tmp) / "torchrun"),
+               __file__, "--as-rank", "--config", config, "--out", str(out), "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--settle", str(args.settle), "--slow-at", str(args.slow_at),
                "--global-batch", str(args.global_batch), "--device-us", str(args.device_us),
                "--tokens", str(args.tokens)] + (["--verbose"] if args.verbose else [])

@@ -25,13 +25,14 @@ import hashlib
 import importlib
 import json
 import os
-import socket
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from vcga.testing import free_port
 
 warnings.filterwarnings("ignore")
 
@@ -91,49 +92,47 @@ def model_class(pl):  # one LightningModule class per Lightning package
     return Model
 
 
-def fit(pl, out: str, strategy) -> None:
+def fit(pl, model, strategy) -> None:
     torch.manual_seed(1234)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model_class(pl)(out))
+    trainer.fit(model)
 
 
 def run(package: str, vendors: str, out: str) -> None:
+    if vendors not in ("one-vendor", "mixed"):
+        raise SystemExit(f"vendors must be one-vendor or mixed, not {vendors!r}")
     if dist.is_initialized():  # the previous run's group: this run's vendors make a new one
         # on a port of its own, which rank 0 picks and tells rank 1 over the old group: on the old
         # port the new group's start hangs, with backend gloo as with vcga (the first group's
         # TCP store, still referenced, keeps serving it)
-        port = [None]
-        if dist.get_rank() == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = [s.getsockname()[1]]
+        port = [free_port() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(port, src=0)
         dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(port[0])
     os.environ.pop("VCGA_SIM_VENDORS", None)
     if vendors == "mixed":
         os.environ["VCGA_SIM_VENDORS"] = MIXED
-    elif vendors != "one-vendor":
-        raise SystemExit(f"vendors must be one-vendor or mixed, not {vendors!r}")
     os.makedirs(out, exist_ok=True)
     pl = importlib.import_module(package)
+    Model = model_class(pl)
     if package == "lightning.pytorch":
         from vcga.integrations.lightning.pytorch import DDPStrategy as ForLightning
 
-        fit(pl, out, ForLightning(process_group_backend="vcga"))
+        fit(pl, Model(out), ForLightning(process_group_backend="vcga"))
         return
     from vcga.integrations.lightning import DDPStrategy as CompressedDDPStrategy
 
-    fit(pl, out, pl.strategies.DDPStrategy(process_group_backend="vcga"))
+    fit(pl, Model(out), pl.strategies.DDPStrategy(process_group_backend="vcga"))
     # Lightning's own DDPStrategy registers a comm hook only on CUDA; VCGA's registers its
     # compression hook on any device (here the CPU)
-    fit(pl, out, CompressedDDPStrategy(process_group_backend="vcga"))  # the configured compression: VCGA_COMPRESSION
-    fit(pl, out, pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                                     process_group_backend="vcga"))
+    fit(pl, Model(out), CompressedDDPStrategy(process_group_backend="vcga"))  # the configured compression: VCGA_COMPRESSION
+    fit(pl, Model(out), pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                            process_group_backend="vcga"))
 
 
 if __name__ == "__main__":
     for item in sys.argv[2:] or ["pytorch_lightning:one-vendor"]:
         package, _, vendors = item.partition(":")
-        run(package, vendors or "one-vendor", os.path.join(sys.argv[1], f"{package}-{vendors or 'one-vendor'}"))
+        vendors = vendors or "one-vendor"
+        run(package, vendors, os.path.join(sys.argv[1], f"{package}-{vendors}"))
