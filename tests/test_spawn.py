@@ -150,6 +150,55 @@ def test_a_forked_rank_runs_its_atexit_hooks_as_a_spawned_one_does(tmp_path) -> 
     assert (tmp_path / "hook").read_text() == "ran"
 
 
+#: A module the server preloads (test below): it makes an object with an exit-time finalizer, as
+#: torch makes its operator libraries, and the finalizer notes the pid of the process it ran in.
+_SERVER_FINALIZER = """
+import contextlib, os, weakref
+
+class Held:
+    pass
+
+held = Held()
+
+def _note(path):
+    with contextlib.suppress(OSError):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+weakref.finalize(held, _note, PATH)
+"""
+
+
+def _finalizers_at_exit(module: str, path: str, queue) -> None:
+    import os
+    import sys
+    import weakref
+    from pathlib import Path
+
+    class Mine:
+        pass
+
+    mine = Mine()
+    weakref.finalize(mine, Path(path).write_text, "ran")
+    queue.put((os.getpid(), module in sys.modules))  # the server's import, inherited
+
+
+def test_a_forked_rank_leaves_the_servers_exit_finalizers_and_runs_its_own(tmp_path, monkeypatch) -> None:
+    """What the server made at import has exit-time finalizers (torch: one per operator library);
+    a child skips them at its exit (they would only undo its own copy, which os._exit discards),
+    and still runs those of what it made itself."""
+    from vcga.spawn import get_context
+
+    name = f"vcga_finalizer_probe_{uuid.uuid4().hex}"
+    noted = tmp_path / "server_finalizer"
+    (tmp_path / f"{name}.py").write_text(_SERVER_FINALIZER.replace("PATH", repr(str(noted))))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pid, preloaded = _one(get_context([name]), _finalizers_at_exit, name, str(tmp_path / "own"))
+    assert preloaded
+    assert (tmp_path / "own").read_text() == "ran"
+    assert not noted.exists() or str(pid) not in noted.read_text().split()
+
+
 def test_a_forked_rank_writes_to_the_parents_stdout_and_stderr_at_start(tmp_path) -> None:
     import os
 

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -136,12 +137,28 @@ class _Process(mp_context.ForkServerProcess):
 
     def run(self) -> None:
         _like_a_spawned_child(self._vcga_env, self._vcga_stdio)
+        _leave_the_servers_exit_finalizers()
         try:
             super().run()
         finally:
             # A spawned child runs its atexit hooks (sys.exit); a forked one ends in os._exit and
             # would skip them: an async checkpoint save still writing, a group's threads to wait for.
             atexit._run_exitfuncs()
+
+
+def _leave_the_servers_exit_finalizers() -> None:
+    """The exit-time finalizers (``weakref.finalize``, ``atexit=True``) of objects the server made
+    while it imported torch and the preloads are taken off this child's exit, before the child runs
+    any code of its own. They only undo the server's state in this process's copy: torch
+    deregisters each of its ~180 operator libraries, numba frees its compiled code. At the exit of
+    every rank that cost about 0.03 CPU-s, half of a small rank's CPU (docs/testing.md, "Where the
+    CPU goes"), for nothing: the child ends in ``os._exit`` and its memory goes with it. Nor is a
+    child's exit the place for the parent's cleanup (a ``TemporaryDirectory`` the server made would
+    be removed by its first child's exit). What the child makes itself, and every ``atexit`` hook,
+    still runs at its exit; a finalizer of the server's object still runs if the child drops the
+    object, as before."""
+    for fin in list(weakref.finalize._registry):  # type: ignore[attr-defined]  # CPython private: the live finalizers
+        fin.atexit = False
 
 
 def _like_a_spawned_child(env: dict[str, str], stdio: _Stdio) -> None:
