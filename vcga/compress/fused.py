@@ -23,10 +23,11 @@ precision) keeps the torch operations, which are the definition of the bits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -347,21 +348,64 @@ def checked(name: str, build: Callable[[], T], check: Callable[[T], str | None])
             return _state[name]
         k: T | None = None
         if enabled():
-            try:
-                k = build()
-            except ImportError:
-                k = None
-            except Exception as e:  # noqa: BLE001 - a numba that cannot compile here: the torch path
-                log.warning("vcga: fused host loops (%s) unavailable (%s); using torch operations", name, e)
-                k = None
-            if k is not None:
-                bad = check(k)
-                if bad is not None:
-                    log.warning("vcga: the fused host loop for %s does not reproduce the torch operations' bits "
-                                "here; using torch operations", bad)
+            with _one_compile_at_a_time(name):  # the check's first calls compile (numba compiles lazily)
+                try:
+                    k = build()
+                except ImportError:
                     k = None
+                except Exception as e:  # noqa: BLE001 - a numba that cannot compile here: the torch path
+                    log.warning("vcga: fused host loops (%s) unavailable (%s); using torch operations", name, e)
+                    k = None
+                if k is not None:
+                    bad = check(k)
+                    if bad is not None:
+                        log.warning("vcga: the fused host loop for %s does not reproduce the torch operations' "
+                                    "bits here; using torch operations", bad)
+                        k = None
         _state[name] = k
         return k
+
+
+#: How long a process waits for another one's compile of the same loops before it compiles them
+#: itself: a compile takes seconds; a holder that never ends it (stopped in a debugger, SIGSTOP)
+#: must not stop every other rank of the machine. A holder that dies releases the lock at once.
+COMPILE_WAIT_S = 120.0
+
+
+@contextlib.contextmanager
+def _one_compile_at_a_time(name: str) -> Iterator[None]:
+    """Holds a lock that every process of this machine's user takes to compile ``name``'s loops.
+
+    numba's on-disk cache (``cache=True``) spares a process the compile only once the cache has an
+    entry, and the ranks of a job start together: on a fresh install every rank of the first job
+    compiled the same loops at the same time (about 4 CPU-s for all of them, docs/compression.md,
+    "Fused loops at start-up"). Under this lock the first process compiles and writes numba's
+    cache; the others wait for it and then load from the cache. The lock is a file in VCGA's user
+    cache (:mod:`vcga._usercache`, ``fused/NAME.lock``), taken with ``flock`` through filelock,
+    which torch requires too, so the kernel releases it when its holder dies. Where it cannot be
+    taken (no filelock, a folder that cannot be written, :data:`COMPILE_WAIT_S` passed), the
+    process compiles without it, as it would alone."""
+    try:
+        from filelock import FileLock, Timeout
+    except ImportError:
+        yield
+        return
+    from vcga._usercache import cache_dir
+
+    lock: FileLock | None = None
+    try:
+        folder = cache_dir() / "fused"
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(folder / f"{name}.lock"), timeout=COMPILE_WAIT_S)
+        lock.acquire()
+    except (OSError, Timeout) as e:
+        log.debug("vcga: compiling the fused loops (%s) without the machine-wide lock: %s", name, e)
+        lock = None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def kernels() -> tuple[Any, Any, Any] | None:
