@@ -10,7 +10,7 @@ what the ranks of many tests would otherwise each do after they start.
 - The compressors' fused host loops (numba), compiled -- or loaded from numba's cache -- and
   self-checked against the torch operations once, here, instead of in every rank that compresses
   (:mod:`vcga.compress.preload` for VCGA's own; the compressor plugins' loops below; with a cold
-  cache, the four ranks of a world compiled at once). A rank keeps the verdict the server reached
+  cache, each rank would wait for the machine's one compile, then load it). A rank keeps the verdict the server reached
   on this machine, as a process does after its first check.
 
 The server dies on an exception other than ImportError from a preloaded module, and then no rank
