@@ -333,8 +333,8 @@ def test_ranks_that_start_together_compile_the_fused_loops_once_and_load_them_fr
     every one of them. Two processes that ask for every loop at the same moment, with an empty
     cache (a fresh install's first job; benchmarks/fused_first_start.py's ranks): one compiles and
     writes the cache, the other waits for it (vcga.compress.fused's machine-wide lock) and compiles
-    nothing. Without the lock both compiled; and a loop that calls another jitted closure (the
-    top-k loop once did) is compiled anew in every process, cache or not."""
+    nothing. Without the lock both would compile; and a loop that calls another jitted closure is
+    compiled anew in every process, cache or not."""
     pytest.importorskip("numba")
     import os
 

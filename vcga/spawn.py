@@ -150,13 +150,13 @@ def _leave_the_servers_exit_finalizers() -> None:
     """The exit-time finalizers (``weakref.finalize``, ``atexit=True``) of objects the server made
     while it imported torch and the preloads are taken off this child's exit, before the child runs
     any code of its own. They only undo the server's state in this process's copy: torch
-    deregisters each of its ~180 operator libraries, numba frees its compiled code. At the exit of
-    every rank that cost about 0.03 CPU-s, half of a small rank's CPU (docs/testing.md, "Where the
-    CPU goes"), for nothing: the child ends in ``os._exit`` and its memory goes with it. Nor is a
+    deregisters each of its ~180 operator libraries, numba frees its compiled code. Run at a rank's
+    exit they cost about 0.03 CPU-s, half of a small rank's CPU (docs/testing.md, "Running the
+    tests"), for nothing: the child ends in ``os._exit`` and its memory goes with it. Nor is a
     child's exit the place for the parent's cleanup (a ``TemporaryDirectory`` the server made would
     be removed by its first child's exit). What the child makes itself, and every ``atexit`` hook,
-    still runs at its exit; a finalizer of the server's object still runs if the child drops the
-    object, as before."""
+    runs at its exit; a finalizer of the server's object runs when the child drops the
+    object."""
     for fin in list(weakref.finalize._registry):  # type: ignore[attr-defined]  # CPython private: the live finalizers
         fin.atexit = False
 

@@ -24,6 +24,7 @@ precision) keeps the torch operations, which are the definition of the bits.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import threading
@@ -378,9 +379,10 @@ def _one_compile_at_a_time(name: str) -> Iterator[None]:
 
     numba's on-disk cache (``cache=True``) spares a process the compile only once the cache has an
     entry, and the ranks of a job start together: on a fresh install every rank of the first job
-    compiled the same loops at the same time (about 4 CPU-s for all of them, docs/compression.md,
-    "Fused loops at start-up"). Under this lock the first process compiles and writes numba's
-    cache; the others wait for it and then load from the cache. The lock is a file in VCGA's user
+    would compile the same loops at the same time (about 4.7 CPU-s for all of them,
+    docs/compression.md, "Fused loops at start-up"). Under this lock the first process compiles and
+    writes numba's cache; the others wait for it and then load from the cache. Without numba there
+    is nothing to compile and no lock is taken. The lock is a file in VCGA's user
     cache (:mod:`vcga._usercache`, ``fused/NAME.lock``), taken with ``flock`` through filelock,
     which torch requires too, so the kernel releases it when its holder dies. Where it cannot be
     taken (no filelock, a folder that cannot be written, :data:`COMPILE_WAIT_S` passed), the
@@ -388,6 +390,9 @@ def _one_compile_at_a_time(name: str) -> Iterator[None]:
     try:
         from filelock import FileLock, Timeout
     except ImportError:
+        yield
+        return
+    if importlib.util.find_spec("numba") is None:  # build() fails at once: nothing to wait for
         yield
         return
     from vcga._usercache import cache_dir
