@@ -24,7 +24,6 @@ precision) keeps the torch operations, which are the definition of the bits.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import threading
@@ -337,7 +336,9 @@ def checked(name: str, build: Callable[[], T], check: Callable[[T], str | None])
     """Loops that ``build`` compiles (with numba), used only if ``check`` -- which runs them beside
     the torch operations that define their bits and returns None or what differed -- finds every
     bit the same; else None, and the caller keeps the torch operations. Decided once per process
-    and ``name``: None also when numba is missing, cannot compile here, or ``VCGA_FUSED=0``.
+    and ``name``: None also when numba is missing, cannot compile here, or ``VCGA_FUSED=0``. numba
+    compiles a loop at its first call, so in ``check``: the check runs under a lock that lets one
+    process of the machine compile ``name``'s loops at a time (:func:`_one_compile_at_a_time`).
 
     For plugins too: a compressor whose host path is a chain of element-wise torch operations can
     ship a loop that does them in one pass, with the torch chain as the reference (as QSGD does)."""
@@ -349,20 +350,20 @@ def checked(name: str, build: Callable[[], T], check: Callable[[T], str | None])
             return _state[name]
         k: T | None = None
         if enabled():
-            with _one_compile_at_a_time(name):  # the check's first calls compile (numba compiles lazily)
-                try:
-                    k = build()
-                except ImportError:
-                    k = None
-                except Exception as e:  # noqa: BLE001 - a numba that cannot compile here: the torch path
-                    log.warning("vcga: fused host loops (%s) unavailable (%s); using torch operations", name, e)
-                    k = None
-                if k is not None:
+            try:
+                k = build()
+            except ImportError:
+                k = None
+            except Exception as e:  # noqa: BLE001 - a numba that cannot compile here: the torch path
+                log.warning("vcga: fused host loops (%s) unavailable (%s); using torch operations", name, e)
+                k = None
+            if k is not None:
+                with _one_compile_at_a_time(name):  # numba compiles at a loop's first call: in the check
                     bad = check(k)
-                    if bad is not None:
-                        log.warning("vcga: the fused host loop for %s does not reproduce the torch operations' "
-                                    "bits here; using torch operations", bad)
-                        k = None
+                if bad is not None:
+                    log.warning("vcga: the fused host loop for %s does not reproduce the torch operations' bits "
+                                "here; using torch operations", bad)
+                    k = None
         _state[name] = k
         return k
 
@@ -381,20 +382,13 @@ def _one_compile_at_a_time(name: str) -> Iterator[None]:
     entry, and the ranks of a job start together: on a fresh install every rank of the first job
     would compile the same loops at the same time (about 4.7 CPU-s for all of them,
     docs/compression.md, "Fused loops at start-up"). Under this lock the first process compiles and
-    writes numba's cache; the others wait for it and then load from the cache. Without numba there
-    is nothing to compile and no lock is taken. The lock is a file in VCGA's user
-    cache (:mod:`vcga._usercache`, ``fused/NAME.lock``), taken with ``flock`` through filelock,
-    which torch requires too, so the kernel releases it when its holder dies. Where it cannot be
-    taken (no filelock, a folder that cannot be written, :data:`COMPILE_WAIT_S` passed), the
-    process compiles without it, as it would alone."""
-    try:
-        from filelock import FileLock, Timeout
-    except ImportError:
-        yield
-        return
-    if importlib.util.find_spec("numba") is None:  # build() fails at once: nothing to wait for
-        yield
-        return
+    writes numba's cache; the others wait for it and then load from the cache. The lock is a file in
+    VCGA's user cache (:mod:`vcga._usercache`, ``fused/NAME.lock``), taken with ``flock`` through
+    filelock, so the kernel releases it when its holder dies. Where it cannot be taken (a folder
+    that cannot be written, :data:`COMPILE_WAIT_S` passed), the process compiles without it, as it
+    would alone."""
+    from filelock import FileLock, Timeout
+
     from vcga._usercache import cache_dir
 
     lock: FileLock | None = None
