@@ -380,7 +380,7 @@ def _one_compile_at_a_time(name: str) -> Iterator[None]:
 
     numba's on-disk cache (``cache=True``) spares a process the compile only once the cache has an
     entry, and the ranks of a job start together: on a fresh install every rank of the first job
-    would compile the same loops at the same time (about 4.7 CPU-s for all of them,
+    would compile the same loops at the same time (about 5 CPU-s for all of them,
     docs/compression.md, "Fused loops at start-up"). Under this lock the first process compiles and
     writes numba's cache; the others wait for it and then load from the cache. The lock is a file in
     VCGA's user cache (:mod:`vcga._usercache`, ``fused/NAME.lock``), taken with ``flock`` through
